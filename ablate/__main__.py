@@ -1,0 +1,5 @@
+"""`python -m ablate ...` is the same CLI as the `ablate` script (and what `ray job submit` runs)."""
+
+from ablate.cli import main
+
+main()

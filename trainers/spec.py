@@ -1,0 +1,57 @@
+"""ArmSpec: everything one arm needs to run, produced by the sweep and consumed by the trainer.
+
+It crosses process boundaries (Ray object store, a JSON file for the fresh-process executor), so it is a plain
+dataclass of JSON-able values plus the typed ``LaneConfig``; ``to_json``/``from_json`` round-trip it through
+the same typed boundary the CLI uses.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from ablate.config.schema import LaneConfig
+
+
+@dataclass
+class ArmSpec:
+    lane: LaneConfig
+    """Exactly what this arm runs (baseline lane, or baseline lane + the candidate value)."""
+    sweep_id: str
+    campaign: str
+    block_id: str
+    arm: str
+    """baseline, candidate or aa."""
+    arm_index: int
+    order: int
+    """0 = runs first in its block, 1 = second."""
+    feature: Optional[str]
+    feature_value: Optional[Any]
+    baseline_value: Optional[Any]
+    kind: str
+    lane_key: str
+    receipt_dir: str
+    """Where the receipt JSON is written (atomically) before anything is reported."""
+    scheduled_at: float
+    """time.time() when the arm was scheduled: the start of its wall clock (queue wait is badput)."""
+    attempt: int = 0
+    receipt_id: Optional[str] = None
+    """Stable across retries of the same arm attempt so replays stay idempotent; generated when None."""
+    inject: dict[str, Any] = field(default_factory=dict)
+    """Fault injection for tests only (raise_at_step, nan_at_step, oom_at_step, kill_at_step)."""
+
+    def to_json(self) -> str:
+        from ablate.config.load import lane_to_dict
+
+        data = asdict(self)
+        data["lane"] = lane_to_dict(self.lane)
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ArmSpec":
+        from ablate.config.load import load_lane
+
+        data = json.loads(text)
+        data["lane"] = load_lane(data["lane"])
+        return cls(**data)
