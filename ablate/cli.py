@@ -11,7 +11,6 @@ Heavy imports (torch, Ray, MLflow) happen inside the commands so `ablate validat
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -223,14 +222,21 @@ def promote(
     out.mkdir(parents=True, exist_ok=True)
     md_path = out / f"{result.report_id}.md"
     md_path.write_text(result.markdown)
-    (out / f"{result.report_id}.json").write_text(json.dumps(result.to_json(), indent=2, default=str))
+    (out / f"{result.report_id}.json").write_text(result.to_json())
     console.print(result.markdown, markup=False, highlight=False)
     console.print(f"\nreport: {md_path}", highlight=False)
     if write or branch:
         changed = promotion.write_defaults(result, defaults)
         console.print(f"defaults: {len(changed)} value(s) promoted in {defaults}", highlight=False)
     if branch:
-        promotion.make_branch(result, branch, Path.cwd(), open_pr=open_pr)
+        outcome = promotion.make_branch(result, branch, Path.cwd(), open_pr=open_pr)
+        console.print(f"branch {branch}: commit {outcome.commit[:10]} ({', '.join(outcome.files)})", highlight=False)
+        if outcome.pr_opened:
+            console.print(outcome.pr_output, markup=False, highlight=False)
+        elif outcome.pr_commands:
+            console.print("open the pull request with:", highlight=False)
+            for command in outcome.pr_commands:
+                console.print(f"  {command}", markup=False, highlight=False)
 
 
 # --- doctor ---

@@ -1,0 +1,329 @@
+"""Per-test numbers: the block log ratios, their clustered bootstrap, loss deltas, failures, disqualifiers.
+
+How to use: ``verdict = analyse(test, calibration, policy)`` fills every measured field of a
+``FeatureVerdict`` (no decision yet); ``ablate.promote.rule`` then applies Holm and the clauses. The bootstrap
+resamples hosts when the test spans more than one host and blocks otherwise (the single-node case, which the
+report must call a block bootstrap).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import json
+import math
+import typing
+import zlib
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from ablate.config.features import FEATURES
+from ablate.promote.evidence import Calibration, TestEvidence, shape_key
+from ablate.promote.match import Block
+from ablate.promote.policy import Policy
+from ablate.promote.stats import bootstrap_hl, fisher_more_failures, hodges_lehmann, pvalue_at_most, quantile
+
+PROMOTE, HOLD, REJECT, TAX_REPORTED = "PROMOTE", "HOLD", "REJECT", "TAX-REPORTED"
+
+
+@dataclass
+class Clause:
+    name: str
+    passed: bool
+    detail: str
+
+
+@dataclass
+class HostRow:
+    host: str
+    blocks: int
+    median_speedup: Optional[float]
+    candidate_failures: int
+
+
+@dataclass
+class RoundRow:
+    round_id: str
+    blocks: int
+    speedup: Optional[float]
+    first_at: str
+    counted: bool
+
+
+@dataclass
+class Work:
+    """Arrays kept for the decision step; never serialised."""
+
+    log_ratios: np.ndarray
+    hosts: np.ndarray
+    candidate_first: np.ndarray
+    theta: np.ndarray
+    """Bootstrap distribution of the HL log ratio: Holm reads each test's lower bound at its own level."""
+
+
+@dataclass
+class FeatureVerdict:
+    """One feature value in one lane: the measured evidence, the verdict and the first failing clause."""
+
+    feature: str
+    value: Any
+    baseline_value: Any
+    kind: str
+    lane_key: str
+    software_fingerprint: str
+    lane_shape: str = ""
+    """The lane without feature toggles (see ``evidence.shape_key``): links evidence across default flips."""
+    verdict: str = HOLD
+    reason: str = ""
+    clauses: list[Clause] = field(default_factory=list)
+    n_blocks: int = 0
+    n_hosts: int = 0
+    n_seeds: int = 0
+    n_rounds: int = 0
+    rounds: list[RoundRow] = field(default_factory=list)
+    hosts: list[HostRow] = field(default_factory=list)
+    bootstrap_unit: str = "host"
+    resamples: int = 0
+    speedup: Optional[float] = None
+    ci95: Optional[tuple[float, float]] = None
+    lower_adj: Optional[float] = None
+    alpha_adj: Optional[float] = None
+    p_raw: Optional[float] = None
+    p_holm: Optional[float] = None
+    delta: float = 0.0
+    noise_floor: Optional[float] = None
+    aa_blocks: int = 0
+    win_fraction: Optional[float] = None
+    min_host_median: Optional[float] = None
+    loho_min_lower: Optional[float] = None
+    order: dict[str, Any] = field(default_factory=dict)
+    loss_delta: Optional[float] = None
+    loss_bounds: Optional[tuple[float, float]] = None
+    epsilon: float = 0.0
+    loss_blocks: int = 0
+    disqualifiers: dict[str, dict[str, int]] = field(default_factory=dict)
+    gated_disqualifiers: dict[str, int] = field(default_factory=dict)
+    """Codes (with counts) on candidate arms whose severity the policy gates: any one blocks promotion."""
+    counter_violations: list[str] = field(default_factory=list)
+    failures: dict[str, dict[str, int]] = field(default_factory=dict)
+    fisher_p: float = 1.0
+    suspicious: bool = False
+    amdahl: dict[str, Any] = field(default_factory=dict)
+    inert_reason: Optional[str] = None
+    superseded: dict[str, Any] = field(default_factory=dict)
+    throughput: dict[str, Any] = field(default_factory=dict)
+    budget: Optional[float] = None
+    within_budget: Optional[bool] = None
+    memory_ratio: Optional[float] = None
+    receipt_ids: list[str] = field(default_factory=list)
+    work: Optional[Work] = field(default=None, repr=False, compare=False)
+
+    @property
+    def test_key(self) -> str:
+        return f"{self.feature}={json.dumps(self.value, default=str)}@{self.lane_key}"
+
+    def to_dict(self) -> dict[str, Any]:
+        work, self.work = self.work, None  # numpy work arrays are not report content (and asdict would copy them)
+        try:
+            data = asdict(self)
+        finally:
+            self.work = work
+        data.pop("work")
+        return data
+
+
+def _ratio(log_value: Optional[float]) -> Optional[float]:
+    return None if log_value is None or not math.isfinite(log_value) else math.exp(log_value)
+
+
+def _rng(policy: Policy, key: str) -> np.random.Generator:
+    # A stream per test, derived from the policy seed and the test key: results do not depend on test order.
+    return np.random.default_rng([policy.bootstrap.seed, zlib.crc32(key.encode())])
+
+
+def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
+    nested: dict[str, Any] = {}
+    for dotted, value in flat.items():
+        node = nested
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return nested
+
+
+@functools.lru_cache(maxsize=256)
+def _lane_config(lane_json: str) -> Any:
+    """The typed lane of a flattened receipt lane (cached: building it through OmegaConf takes ~50 ms)."""
+    from ablate.config.load import load_lane
+
+    return load_lane(_unflatten(json.loads(lane_json)))
+
+
+def _with_value(node: Any, path: list[str], value: Any) -> Any:
+    # dataclasses.replace down the path; enum fields get the enum member, as the typed loader would give.
+    name = path[0]
+    if len(path) > 1:
+        return dataclasses.replace(node, **{name: _with_value(getattr(node, name), path[1:], value)})
+    hint = typing.get_type_hints(type(node))[name]
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        value = hint(value)
+    return dataclasses.replace(node, **{name: value})
+
+
+def inert_reason(test: TestEvidence) -> Optional[str]:
+    """Why the toggle cannot act in this lane: an INERT_TOGGLE receipt, the registry, or the layer counts."""
+    flagged = sum("INERT_TOGGLE" in b.candidate.codes for b in test.blocks)
+    if flagged:
+        return f"INERT_TOGGLE disqualifier on {flagged} candidate arm(s)"
+    spec = FEATURES.get(test.feature)
+    if spec is None or not test.blocks:
+        return None
+    block = test.blocks[0]
+    try:
+        lane = _lane_config(json.dumps(block.lane, sort_keys=True, default=str))
+        return spec.inert_reason(_with_value(lane, spec.path.split("."), test.value))
+    except Exception:  # noqa: BLE001 - the registry check needs the model's pattern parser; fall back to facts
+        if spec.family and block.layer_counts.get(spec.family, 0) == 0:
+            return f"the lane's layer counts {block.layer_counts} have no {spec.family} blocks"
+        return None
+
+
+def _amdahl(test: TestEvidence) -> dict[str, Any]:
+    spec = FEATURES.get(test.feature)
+    family = spec.family if spec else None
+    if family is None:
+        return {"family": None, "share": None, "bound": None, "note": "touches the whole step"}
+    shares = [b.family_share.get(family) for b in test.blocks]
+    shares = [s for s in shares if s is not None]
+    if not shares:
+        return {"family": family, "share": None, "bound": None, "note": "no family time share recorded"}
+    share = float(np.median(shares))
+    bound = math.inf if share >= 1.0 else 1.0 / (1.0 - share)
+    return {"family": family, "share": share, "bound": bound,
+            "note": f"the most a feature touching only {family} blocks can gain here"}
+
+
+def _throughput(blocks: list[Block]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for role in ("baseline", "candidate"):
+        values = [getattr(b, role).tokens_per_s for b in blocks if not getattr(b, role).failed]
+        values = [v for v in values if v]
+        if values:
+            q25, q50, q75 = np.quantile(values, [0.25, 0.5, 0.75])
+            out[role] = {"median": float(q50), "iqr": [float(q25), float(q75)]}
+    return out
+
+
+def _failures(blocks: list[Block]) -> dict[str, dict[str, int]]:
+    out = {}
+    for role in ("baseline", "candidate"):
+        failed = sum(getattr(b, role).failed for b in blocks) + sum(b.earlier_failures.get(role, 0) for b in blocks)
+        arms = len(blocks) + sum(b.earlier_failures.get(role, 0) for b in blocks)
+        out[role] = {"failed": failed, "arms": arms}
+    return out
+
+
+def _disqualifiers(blocks: list[Block]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for role in ("baseline", "candidate"):
+        counts = Counter(code for b in blocks for code in getattr(b, role).codes)
+        out[role] = dict(sorted(counts.items()))
+    return out
+
+
+def _counter_violations(blocks: list[Block], policy: Policy) -> list[str]:
+    # Deterministic counters are compared exactly, block by block: noise never excuses a new graph break.
+    found = []
+    for block in blocks:
+        for name in policy.gates.exact_counters:
+            cand, base = block.candidate.counters.get(name), block.baseline.counters.get(name)
+            if cand is not None and base is not None and cand > base:
+                found.append(f"{name} {cand} > baseline {base} in block {block.block_id}")
+    return found
+
+
+def analyse(test: TestEvidence, calibration: Calibration, policy: Policy) -> FeatureVerdict:
+    """Measure one test; the decision (Holm, clauses, verdict) is made later in ``rule``."""
+    verdict = FeatureVerdict(feature=test.feature, value=test.value, baseline_value=test.baseline_value,
+                             kind=test.kind, lane_key=test.lane_key, software_fingerprint=test.software_fingerprint)
+    blocks = test.blocks
+    verdict.lane_shape = shape_key(blocks[0].lane, policy) if blocks else ""
+    verdict.receipt_ids = [rid for b in blocks for rid in b.receipt_ids()]
+    verdict.delta = calibration.delta(policy)
+    verdict.noise_floor = calibration.noise_floor
+    verdict.aa_blocks = calibration.num_blocks
+    verdict.epsilon = calibration.epsilon(policy)
+    verdict.superseded = {"blocks": len(test.superseded),
+                          "fingerprints": sorted({b.software_fingerprint for b in test.superseded}),
+                          "rounds": sorted({b.round_id for b in test.superseded})}
+    verdict.failures = _failures(blocks)
+    f = verdict.failures
+    verdict.fisher_p = fisher_more_failures(f["candidate"]["failed"], f["candidate"]["arms"],
+                                            f["baseline"]["failed"], f["baseline"]["arms"])
+    verdict.disqualifiers = _disqualifiers(blocks)
+    verdict.gated_disqualifiers = dict(sorted(Counter(c for b in blocks for c in b.candidate.gated_codes).items()))
+    verdict.counter_violations = _counter_violations(blocks, policy)
+    verdict.amdahl = _amdahl(test)
+    verdict.throughput = _throughput(blocks)
+    verdict.inert_reason = inert_reason(test) if test.kind == "speed" else None
+    # A gated candidate arm measured something other than the feature; it is counted above, never as a ratio.
+    usable = [b for b in blocks if not b.candidate.gated_codes]
+    rows = [(b, b.log_ratio(policy.failures.failed_log_ratio)) for b in usable]
+    rows = [(b, r) for b, r in rows if r is not None]
+    d = np.asarray([r for _, r in rows], dtype=float)
+    hosts = np.asarray([b.host for b, _ in rows], dtype=object)
+    verdict.n_blocks = int(d.size)
+    verdict.n_hosts = len(set(hosts.tolist()))
+    verdict.n_seeds = len({json.dumps(b.seed, default=str) for b, _ in rows})
+    counted = {r.round_id for r in test.counted_rounds}
+    verdict.n_rounds = len(counted)
+    rounds = np.asarray([b.round_id for b, _ in rows], dtype=object)
+    verdict.rounds = [RoundRow(round_id=r.round_id, blocks=int((rounds == r.round_id).sum()),
+                               speedup=_ratio(hodges_lehmann(d[rounds == r.round_id]))
+                               if (rounds == r.round_id).any() else None,
+                               first_at=r.first_at, counted=r.counted) for r in test.rounds]
+    loss_rows = [(b.host, b.loss_delta()) for b in usable if not b.candidate.failed and not b.baseline.failed]
+    loss_rows = [(h, x) for h, x in loss_rows if x is not None]
+    loss = np.asarray([x for _, x in loss_rows], dtype=float)
+    loss_hosts = np.asarray([h for h, _ in loss_rows], dtype=object)
+    verdict.loss_blocks = int(loss.size)
+    rng = _rng(policy, test.key)
+    clusters = hosts if verdict.n_hosts > 1 else None
+    verdict.bootstrap_unit = "host" if clusters is not None else "block"
+    theta = np.zeros(0)
+    if d.size:
+        theta = bootstrap_hl(d, clusters, policy.bootstrap.resamples, rng)
+        verdict.resamples = policy.bootstrap.resamples
+        verdict.speedup = _ratio(hodges_lehmann(d))
+        level = policy.taxes.confidence if test.kind == "tax" else 0.95
+        verdict.ci95 = (math.exp(quantile(theta, (1 - level) / 2)), math.exp(quantile(theta, (1 + level) / 2)))
+        verdict.p_raw = pvalue_at_most(theta, math.log1p(verdict.delta))
+        verdict.win_fraction = float(np.mean(d > 0))
+        per_host: dict[str, list[float]] = defaultdict(list)
+        for (block, ratio) in rows:
+            per_host[block.host].append(ratio)
+        verdict.hosts = [HostRow(host=h, blocks=len(v), median_speedup=_ratio(float(np.median(v))),
+                                 candidate_failures=sum(b.candidate.failed for b in blocks if b.host == h))
+                         for h, v in sorted(per_host.items())]
+        verdict.min_host_median = min(r.median_speedup for r in verdict.hosts if r.median_speedup is not None)
+    if loss.size:
+        loss_theta = bootstrap_hl(loss, loss_hosts if len(set(loss_hosts.tolist())) > 1 else None,
+                                  policy.bootstrap.loss_resamples, rng)
+        verdict.loss_delta = hodges_lehmann(loss)
+        alpha = policy.quality.alpha
+        verdict.loss_bounds = (quantile(loss_theta, alpha), quantile(loss_theta, 1 - alpha))
+    if test.kind == "tax":
+        verdict.budget = policy.taxes.budget(test.feature)
+        if verdict.ci95 is not None:
+            verdict.within_budget = verdict.ci95[0] >= 1.0 - verdict.budget
+        mem = [b.candidate.peak_memory / b.baseline.peak_memory for b in usable
+               if b.candidate.peak_memory and b.baseline.peak_memory]
+        verdict.memory_ratio = float(np.median(mem)) if mem else None
+    first = np.asarray([b.candidate_first for b, _ in rows], dtype=bool)
+    verdict.work = Work(log_ratios=d, hosts=hosts, candidate_first=first, theta=theta)
+    return verdict

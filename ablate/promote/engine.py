@@ -1,0 +1,106 @@
+"""``promote``: receipts in, a ``PromotionResult`` (verdicts, defaults diff, report) out. Nothing is written.
+
+How to use::
+
+    receipts, rejected = load_receipts("ablate_runs/smoke")
+    result = promote(receipts, policy_path="search_spaces/policies/default.yaml",
+                     defaults_path="search_spaces/defaults.yaml", rejected=rejected)
+    print(result.markdown)                 # PR body
+    write_defaults(result, "search_spaces/defaults.yaml")   # --write
+
+Steps: 1. validate (dicts are parsed, invalid ones join ``rejected``); 2. pair receipts into blocks, refusing
+anything unmatched; 3. organise blocks into feature x value x lane tests under each lane's current software
+fingerprint, with A/A calibration; 4. measure each test (clustered bootstrap); 5. Holm + clauses -> verdicts;
+6. plan the defaults edit and find recorded evidence that needs revalidation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional
+
+from ablate.config.load import load_defaults
+from ablate.promote.analysis import analyse
+from ablate.promote.defaults_writer import find_revalidations, plan_changes
+from ablate.promote.evidence import organise
+from ablate.promote.match import Block, match_blocks
+from ablate.promote.policy import Policy, load_policy
+from ablate.promote.report import LaneSummary, PromotionResult
+from ablate.promote.rule import decide_all
+from ablate.receipts.schema import InvalidReceipt, Receipt, validate_receipt
+
+
+def _validated(receipts: Iterable[Receipt | Mapping[str, Any]]) -> tuple[list[Receipt], list[tuple[str, str]]]:
+    valid: dict[str, Receipt] = {}
+    rejected: list[tuple[str, str]] = []
+    for index, item in enumerate(receipts):
+        if isinstance(item, Receipt):
+            receipt = item
+        else:
+            try:
+                receipt = validate_receipt(dict(item))
+            except InvalidReceipt as exc:
+                rid = (item.get("identity") or {}).get("receipt_id") if isinstance(item, Mapping) else None
+                rejected.append((str(rid or f"receipts[{index}]"), str(exc)))
+                continue
+        valid.setdefault(receipt.identity.receipt_id, receipt)
+    return list(valid.values()), rejected
+
+
+def _report_id(campaigns: list[str], receipts: list[Receipt], policy: Policy) -> str:
+    # Same receipts under the same policy -> same id, so re-running promote reproduces the report name.
+    digest = hashlib.sha256()
+    for rid in sorted(r.identity.receipt_id for r in receipts):
+        digest.update(rid.encode())
+    digest.update(policy.ref.encode())
+    name = campaigns[0] if len(campaigns) == 1 else f"{len(campaigns)}-campaigns"
+    return f"promote-{name}-{digest.hexdigest()[:10]}"
+
+
+def _rounds(blocks: list[Block]) -> list[dict[str, Any]]:
+    info: dict[str, dict[str, Any]] = {}
+    for block in blocks:
+        entry = info.setdefault(block.round_id, {"round_id": block.round_id, "first_at": block.created_at,
+                                                 "last_at": block.created_at, "blocks": 0})
+        entry["blocks"] += 1
+        entry["first_at"] = min(entry["first_at"], block.created_at)
+        entry["last_at"] = max(entry["last_at"], block.created_at)
+    return sorted(info.values(), key=lambda r: (r["first_at"], r["round_id"]))
+
+
+def _git(blocks: list[Block]) -> dict[str, Any]:
+    base = sorted({b.baseline.git_sha for b in blocks if b.baseline.git_sha})
+    cand = sorted({b.candidate.git_sha for b in blocks if b.candidate.git_sha and not b.is_aa})
+    dirty = any(arm.git_dirty for b in blocks for arm in (b.baseline, b.candidate))
+    return {"baseline": base, "candidate": cand, "dirty": dirty}
+
+
+def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str | Path | Policy,
+            defaults_path: str | Path, rejected: Iterable[tuple[str, str]] = (),
+            run_links: Optional[Mapping[str, str]] = None, now: Optional[datetime] = None) -> PromotionResult:
+    """Decide every feature x lane test in ``receipts`` under the policy; see the module docstring."""
+    policy = policy_path if isinstance(policy_path, Policy) else load_policy(policy_path)
+    now = now or datetime.now(timezone.utc)
+    valid, invalid = _validated(receipts)
+    defaults = load_defaults(defaults_path)
+    blocks, refusals = match_blocks(valid, policy)
+    tests, calibrations, lanes = organise(blocks, policy)
+    measured = [analyse(test, calibrations[test.lane_key], policy) for test in tests]
+    family = decide_all(measured, policy, defaults.values)
+    campaigns = sorted({r.identity.campaign for r in valid})
+    report_id = _report_id(campaigns, valid, policy)
+    date = now.date().isoformat()
+    changes = plan_changes(measured, defaults.values, policy, report_id=report_id,
+                           campaign="+".join(campaigns), date=date)
+    lane_summaries = [LaneSummary(lane_key=k, software_fingerprint=s.current_fingerprint,
+                                  fingerprints=s.fingerprints, hosts=s.hosts, calibration=calibrations[k],
+                                  lane=s.lane) for k, s in sorted(lanes.items())]
+    for verdict in measured:
+        verdict.work = None  # the arrays served the decision; keep the result light
+    return PromotionResult(
+        report_id=report_id, date=date, campaigns=campaigns, rounds=_rounds(blocks), policy=policy,
+        git=_git(blocks), num_receipts=len(valid), verdicts=measured, holm_family=family, lanes=lane_summaries,
+        changes=changes, revalidations=find_revalidations(defaults.raw, lanes), refusals=refusals,
+        rejected=list(rejected) + invalid, defaults_path=str(defaults_path), run_links=dict(run_links or {}))

@@ -1,0 +1,179 @@
+"""Organise matched blocks into tests (feature x value x lane), rounds and per-lane A/A calibration.
+
+How to use: ``tests, calibrations, lanes = organise(blocks, policy)``. A test collects every block of one
+feature value in one lane across rounds (sweeps). Evidence only counts under the lane's *current* software
+fingerprint (the one of its most recent block): a changed fingerprint restarts the round count, and the
+older blocks are kept aside as ``superseded`` so the report can say what was dropped and why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from ablate.config.features import FEATURES
+from ablate.promote.match import Block
+from ablate.promote.policy import Policy
+from ablate.promote.stats import abs_quantile, hodges_lehmann
+
+
+@dataclass(frozen=True)
+class RoundInfo:
+    round_id: str
+    num_blocks: int
+    first_at: str
+    last_at: str
+    counted: bool
+    """False when the round has fewer blocks than ``evidence.min_blocks_per_round``."""
+
+
+@dataclass
+class Calibration:
+    """A lane's noise floor and loss spread from its A/A blocks under one software fingerprint."""
+
+    lane_key: str
+    software_fingerprint: str
+    num_blocks: int
+    noise_floor_log: Optional[float]
+    """The policy quantile of |log ratio| over A/A blocks (None without A/A blocks)."""
+    loss_spread: Optional[float]
+    aa_hl_log: Optional[float]
+    first_at: Optional[str]
+    last_at: Optional[str]
+
+    @property
+    def noise_floor(self) -> Optional[float]:
+        """The floor as a fraction of throughput (0.012 = 1.2%)."""
+        return None if self.noise_floor_log is None else math.expm1(self.noise_floor_log)
+
+    def delta(self, policy: Policy) -> float:
+        """Win threshold as a fraction: max(policy floor, A/A noise floor)."""
+        return max(policy.threshold.min_speedup, self.noise_floor or 0.0)
+
+    def epsilon(self, policy: Policy) -> float:
+        """Loss non-inferiority margin: max(policy floor, A/A loss spread)."""
+        return max(policy.quality.min_epsilon, self.loss_spread or 0.0)
+
+
+def shape_key(lane: dict[str, Any], policy: Policy) -> str:
+    """The lane without any feature toggle or replication key: stays the same when a default flips.
+
+    A lane key hashes the baseline lane, so promoting a value changes the key of every later campaign; the
+    shape key is what links recorded evidence to later measurements of "the same lane" for revalidation.
+    """
+    skip = {spec.path for spec in FEATURES.values()} | set(policy.matching.replication_keys)
+    text = json.dumps({k: v for k, v in lane.items() if k not in skip}, sort_keys=True, default=str)
+    return "shape-" + hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+@dataclass
+class LaneState:
+    lane_key: str
+    shape_key: str
+    last_at: str
+    current_fingerprint: str
+    fingerprints: list[str]
+    """Every fingerprint seen on the lane, oldest first."""
+    lane: dict[str, Any]
+    hosts: list[str]
+
+
+@dataclass
+class TestEvidence:
+    feature: str
+    value: Any
+    baseline_value: Any
+    kind: str
+    lane_key: str
+    software_fingerprint: str
+    blocks: list[Block]
+    superseded: list[Block] = field(default_factory=list)
+    rounds: list[RoundInfo] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        return f"{self.feature}={json.dumps(self.value, default=str)}@{self.lane_key}"
+
+    @property
+    def counted_rounds(self) -> list[RoundInfo]:
+        return [r for r in self.rounds if r.counted]
+
+
+def _rounds(blocks: list[Block], policy: Policy) -> list[RoundInfo]:
+    by_round: dict[str, list[Block]] = defaultdict(list)
+    for block in blocks:
+        by_round[block.round_id].append(block)
+    rounds = []
+    for round_id, members in by_round.items():
+        stamps = sorted(b.created_at for b in members)
+        rounds.append(RoundInfo(round_id=round_id, num_blocks=len(members), first_at=stamps[0],
+                                last_at=stamps[-1],
+                                counted=len(members) >= policy.evidence.min_blocks_per_round))
+    return sorted(rounds, key=lambda r: (r.first_at, r.round_id))
+
+
+def _calibrate(lane_key: str, fingerprint: str, blocks: list[Block], policy: Policy) -> Calibration:
+    ratios = [r for r in (b.log_ratio(policy.failures.failed_log_ratio) for b in blocks) if r is not None]
+    losses = [d for d in (b.loss_delta() for b in blocks) if d is not None]
+    stamps = sorted(b.created_at for b in blocks)
+    return Calibration(
+        lane_key=lane_key, software_fingerprint=fingerprint, num_blocks=len(ratios),
+        noise_floor_log=abs_quantile(ratios, policy.threshold.noise_quantile) if ratios else None,
+        loss_spread=abs_quantile(losses, policy.quality.spread_quantile) if losses else None,
+        aa_hl_log=hodges_lehmann(np.asarray(ratios)) if ratios else None,
+        first_at=stamps[0] if stamps else None, last_at=stamps[-1] if stamps else None)
+
+
+def _lane_states(blocks: list[Block], policy: Policy) -> dict[str, LaneState]:
+    by_lane: dict[str, list[Block]] = defaultdict(list)
+    for block in blocks:
+        by_lane[block.lane_key].append(block)
+    states = {}
+    for lane_key, members in by_lane.items():
+        members.sort(key=lambda b: (b.created_at, b.round_id))
+        fingerprints: list[str] = []
+        for block in members:
+            if block.software_fingerprint not in fingerprints:
+                fingerprints.append(block.software_fingerprint)
+        # The most recent block defines the lane's current software: older evidence no longer describes it.
+        current = members[-1].software_fingerprint
+        fingerprints.remove(current)
+        fingerprints.append(current)
+        states[lane_key] = LaneState(lane_key=lane_key, shape_key=shape_key(members[-1].lane, policy),
+                                     last_at=members[-1].created_at, current_fingerprint=current,
+                                     fingerprints=fingerprints,
+                                     lane=members[-1].lane, hosts=sorted({b.host for b in members}))
+    return states
+
+
+def organise(blocks: list[Block], policy: Policy) -> tuple[list[TestEvidence], dict[str, Calibration],
+                                                          dict[str, LaneState]]:
+    """Tests (sorted by feature, lane, value), per-lane calibration under the current fingerprint, lane states."""
+    lanes = _lane_states(blocks, policy)
+    aa_current: dict[str, list[Block]] = defaultdict(list)
+    grouped: dict[tuple[str, str, str], list[Block]] = defaultdict(list)
+    for block in blocks:
+        if block.is_aa:
+            if block.software_fingerprint == lanes[block.lane_key].current_fingerprint:
+                aa_current[block.lane_key].append(block)
+            continue
+        grouped[(str(block.feature), json.dumps(block.value, default=str), block.lane_key)].append(block)
+    calibrations = {lane_key: _calibrate(lane_key, state.current_fingerprint, aa_current.get(lane_key, []), policy)
+                    for lane_key, state in lanes.items()}
+    tests = []
+    for (feature, _, lane_key), members in sorted(grouped.items()):
+        current = lanes[lane_key].current_fingerprint
+        kept = [b for b in members if b.software_fingerprint == current]
+        old = [b for b in members if b.software_fingerprint != current]
+        first = (kept or members)[0]
+        tests.append(TestEvidence(
+            feature=feature, value=first.value, baseline_value=first.baseline_value, kind=first.kind,
+            lane_key=lane_key, software_fingerprint=current, blocks=kept, superseded=old,
+            rounds=_rounds(kept, policy)))
+    return tests, calibrations, lanes

@@ -1,0 +1,106 @@
+"""``--branch`` / ``--open-pr``: commit the defaults edit and the report on a new git branch, then open a PR.
+
+How to use: ``make_branch(result, "promote/moe-jagged", repo_root=".", open_pr=True)``. The branch is created
+from the current HEAD with ``git switch -c`` (the working tree stays on it afterwards); only the defaults file
+and the two report files are committed, whatever else is staged. With ``open_pr`` the branch is pushed and
+``gh pr create`` is run when ``gh`` is on PATH; otherwise the exact commands are returned (and printed by the
+CLI) so a person can run them.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from ablate.promote.defaults_writer import write_defaults
+from ablate.promote.report import PromotionResult
+
+REPORT_DIR = Path("reports") / "promotions"
+
+
+@dataclass
+class BranchOutcome:
+    branch: str
+    base: Optional[str]
+    commit: str
+    files: list[str]
+    edits: list[str]
+    pr_commands: list[str] = field(default_factory=list)
+    """The push and ``gh pr create`` commands, shell-quoted."""
+    pr_opened: bool = False
+    pr_output: str = ""
+
+
+def _git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def _title(result: PromotionResult) -> str:
+    promoted = [f"{v.feature}={v.value}" for v in result.promoted]
+    if promoted:
+        return f"promote: {', '.join(promoted[:4])}{' …' if len(promoted) > 4 else ''} ({result.campaign})"
+    return f"promotion report {result.report_id} (no change)"
+
+
+def pr_commands(result: PromotionResult, branch: str, base: Optional[str], body_file: str) -> list[list[str]]:
+    create = ["gh", "pr", "create", "--title", _title(result), "--body-file", body_file, "--head", branch]
+    if base:
+        create += ["--base", base]
+    return [["git", "push", "--set-upstream", "origin", branch], create]
+
+
+def make_branch(result: PromotionResult, branch: str, repo_root: str | Path, open_pr: bool = False) -> BranchOutcome:
+    """Create ``branch``, write defaults + report, commit them; optionally push and open the PR."""
+    repo = Path(repo_root).resolve()
+    if _git(repo, "rev-parse", "--is-inside-work-tree", check=False).returncode != 0:
+        raise ValueError(f"--branch: {repo} is not a git work tree")
+    if _git(repo, "check-ref-format", "--branch", branch, check=False).returncode != 0:
+        raise ValueError(f"--branch: {branch!r} is not a valid branch name")
+    if _git(repo, "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}", check=False).returncode == 0:
+        raise ValueError(f"--branch: branch {branch!r} already exists; pick a new name")
+    head = _git(repo, "symbolic-ref", "--quiet", "--short", "HEAD", check=False)
+    base = head.stdout.strip() or None
+    _git(repo, "switch", "-c", branch)
+
+    defaults_path = Path(result.defaults_path)
+    if not defaults_path.is_absolute():
+        defaults_path = (repo / defaults_path) if (repo / defaults_path).exists() else defaults_path.resolve()
+    edits = write_defaults(result, defaults_path)
+    report_dir = repo / REPORT_DIR
+    report_dir.mkdir(parents=True, exist_ok=True)
+    md_path = report_dir / f"{result.report_id}.md"
+    json_path = report_dir / f"{result.report_id}.json"
+    md_path.write_text(result.markdown)
+    json_path.write_text(result.to_json() + "\n")
+
+    files = [str(p.resolve().relative_to(repo)) for p in (md_path, json_path)]
+    defaults_rel = str(defaults_path.resolve().relative_to(repo))
+    # The defaults may already have been written (`--write --branch`): commit them whenever they differ.
+    if edits or _git(repo, "diff", "--quiet", "HEAD", "--", defaults_rel, check=False).returncode != 0:
+        files.insert(0, defaults_rel)
+    _git(repo, "add", "--", *files)
+    message = f"{_title(result)}\n\nReport {result.report_id} under policy {result.policy.ref}.\n"
+    # `commit -- paths` commits exactly these files even when the user has other changes staged.
+    _git(repo, "commit", "--quiet", "-m", message, "--", *files)
+    commit = _git(repo, "rev-parse", "HEAD").stdout.strip()
+
+    outcome = BranchOutcome(branch=branch, base=base, commit=commit, files=files, edits=edits)
+    if open_pr:
+        commands = pr_commands(result, branch, base, files[-2])
+        outcome.pr_commands = [shlex.join(c) for c in commands]
+        if shutil.which("gh"):
+            outputs = []
+            for command in commands:
+                proc = subprocess.run(command, cwd=repo, capture_output=True, text=True)
+                outputs.append((proc.stdout + proc.stderr).strip())
+                if proc.returncode != 0:
+                    raise RuntimeError(f"{shlex.join(command)} failed ({proc.returncode}): {outputs[-1]}")
+            outcome.pr_opened, outcome.pr_output = True, "\n".join(outputs)
+    return outcome

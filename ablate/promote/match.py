@@ -1,0 +1,314 @@
+"""Pair receipts into blocks, and refuse (with the reason) everything that is not a matched pair.
+
+How to use: ``blocks, refusals = match_blocks(receipts, policy)``. A block is the unit of evidence: a baseline
+arm and a candidate arm (or two A/A twins) run back to back on one host. Inside a block only the feature under
+test may differ: both arms must agree on the flattened lane (except the feature's own path), tokens per step,
+data fingerprint, software fingerprint, host, round and lane key. Across blocks of one lane key only the
+policy's replication keys (seed) and the host may differ. Nothing is ever paired silently: every receipt ends
+up in a block or in a ``Refusal`` whose reason names the mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+from ablate.config.features import FEATURES
+from ablate.promote.policy import Policy
+from ablate.receipts.schema import Receipt
+
+# Identity fields both arms of a block must share; a difference means the two runs are not one comparison.
+_SHARED_IDENTITY = ("sweep_id", "campaign", "lane_key", "feature", "kind", "host", "software_fingerprint")
+
+
+@dataclass(frozen=True)
+class ArmView:
+    """The few facts of one receipt that promotion uses (keeps the hot loops off pydantic objects)."""
+
+    receipt_id: str
+    role: str
+    arm_index: int
+    order: int
+    attempt: int
+    status: str
+    tokens_per_s: Optional[float]
+    loss: Optional[float]
+    codes: tuple[str, ...]
+    gated_codes: tuple[str, ...]
+    counters: dict[str, Optional[int]]
+    peak_memory: Optional[int]
+    created_at: str
+    git_sha: Optional[str]
+    git_dirty: Optional[bool]
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "failed"
+
+
+@dataclass
+class Block:
+    block_id: str
+    round_id: str
+    campaign: str
+    lane_key: str
+    software_fingerprint: str
+    feature: Optional[str]
+    value: Any
+    baseline_value: Any
+    kind: str
+    host: str
+    seed: Any
+    baseline: ArmView
+    candidate: ArmView
+    """For A/A blocks: arm_index 0 is ``baseline`` and arm_index 1 is ``candidate``."""
+    created_at: str
+    lane: dict[str, Any]
+    family_share: dict[str, Optional[float]]
+    layer_counts: dict[str, int]
+    earlier_failures: dict[str, int] = field(default_factory=dict)
+    """Failed earlier attempts per role: a retried arm's failure still counts in the failure rates."""
+
+    @property
+    def is_aa(self) -> bool:
+        return self.feature is None
+
+    @property
+    def candidate_first(self) -> bool:
+        return self.candidate.order == 0
+
+    def log_ratio(self, failed_log_ratio: float) -> Optional[float]:
+        """log(candidate / baseline) wall tokens/s; None when the baseline failed (no yardstick)."""
+        if self.baseline.failed or not self.baseline.tokens_per_s:
+            return None
+        if self.candidate.failed:
+            return failed_log_ratio
+        if not self.candidate.tokens_per_s or self.candidate.tokens_per_s <= 0:
+            return None
+        return math.log(self.candidate.tokens_per_s / self.baseline.tokens_per_s)
+
+    def loss_delta(self) -> Optional[float]:
+        if self.baseline.loss is None or self.candidate.loss is None:
+            return None
+        if not (math.isfinite(self.baseline.loss) and math.isfinite(self.candidate.loss)):
+            return None
+        return self.candidate.loss - self.baseline.loss
+
+    def receipt_ids(self) -> tuple[str, str]:
+        return self.baseline.receipt_id, self.candidate.receipt_id
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Receipts that could not be used as evidence, and why (shown in the report, never dropped silently)."""
+
+    reason: str
+    receipt_ids: tuple[str, ...]
+    block_id: str
+    feature: Optional[str]
+    lane_key: Optional[str]
+    round_id: Optional[str]
+
+
+def _arm_view(receipt: Receipt, policy: Policy) -> ArmView:
+    ident = receipt.identity
+    # A failed arm carries the codes of its failure (ARM_FAILED, OOM, too few steady steps): those are counted
+    # in the failure rates, where a failed run is a loss; every other code still gates.
+    spared = set(policy.gates.failure_codes) if ident.status.value == "failed" else set()
+    gated = tuple(sorted(d.code.value for d in receipt.disqualifiers
+                         if d.severity.value in policy.gates.severities and d.code.value not in spared))
+    if ident.status.value == "disqualified" and not gated:
+        gated = tuple(sorted(receipt.codes())) or ("DISQUALIFIED",)
+    compile_record = receipt.observed.compile
+    counters = {name: getattr(compile_record, name, None) for name in policy.gates.exact_counters}
+    memory = receipt.memory
+    peak = memory.peak_allocated_bytes if memory.kind == "cuda" else memory.peak_rss_bytes
+    return ArmView(
+        receipt_id=ident.receipt_id, role=ident.arm.value, arm_index=ident.arm_index, order=ident.order,
+        attempt=ident.attempt, status=ident.status.value, tokens_per_s=receipt.throughput.wall_tokens_per_s,
+        loss=getattr(receipt.quality, policy.quality.metric, None), codes=tuple(sorted(receipt.codes())),
+        gated_codes=gated, counters=counters, peak_memory=peak, created_at=ident.created_at,
+        git_sha=ident.git_sha, git_dirty=ident.git_dirty)
+
+
+def _fmt(value: Any) -> str:
+    return json.dumps(value, default=str)
+
+
+def _lane_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    return sorted(k for k in a.keys() | b.keys() if a.get(k, "<absent>") != b.get(k, "<absent>"))
+
+
+def _check_pair(base: Receipt, cand: Receipt, check_order: bool = True) -> Optional[str]:
+    """Why the two arms are not one matched block, or None when they are."""
+    bi, ci = base.identity, cand.identity
+    roles = sorted((bi.arm.value, ci.arm.value))
+    if roles not in (["baseline", "candidate"], ["aa", "aa"]):
+        return f"arm roles {roles[0]} and {roles[1]} do not form a block (baseline+candidate or aa+aa)"
+    for name in _SHARED_IDENTITY:
+        if getattr(bi, name) != getattr(ci, name):
+            return f"arms differ in {name}: {getattr(bi, name)!r} vs {getattr(ci, name)!r}"
+    if check_order and sorted((bi.order, ci.order)) != [0, 1]:
+        return f"arm orders {bi.order} and {ci.order}: one arm must run first (0) and the other second (1)"
+    if base.requested.tokens_per_step != cand.requested.tokens_per_step:
+        return (f"different work: tokens_per_step {base.requested.tokens_per_step} vs "
+                f"{cand.requested.tokens_per_step}")
+    if base.requested.data_fingerprint != cand.requested.data_fingerprint:
+        return (f"different data: data_fingerprint {base.requested.data_fingerprint!r} vs "
+                f"{cand.requested.data_fingerprint!r}")
+    if bi.arm.value == "aa":
+        diff = _lane_diff(base.requested.lane, cand.requested.lane)
+        if diff:
+            return f"A/A twins ran different lanes at {', '.join(diff[:5])}"
+        return None
+    if bi.feature not in FEATURES:
+        return f"unknown feature {bi.feature!r}; registered: {', '.join(sorted(FEATURES))}"
+    spec = FEATURES[bi.feature]
+    if bi.kind != spec.kind:
+        return f"receipt says kind {bi.kind!r} but the registry says {spec.kind!r} for {bi.feature}"
+    # identity.feature_value is each arm's own value (the sweep writes the baseline's value on the baseline arm).
+    if _fmt(bi.baseline_value) != _fmt(ci.baseline_value):
+        return f"arms disagree on the baseline value: {bi.baseline_value!r} vs {ci.baseline_value!r}"
+    if bi.feature_value is not None and str(bi.feature_value) != str(bi.baseline_value):
+        return f"baseline arm says it ran {bi.feature_value!r}, not the baseline value {bi.baseline_value!r}"
+    extra = [k for k in _lane_diff(base.requested.lane, cand.requested.lane) if k != spec.path]
+    if extra:
+        shown = ", ".join(f"{k} ({base.requested.lane.get(k)!r} vs {cand.requested.lane.get(k)!r})"
+                          for k in extra[:4])
+        return f"lanes differ beyond the feature under test ({spec.path}) at: {shown}"
+    ran_base, ran_cand = base.requested.lane.get(spec.path), cand.requested.lane.get(spec.path)
+    if str(ran_base) != str(bi.baseline_value):
+        return f"baseline arm ran {spec.path}={ran_base!r}, not the declared baseline {bi.baseline_value!r}"
+    if str(ran_cand) != str(ci.feature_value):
+        return f"candidate arm ran {spec.path}={ran_cand!r}, not the tested value {ci.feature_value!r}"
+    if str(ran_base) == str(ran_cand):
+        return f"both arms ran {spec.path}={ran_base!r}: the candidate does not differ from its baseline"
+    return None
+
+
+def _select_attempt(receipts: list[Receipt]) -> tuple[dict[int, Receipt], dict[str, int], bool, Optional[str]]:
+    """The arms that stand for the block, failed arms of earlier attempts per role, whether the pair spans two
+    attempts, or why the receipts are ambiguous.
+
+    The sweep retries a whole block after a failed arm and stops an attempt at its first failed arm, so the
+    latest attempt normally holds both arms. When the last attempt holds only a failed arm (retries ran out),
+    it is paired with its partner from the latest earlier attempt: a failed candidate is still a loss and a
+    failed baseline still a baseline failure; no throughput is ever compared across attempts.
+    """
+    by_attempt: dict[int, dict[int, Receipt]] = defaultdict(dict)
+    for receipt in receipts:
+        ident = receipt.identity
+        if ident.arm_index in by_attempt[ident.attempt]:
+            ids = [by_attempt[ident.attempt][ident.arm_index].identity.receipt_id, ident.receipt_id]
+            return {}, {}, False, f"two receipts for arm_index {ident.arm_index} attempt {ident.attempt}: {ids}"
+        by_attempt[ident.attempt][ident.arm_index] = receipt
+    attempts = sorted(by_attempt)
+    chosen = dict(by_attempt[attempts[-1]])
+    cross = False
+    if len(chosen) == 1 and next(iter(chosen.values())).identity.status.value == "failed":
+        missing = 1 - next(iter(chosen))
+        for attempt in reversed(attempts[:-1]):
+            if missing in by_attempt[attempt]:
+                chosen[missing] = by_attempt[attempt][missing]
+                cross = True
+                break
+    used = {id(r) for r in chosen.values()}
+    earlier: dict[str, int] = Counter()
+    for attempt in attempts:
+        for receipt in by_attempt[attempt].values():
+            if id(receipt) not in used and receipt.identity.status.value == "failed":
+                earlier[receipt.identity.arm.value] += 1
+    return chosen, dict(earlier), cross, None
+
+
+def _refuse(reason: str, receipts: Iterable[Receipt], block_id: str) -> Refusal:
+    receipts = list(receipts)
+    first = receipts[0].identity if receipts else None
+    return Refusal(reason=reason, receipt_ids=tuple(r.identity.receipt_id for r in receipts), block_id=block_id,
+                   feature=first.feature if first else None, lane_key=first.lane_key if first else None,
+                   round_id=first.sweep_id if first else None)
+
+
+def _make_block(block_id: str, receipts: list[Receipt], policy: Policy) -> Block | Refusal:
+    latest, earlier_failed, cross_attempt, ambiguous = _select_attempt(receipts)
+    if ambiguous:
+        return _refuse(ambiguous, receipts, block_id)
+    if sorted(latest) != [0, 1]:
+        present = ", ".join(f"{latest[i].identity.arm.value}#{i}" for i in sorted(latest))
+        return _refuse(f"block has arm(s) {present} only: its partner arm is missing (never paired elsewhere)",
+                       receipts, block_id)
+    first, second = latest[0], latest[1]
+    if first.identity.arm.value == "candidate":
+        base, cand = second, first
+    else:
+        base, cand = first, second
+    reason = _check_pair(base, cand, check_order=not cross_attempt)
+    if reason:
+        return _refuse(reason, receipts, block_id)
+    base_view, cand_view = _arm_view(base, policy), _arm_view(cand, policy)
+    for view in (base_view, cand_view):
+        if view.status == "aborted":
+            return _refuse(f"{view.role} arm #{view.arm_index} was aborted: neither evidence nor a failure",
+                           receipts, block_id)
+    aa = base_view.role == "aa"
+    if base_view.gated_codes or (aa and cand_view.gated_codes):
+        codes = ", ".join(sorted(set(base_view.gated_codes) | (set(cand_view.gated_codes) if aa else set())))
+        what = "an A/A arm" if aa else "the baseline arm"
+        return _refuse(f"{what} is disqualified ({codes}): the block cannot measure anything", receipts, block_id)
+    if aa and (base_view.failed or cand_view.failed):
+        return _refuse("an A/A arm failed: the block cannot calibrate the noise floor", receipts, block_id)
+    ident = base.identity
+    return Block(
+        block_id=block_id, round_id=ident.sweep_id, campaign=ident.campaign, lane_key=ident.lane_key,
+        software_fingerprint=ident.software_fingerprint, feature=ident.feature,
+        value=None if aa else cand.identity.feature_value, baseline_value=None if aa else ident.baseline_value,
+        kind=ident.kind, host=ident.host, seed=base.requested.lane.get("seed"), baseline=base_view,
+        candidate=cand_view, created_at=min(base_view.created_at, cand_view.created_at),
+        lane=base.requested.lane, family_share=dict(base.family_share),
+        layer_counts=dict(base.requested.layer_counts), earlier_failures=earlier_failed)
+
+
+def _canonical_lane(block: Block, policy: Policy) -> str:
+    skip = set(policy.matching.replication_keys)
+    return json.dumps({k: v for k, v in block.lane.items() if k not in skip}, sort_keys=True, default=str)
+
+
+def _enforce_lane_consistency(blocks: list[Block], policy: Policy) -> tuple[list[Block], list[Refusal]]:
+    """Blocks sharing a lane key must share the baseline lane up to replication keys; the majority defines it."""
+    by_lane: dict[str, list[tuple[str, Block]]] = defaultdict(list)
+    for block in blocks:
+        by_lane[block.lane_key].append((_canonical_lane(block, policy), block))
+    kept: list[Block] = []
+    refused: list[Refusal] = []
+    for lane_key, entries in by_lane.items():
+        majority, _ = Counter(c for c, _ in entries).most_common(1)[0]
+        reference = next(b for c, b in entries if c == majority)
+        for canonical, block in entries:
+            if canonical == majority:
+                kept.append(block)
+                continue
+            diff = [k for k in _lane_diff(reference.lane, block.lane) if k not in policy.matching.replication_keys]
+            refused.append(Refusal(
+                reason=(f"lane_key {lane_key} is shared with blocks whose baseline lane differs at "
+                        f"{', '.join(diff[:5])}: not the same lane"),
+                receipt_ids=block.receipt_ids(), block_id=block.block_id, feature=block.feature,
+                lane_key=lane_key, round_id=block.round_id))
+    return kept, refused
+
+
+def match_blocks(receipts: Iterable[Receipt], policy: Policy) -> tuple[list[Block], list[Refusal]]:
+    """Group receipts by block id, check each pair, and return (matched blocks, refusals with reasons)."""
+    # Block ids restart in every sweep (b000, b001, ...): a block is identified by its round and its id.
+    by_block: dict[str, list[Receipt]] = defaultdict(list)
+    for receipt in receipts:
+        by_block[f"{receipt.identity.sweep_id}/{receipt.identity.block_id}"].append(receipt)
+    blocks: list[Block] = []
+    refusals: list[Refusal] = []
+    for block_id, members in by_block.items():
+        made = _make_block(block_id, members, policy)
+        (refusals if isinstance(made, Refusal) else blocks).append(made)  # type: ignore[arg-type]
+    blocks, inconsistent = _enforce_lane_consistency(blocks, policy)
+    return blocks, refusals + inconsistent

@@ -1,0 +1,328 @@
+"""The promotion result and its two renderings: a Markdown pull-request body and the same content as JSON.
+
+How to use: ``result.markdown`` (PR body: header, defaults diff, one row per feature, taxes, revalidations,
+refusals, collapsible per-lane detail) and ``result.to_json()``. GitHub caps a PR body at 65,536 characters,
+so the per-lane detail is cut first when the body would be longer; the JSON always has everything.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from ablate.promote.analysis import PROMOTE, TAX_REPORTED, FeatureVerdict
+from ablate.promote.defaults_writer import DefaultsChange, Revalidation
+from ablate.promote.evidence import Calibration
+from ablate.promote.match import Refusal
+from ablate.promote.policy import Policy
+
+MAX_MARKDOWN_CHARS = 60_000
+MAX_LINKS_PER_TEST = 12
+
+
+@dataclass
+class LaneSummary:
+    lane_key: str
+    software_fingerprint: str
+    fingerprints: list[str]
+    hosts: list[str]
+    calibration: Calibration
+    lane: dict[str, Any]
+
+
+@dataclass
+class PromotionResult:
+    report_id: str
+    date: str
+    campaigns: list[str]
+    rounds: list[dict[str, Any]]
+    policy: Policy
+    git: dict[str, Any]
+    num_receipts: int
+    verdicts: list[FeatureVerdict]
+    holm_family: int
+    lanes: list[LaneSummary]
+    changes: list[DefaultsChange]
+    revalidations: list[Revalidation]
+    refusals: list[Refusal]
+    rejected: list[tuple[str, str]]
+    defaults_path: str
+    run_links: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def campaign(self) -> str:
+        return "+".join(self.campaigns) or "none"
+
+    @property
+    def speed_verdicts(self) -> list[FeatureVerdict]:
+        return [v for v in self.verdicts if v.verdict != TAX_REPORTED]
+
+    @property
+    def tax_verdicts(self) -> list[FeatureVerdict]:
+        return [v for v in self.verdicts if v.verdict == TAX_REPORTED]
+
+    @property
+    def promoted(self) -> list[FeatureVerdict]:
+        return [v for v in self.verdicts if v.verdict == PROMOTE]
+
+    def to_dict(self) -> dict[str, Any]:
+        policy = asdict(self.policy)
+        policy["ref"] = self.policy.ref
+        return {
+            "report_id": self.report_id, "date": self.date, "campaigns": self.campaigns, "rounds": self.rounds,
+            "policy": policy, "git": self.git, "num_receipts": self.num_receipts, "holm_family": self.holm_family,
+            "bootstrap_note": _bootstrap_note(self),
+            "defaults_path": self.defaults_path,
+            "changes": [asdict(c) for c in self.changes],
+            "verdicts": [v.to_dict() for v in self.speed_verdicts],
+            "taxes": [v.to_dict() for v in self.tax_verdicts],
+            "lanes": [{**asdict(lane), "calibration": {**asdict(lane.calibration),
+                                                       "noise_floor": lane.calibration.noise_floor}}
+                      for lane in self.lanes],
+            "revalidations": [asdict(r) for r in self.revalidations],
+            "refusals": [asdict(r) for r in self.refusals],
+            "rejected_receipts": [{"origin": o, "reason": r} for o, r in self.rejected],
+            "run_links": self.run_links,
+        }
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        return json.dumps(_finite(self.to_dict()), indent=indent, default=_json_default, allow_nan=False)
+
+    @property
+    def markdown(self) -> str:
+        return render_markdown(self)
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):  # numpy scalars
+        return value.item()
+    return str(value)
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no inf/NaN: an unbounded Amdahl bound or an undefined quantile becomes null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _x(ratio: Optional[float], digits: int = 3) -> str:
+    return "–" if ratio is None or not math.isfinite(ratio) else f"{ratio:.{digits}f}×"
+
+
+def _interval(ci: Optional[tuple[float, float]]) -> str:
+    return "–" if ci is None else f"[{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
+def _short(text: Any, width: int = 12) -> str:
+    text = str(text)
+    return text if len(text) <= width else text[:width] + "…"
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def _bootstrap_note(result: PromotionResult) -> str:
+    units = {v.bootstrap_unit for v in result.verdicts if v.n_blocks}
+    if result.policy.single_node or units == {"block"}:
+        return ("single-node profile: the interval is a block bootstrap within one host; it does not protect "
+                "against host-correlated noise, and promoted values are scoped to the lanes measured")
+    if "block" in units:
+        return "host-clustered bootstrap, except tests measured on one host (block bootstrap, flagged per row)"
+    return "host-clustered bootstrap (hosts resampled with replacement, all blocks of a picked host kept)"
+
+
+def _disq(counts: dict[str, dict[str, int]]) -> str:
+    cand = sum(counts.get("candidate", {}).values())
+    base = sum(counts.get("baseline", {}).values())
+    return f"{cand}/{base}"
+
+
+def _loss(v: FeatureVerdict) -> str:
+    if v.loss_delta is None:
+        return "–"
+    return f"{v.loss_delta:+.4f} (ε {v.epsilon:.4f})"
+
+
+def _header(result: PromotionResult) -> list[str]:
+    p = result.policy
+    git = result.git
+    lines = [f"## ablate promotion report `{result.report_id}`", "",
+             f"- **Campaign:** {result.campaign} · **date:** {result.date} · **receipts:** {result.num_receipts} "
+             f"({len(result.refusals)} block(s) refused, {len(result.rejected)} invalid receipt(s))",
+             "- **Rounds:** " + (", ".join(f"`{r['round_id']}` ({r['first_at'][:10]}, {r['blocks']} blocks)"
+                                         for r in result.rounds) or "none"),
+             f"- **Git SHAs:** baseline {', '.join(f'`{s}`' for s in git['baseline']) or 'unknown'} · candidate "
+             f"{', '.join(f'`{s}`' for s in git['candidate']) or 'unknown'}" + (" · **dirty tree**" if git["dirty"]
+                                                                                 else ""),
+             f"- **Policy:** `{p.ref}` ({p.profile}) from `{p.path}` · family α {p.family_alpha} with Holm over "
+             f"{result.holm_family} feature × lane test(s) · {p.bootstrap.resamples} bootstrap resamples",
+             f"- **Interval:** {_bootstrap_note(result)}"]
+    if p.single_node:
+        lines += ["", "> **Single-node profile.** One host is allowed, so the interval is a block bootstrap within "
+                      "that host: it cannot tell a host-specific effect from a real one. Scope: the lanes below."]
+    return lines
+
+
+def _defaults_diff(result: PromotionResult) -> list[str]:
+    lines = ["", "### Defaults diff", ""]
+    if not result.changes:
+        return lines + ["No change to `" + result.defaults_path + "`: nothing was promoted. Ties keep the incumbent."]
+    rows = []
+    for c in result.changes:
+        if c.scope == "global":
+            rows.append([f"`{c.feature}`", f"`{c.old}`", f"`{c.new}`", "global", ", ".join(_short(x) for x in c.lanes)])
+        else:
+            values = ", ".join(sorted({str(e['value']) for e in c.evidence}))
+            rows.append([f"`{c.feature}`", f"`{c.old}`", f"`{c.old}` (lane override: `{values}`)", "lane",
+                         ", ".join(_short(x) for x in c.lanes)])
+    lines += _table(["feature", "old", "new", "scope", "lanes validated"], rows)
+    rollback = "; ".join(f"`features.{c.feature}.value: {c.old}`" for c in result.changes if c.scope == "global")
+    if rollback:
+        lines += ["", f"Rollback: set {rollback} in `{result.defaults_path}` (or revert this PR)."]
+    return lines
+
+
+def _summary(result: PromotionResult) -> list[str]:
+    rows = []
+    for v in result.speed_verdicts:
+        unit = "" if v.bootstrap_unit == "host" else " (block bootstrap)"
+        rows.append([f"`{v.feature}`→`{v.value}`", f"**{v.verdict}**", f"`{_short(v.lane_key)}`",
+                     f"{_x(v.speedup)} {_interval(v.ci95)}{unit}", _x(v.lower_adj),
+                     f"{v.delta * 100:.2f}%", f"{v.n_blocks}/{v.n_hosts}/{v.n_seeds}/{v.n_rounds}",
+                     "–" if v.win_fraction is None else f"{v.win_fraction:.0%}", _loss(v),
+                     _disq(v.disqualifiers), _amdahl(v), v.reason if v.verdict != PROMOTE else "–"])
+    header = ["feature", "verdict", "scope (lane)", "speedup [95% CI]", "Holm lower", "δ",
+              "blocks/hosts/seeds/rounds", "win", "loss Δ", "disq cand/base", "Amdahl bound", "first failing clause"]
+    return ["", "### Verdicts", ""] + (_table(header, rows) if rows else ["No speed feature was measured."])
+
+
+def _amdahl(v: FeatureVerdict) -> str:
+    a = v.amdahl
+    if a.get("bound") is None:
+        return "–" if a.get("family") is None else f"{a['family']}: no share"
+    return f"≤ {_x(a['bound'], 2)} ({a['family']} {a['share']:.0%})"
+
+
+def _taxes(result: PromotionResult) -> list[str]:
+    if not result.tax_verdicts:
+        return []
+    rows = [[f"`{v.feature}`→`{v.value}`", f"`{_short(v.lane_key)}`",
+             f"{_x(v.speedup)} {_interval(v.ci95)}", f"≥ {1 - (v.budget or 0):.3f}×",
+             {True: "within budget", False: "**over budget**", None: "–"}[v.within_budget],
+             "–" if v.loss_delta is None else f"{v.loss_delta:+.4f}",
+             "–" if v.memory_ratio is None else _x(v.memory_ratio), f"{v.n_blocks}/{v.n_hosts}",
+             _disq(v.disqualifiers)] for v in result.tax_verdicts]
+    header = ["tax", "lane", f"throughput ratio [{result.policy.taxes.confidence:.0%} CI, two-sided]", "budget",
+              "status", "loss Δ", "memory ratio", "blocks/hosts", "disq cand/base"]
+    return (["", "### Taxes (never promoted; opt-in only)", ""] + _table(header, rows) +
+            ["", "Taxes stay off in the defaults; turn one on per campaign under `features:` in the sweep file."])
+
+
+def _revalidations(result: PromotionResult) -> list[str]:
+    if not result.revalidations:
+        return []
+    rows = [[f"`{r.feature}`=`{r.value}`", f"`{_short(r.lane_key)}`", f"`{_short(r.recorded_fingerprint)}`",
+             f"`{_short(r.current_fingerprint)}`", r.report or "–"] for r in result.revalidations]
+    return (["", "### Needs revalidation (software fingerprint changed)", ""] +
+            _table(["default", "lane", "recorded fingerprint", "current fingerprint", "report"], rows))
+
+
+def _refusals(result: PromotionResult) -> list[str]:
+    if not result.refusals and not result.rejected:
+        return []
+    lines = ["", "### Refused (never paired, never counted)", ""]
+    rows = [[f"`{r.block_id}`", r.feature or "A/A", f"`{_short(r.lane_key)}`", r.round_id or "–", r.reason]
+            for r in result.refusals[:50]]
+    lines += _table(["block", "feature", "lane", "round", "reason"], rows) if rows else []
+    if len(result.refusals) > 50:
+        lines.append(f"… and {len(result.refusals) - 50} more in the JSON report.")
+    if result.rejected:
+        lines += ["", "Invalid receipts:", ""] + [f"- `{o}`: {r}" for o, r in result.rejected[:20]]
+    return lines
+
+
+def _lane_detail(result: PromotionResult, lane: LaneSummary) -> list[str]:
+    cal = lane.calibration
+    shown = {k: lane.lane[k] for k in ("model.pattern", "batch.micro_batch", "batch.seq_len", "precision",
+                                       "compile.posture", "engine.name", "engine.workers") if k in lane.lane}
+    floor = _x(None if cal.noise_floor is None else 1 + cal.noise_floor, 4)
+    lines = ["", f"<details><summary>Lane <code>{lane.lane_key}</code></summary>", "",
+             f"- software fingerprint `{lane.software_fingerprint}`" +
+             (f" (earlier: {', '.join(f'`{f}`' for f in lane.fingerprints[:-1])}; their evidence no longer counts)"
+              if len(lane.fingerprints) > 1 else ""),
+             f"- lane: {', '.join(f'{k}={v}' for k, v in shown.items())}; hosts: {', '.join(lane.hosts)}",
+             f"- A/A: {cal.num_blocks} block(s), noise floor {floor}"
+             f", loss spread {'–' if cal.loss_spread is None else f'{cal.loss_spread:.4g}'}"
+             f" (measured {(cal.first_at or '–')[:10]} to {(cal.last_at or '–')[:10]})"]
+    for v in [v for v in result.verdicts if v.lane_key == lane.lane_key]:
+        lines += ["", f"**`{v.feature}` → `{v.value}` (baseline `{v.baseline_value}`): {v.verdict}**", ""]
+        tp = v.throughput
+        for role in ("baseline", "candidate"):
+            if role in tp:
+                lines.append(f"- {role} wall tokens/s: median {tp[role]['median']:.1f}, IQR "
+                             f"[{tp[role]['iqr'][0]:.1f}, {tp[role]['iqr'][1]:.1f}]")
+        if v.order:
+            effect = v.order.get("effect")
+            lines.append(f"- order: {v.order['candidate_first']} candidate-first, {v.order['baseline_first']} "
+                         f"baseline-first" + ("" if effect is None else f", effect {effect * 100:+.2f}%"))
+        lines.append(f"- failures: candidate {v.failures['candidate']['failed']}/{v.failures['candidate']['arms']}, "
+                     f"baseline {v.failures['baseline']['failed']}/{v.failures['baseline']['arms']}; "
+                     f"disqualifiers: {v.disqualifiers}")
+        if v.suspicious:
+            lines.append("- **suspicious win**: needs a confirming round and a look at the kernel traces")
+        if v.superseded.get("blocks"):
+            lines.append(f"- {v.superseded['blocks']} block(s) from rounds {v.superseded['rounds']} ignored: "
+                         f"software fingerprint {v.superseded['fingerprints']} changed, count restarted")
+        if v.hosts:
+            lines += [""] + _table(["host", "blocks", "median speedup", "candidate failures"],
+                                   [[h.host, h.blocks, _x(h.median_speedup), h.candidate_failures] for h in v.hosts])
+        if v.rounds:
+            lines += [""] + _table(["round", "started", "blocks", "HL speedup", "counted"],
+                                   [[r.round_id, r.first_at[:19], r.blocks, _x(r.speedup), "yes" if r.counted else
+                                     "no"] for r in v.rounds])
+        if v.clauses:
+            lines += [""] + [f"- {'✅' if c.passed else '❌'} `{c.name}`: {c.detail}" for c in v.clauses]
+        links = [(rid, result.run_links[rid]) for rid in v.receipt_ids if rid in result.run_links]
+        if links:
+            shown_links = ", ".join(f"[{_short(rid, 8)}]({url})" for rid, url in links[:MAX_LINKS_PER_TEST])
+            more = f" and {len(links) - MAX_LINKS_PER_TEST} more in the JSON" if len(links) > MAX_LINKS_PER_TEST else ""
+            lines.append(f"- MLflow runs: {shown_links}{more}")
+    return lines + ["", "</details>"]
+
+
+def render_markdown(result: PromotionResult) -> str:
+    head = (_header(result) + _defaults_diff(result) + _summary(result) + _taxes(result) + _revalidations(result)
+            + _refusals(result))
+    footer = ["", f"<sub>Decided under policy `{result.policy.ref}`; full numbers in `{result.report_id}.json`. "
+                  "Verdicts: PROMOTE (every clause holds), HOLD (inconclusive: the incumbent stays), REJECT.</sub>"]
+    used = sum(len(line) + 1 for line in head + footer) + 400
+    detail = ["", "### Per-lane detail"]
+    omitted = 0
+    promoted_lanes = {v.lane_key for v in result.promoted}
+    # Lanes with a promotion come first, so a long campaign cuts the least important detail.
+    for lane in sorted(result.lanes, key=lambda lane: lane.lane_key not in promoted_lanes):
+        part = _lane_detail(result, lane)
+        size = sum(len(line) + 1 for line in part)
+        if used + size > MAX_MARKDOWN_CHARS:
+            omitted += 1
+            continue
+        detail += part
+        used += size
+    if omitted:
+        detail += ["", f"{omitted} lane(s) omitted to stay under GitHub's PR body limit; see "
+                       f"`{result.report_id}.json`."]
+    return "\n".join(head + detail + footer) + "\n"

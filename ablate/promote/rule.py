@@ -1,0 +1,271 @@
+"""The decision: Holm across the campaign, then REJECT / PROMOTE clauses in a fixed order, else HOLD.
+
+How to use: ``verdicts = decide_all(measured, policy, defaults)`` where ``measured`` comes from
+``analysis.analyse``. REJECT clauses are checked first (an inert toggle, a gated disqualifier, a new graph
+break, a flaky candidate, worse quality, a clearly absent win); then every PROMOTE clause must pass, and the
+first that fails becomes the HOLD reason. Ties keep the incumbent: an interval that straddles 1 + delta is a
+HOLD. Taxes never enter the family and always end as TAX-REPORTED.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections import defaultdict
+from typing import Any, Callable, Mapping, Optional
+
+import numpy as np
+
+from ablate.promote.analysis import HOLD, PROMOTE, REJECT, TAX_REPORTED, Clause, FeatureVerdict
+from ablate.promote.policy import Policy
+from ablate.promote.stats import bootstrap_hl, holm, quantile
+
+
+def _pct(ratio: Optional[float]) -> str:
+    return "n/a" if ratio is None or not math.isfinite(ratio) else f"{(ratio - 1) * 100:+.2f}%"
+
+
+def apply_holm(verdicts: list[FeatureVerdict], policy: Policy) -> int:
+    """Holm over every speed test with evidence; fills p_holm, alpha_adj, lower_adj. Returns the family size."""
+    family = [v for v in verdicts if v.kind == "speed" and v.p_raw is not None]
+    adjusted, levels = holm([v.p_raw for v in family], policy.family_alpha)
+    for verdict, p_adj, level in zip(family, adjusted, levels):
+        verdict.p_holm = float(p_adj)
+        verdict.alpha_adj = float(level)
+        assert verdict.work is not None
+        verdict.lower_adj = math.exp(quantile(verdict.work.theta, float(level)))
+    return len(family)
+
+
+def _reject_clauses(v: FeatureVerdict, policy: Policy) -> list[Callable[[], Clause]]:
+    gated = v.gated_disqualifiers
+    threshold = 1.0 + v.delta
+
+    def inert() -> Clause:
+        return Clause("not_inert", v.inert_reason is None, v.inert_reason or "the toggle can act in this lane")
+
+    def disqualified() -> Clause:
+        shown = ", ".join(f"{c} x{n}" for c, n in sorted(gated.items()))
+        return Clause("no_disqualifier", not gated,
+                      f"candidate arms disqualified: {shown}" if gated else "no gated disqualifier on any candidate")
+
+    def counters() -> Clause:
+        found = v.counter_violations
+        return Clause("exact_counters", not found, "; ".join(found[:3]) if found else "no counter above baseline")
+
+    def flaky() -> Clause:
+        f = v.failures["candidate"]
+        significant = v.fisher_p < policy.failures.fisher_alpha
+        return Clause("not_flaky", not significant,
+                      f"candidate fails more often than baseline ({f['failed']}/{f['arms']} vs "
+                      f"{v.failures['baseline']['failed']}/{v.failures['baseline']['arms']}, Fisher p="
+                      f"{v.fisher_p:.3g})" if significant else f"Fisher p={v.fisher_p:.3g}")
+
+    def quality() -> Clause:
+        worse = v.loss_bounds is not None and v.loss_bounds[0] > v.epsilon
+        detail = (f"loss worse: lower bound {v.loss_bounds[0]:+.4g} > epsilon {v.epsilon:.4g}" if worse and
+                  v.loss_bounds else "loss not shown worse")
+        return Clause("quality_not_worse", not worse, detail)
+
+    def meaningful() -> Clause:
+        enough = v.n_blocks >= policy.evidence.min_blocks
+        absent = enough and v.ci95 is not None and v.ci95[1] < threshold
+        detail = (f"no meaningful win: upper bound {v.ci95[1]:.4f} < 1 + delta = {threshold:.4f}" if absent and
+                  v.ci95 else "upper bound reaches 1 + delta (or too few blocks to rule the win out)")
+        return Clause("win_possible", not absent, detail)
+
+    return [inert, disqualified, counters, flaky, quality, meaningful]
+
+
+def _loho_lower(v: FeatureVerdict, policy: Policy) -> Optional[float]:
+    """Smallest one-sided lower bound (as a ratio) when any one host is left out; None with < 2 hosts."""
+    assert v.work is not None
+    hosts = sorted(set(v.work.hosts.tolist()))
+    if len(hosts) < 2:
+        return None
+    rng = np.random.default_rng([policy.bootstrap.seed, zlib.crc32(v.test_key.encode())])
+    lowers = []
+    for host in hosts:
+        keep = v.work.hosts != host
+        clusters = v.work.hosts[keep] if len(set(v.work.hosts[keep].tolist())) > 1 else None
+        theta = bootstrap_hl(v.work.log_ratios[keep], clusters, policy.bootstrap.loss_resamples, rng)
+        lowers.append(math.exp(quantile(theta, policy.family_alpha)))
+    return min(lowers)
+
+
+def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, Any]) -> list[Callable[[], Clause]]:
+    ev, cons = policy.evidence, policy.consistency
+    log_threshold = math.log1p(v.delta)
+    work = v.work
+    assert work is not None
+
+    def current_baseline() -> Clause:
+        default = defaults.get(v.feature)
+        ok = default is None or str(default) == str(v.baseline_value)
+        return Clause("baseline_is_default", ok,
+                      f"measured against {v.baseline_value!r}, the default is {default!r}" if not ok else
+                      f"measured against the current default {v.baseline_value!r}")
+
+    def calibrated() -> Clause:
+        ok = v.aa_blocks >= policy.threshold.min_aa_blocks
+        floor = _pct(None if v.noise_floor is None else 1 + v.noise_floor)
+        return Clause("calibrated", ok, f"{v.aa_blocks} A/A blocks in this lane (need "
+                                        f"{policy.threshold.min_aa_blocks}); noise floor {floor}")
+
+    def failure_rate() -> Clause:
+        c, b = v.failures["candidate"], v.failures["baseline"]
+        rate_c = c["failed"] / c["arms"] if c["arms"] else 0.0
+        rate_b = b["failed"] / b["arms"] if b["arms"] else 0.0
+        ok = rate_c <= rate_b and rate_c <= policy.failures.max_candidate_rate
+        return Clause("failure_rate", ok, f"candidate failed {c['failed']}/{c['arms']}, baseline "
+                                          f"{b['failed']}/{b['arms']} (max candidate rate "
+                                          f"{policy.failures.max_candidate_rate:g})")
+
+    def amount() -> Clause:
+        problems = []
+        if v.n_blocks < ev.min_blocks:
+            problems.append(f"{v.n_blocks} blocks < {ev.min_blocks}")
+        if v.n_hosts < ev.min_hosts:
+            problems.append(f"{v.n_hosts} host(s) < {ev.min_hosts}")
+        if v.n_seeds < ev.min_seeds:
+            problems.append(f"{v.n_seeds} seed(s) < {ev.min_seeds}")
+        if v.n_rounds < ev.min_rounds:
+            problems.append(f"{v.n_rounds} counted round(s) < {ev.min_rounds}"
+                            + (" (software fingerprint changed: count restarted)" if v.superseded["blocks"] else ""))
+        return Clause("enough_evidence", not problems, "; ".join(problems) or
+                      f"{v.n_blocks} blocks, {v.n_hosts} hosts, {v.n_seeds} seeds, {v.n_rounds} rounds")
+
+    def lower_bound() -> Clause:
+        ok = v.p_holm is not None and v.p_holm <= policy.family_alpha
+        lower = v.lower_adj if v.lower_adj is not None else math.nan
+        if ok:
+            detail = f"Holm-adjusted lower bound {lower:.4f} > 1 + delta = {1 + v.delta:.4f}"
+        else:
+            detail = (f"tie, the incumbent stays: Holm-adjusted lower bound {lower:.4f} is not above 1 + delta = "
+                      f"{1 + v.delta:.4f} (p_holm={v.p_holm if v.p_holm is None else round(v.p_holm, 4)})")
+        return Clause("lower_bound", ok, detail)
+
+    def win_fraction() -> Clause:
+        frac = v.win_fraction or 0.0
+        return Clause("win_fraction", frac >= cons.min_win_fraction,
+                      f"{frac:.0%} of blocks won (need {cons.min_win_fraction:.0%})")
+
+    def host_medians() -> Clause:
+        losers = [h.host for h in v.hosts if h.median_speedup is None or h.median_speedup <= 1.0]
+        ok = not cons.every_host_median_wins or not losers
+        return Clause("every_host_wins", ok, f"host median not a win on {', '.join(losers)}" if losers else
+                      "every host's median block won")
+
+    def leave_one_out() -> Clause:
+        if not cons.leave_one_host_out or v.n_hosts < 2:
+            return Clause("leave_one_host_out", True, "not applicable (one host or disabled by the policy)")
+        v.loho_min_lower = _loho_lower(v, policy)
+        ok = v.loho_min_lower is not None and v.loho_min_lower > 1.0
+        return Clause("leave_one_host_out", ok, f"smallest lower bound with one host left out: "
+                                                f"{v.loho_min_lower:.4f} (must exceed 1)")
+
+    def every_round() -> Clause:
+        bad = [r.round_id for r in v.rounds if r.counted and (r.speedup is None or r.speedup <= 1.0)]
+        ok = not cons.every_round_wins or not bad
+        return Clause("every_round_wins", ok, f"round(s) without a win: {', '.join(bad)}" if bad else
+                      "every counted round won on its own")
+
+    def order() -> Clause:
+        first, second = work.log_ratios[work.candidate_first], work.log_ratios[~work.candidate_first]
+        v.order = {"candidate_first": int(first.size), "baseline_first": int(second.size), "effect": None}
+        if first.size == 0 or second.size == 0:
+            ok = not policy.order.require_both_orders
+            which = "baseline" if first.size == 0 else "candidate"
+            return Clause("no_order_effect", ok, f"all {work.log_ratios.size} blocks ran the {which} first: the "
+                                                 f"order was not randomised, so drift cannot be told from the "
+                                                 f"feature")
+        effect = float(np.median(second) - np.median(first))
+        v.order["effect"] = math.expm1(effect)
+        limit = policy.order.max_effect_in_thresholds * log_threshold
+        return Clause("no_order_effect", abs(effect) < limit,
+                      f"baseline-first minus candidate-first median {_pct(math.exp(effect))} (limit "
+                      f"{_pct(math.exp(limit))})")
+
+    def quality() -> Clause:
+        if v.loss_bounds is None:
+            ok = not policy.quality.require_loss
+            return Clause("quality_non_inferior", ok, f"no {policy.quality.metric} recorded on both arms")
+        upper = v.loss_bounds[1]
+        return Clause("quality_non_inferior", upper <= v.epsilon,
+                      f"loss delta {v.loss_delta:+.4g}, upper bound {upper:+.4g} vs epsilon {v.epsilon:.4g}")
+
+    def not_suspicious() -> Clause:
+        s = v.speedup or 1.0
+        limit = min(policy.suspicious.max_speedup, 1.0 + policy.suspicious.threshold_multiple * v.delta)
+        v.suspicious = s > limit
+        if not v.suspicious:
+            return Clause("not_suspicious", True, f"{s:.3f}x is within {limit:.3f}x")
+        counted = [r for r in v.rounds if r.counted]
+        needed = policy.evidence.min_rounds + policy.suspicious.confirming_rounds
+        latest = counted[-1] if counted else None
+        confirmed = (len(counted) >= needed and latest is not None and latest.speedup is not None
+                     and latest.speedup > 1.0 + v.delta)
+        detail = (f"suspicious win {s:.3f}x > {limit:.3f}x: " +
+                  (f"confirmed by round {latest.round_id}" if confirmed and latest else
+                   f"needs a confirming round ({len(counted)} of {needed} rounds) and a look at kernel traces"))
+        return Clause("not_suspicious", confirmed, detail)
+
+    return [current_baseline, calibrated, failure_rate, amount, lower_bound, win_fraction, host_medians,
+            leave_one_out, every_round, order, quality, not_suspicious]
+
+
+def decide(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, Any]) -> FeatureVerdict:
+    """Fill clauses, verdict and reason (the first failing clause) for one measured test."""
+    if v.kind == "tax":
+        v.verdict = TAX_REPORTED
+        v.reason = "taxes are never promoted: opt-in only"
+        if v.within_budget is False:
+            v.reason = f"over budget: lower bound {v.ci95[0]:.4f} < {1 - (v.budget or 0):.4f}" if v.ci95 else v.reason
+        return v
+    if not v.receipt_ids:
+        v.verdict, v.reason = HOLD, "no block under the lane's current software fingerprint (count restarted)"
+        return v
+    for make in _reject_clauses(v, policy):
+        clause = make()
+        v.clauses.append(clause)
+        if not clause.passed:
+            v.verdict, v.reason = REJECT, clause.detail
+            return v
+    if v.n_blocks == 0:
+        v.verdict, v.reason = HOLD, "no usable block: every baseline arm failed"
+        return v
+    for make in _promote_clauses(v, policy, defaults):
+        clause = make()
+        v.clauses.append(clause)
+        if not clause.passed:
+            v.verdict, v.reason = HOLD, clause.detail
+            return v
+    v.verdict, v.reason = PROMOTE, "every clause holds"
+    return v
+
+
+def resolve_competition(verdicts: list[FeatureVerdict]) -> None:
+    """Two values of one feature promoted in one lane: the higher adjusted lower bound wins, the other HOLDs."""
+    by_lane: dict[tuple[str, str], list[FeatureVerdict]] = defaultdict(list)
+    for v in verdicts:
+        if v.verdict == PROMOTE:
+            by_lane[(v.feature, v.lane_key)].append(v)
+    for rivals in by_lane.values():
+        if len(rivals) < 2:
+            continue
+        rivals.sort(key=lambda r: (r.lower_adj or 0.0, r.speedup or 0.0), reverse=True)
+        for loser in rivals[1:]:
+            loser.verdict = HOLD
+            loser.reason = (f"value {rivals[0].value!r} also promoted in this lane with a higher adjusted lower "
+                            f"bound ({rivals[0].lower_adj:.4f} vs {loser.lower_adj:.4f})")
+            loser.clauses.append(Clause("best_value", False, loser.reason))
+
+
+def decide_all(measured: list[FeatureVerdict], policy: Policy, defaults: Mapping[str, Any]) -> int:
+    """Holm, then a verdict for every test; returns the size of the Holm family."""
+    family = apply_holm(measured, policy)
+    for v in measured:
+        decide(v, policy, defaults)
+    resolve_competition(measured)
+    return family
+

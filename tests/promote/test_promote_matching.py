@@ -1,0 +1,124 @@
+"""Unmatched receipts are listed and refused with the reason, never silently paired or counted."""
+
+from __future__ import annotations
+
+from conftest import DEFAULTS
+from promote_sim import T0, base_lane, make_receipt, moe, Sim, simulate
+
+from ablate.promote import Policy, promote
+from ablate.promote.match import match_blocks
+from ablate.receipts.schema import Receipt, Status
+
+
+def pair(block: str, *, cand_lane: dict | None = None, cand_host: str = "node-0", cand_tokens: int = 1024,
+         cand_data: str = "data-1", cand_fp: str = "sw-1", cand_order: int = 1,
+         base_order: int | None = None) -> list[Receipt]:
+    lane = base_lane()
+    common = dict(sweep_id="r1", block_id=block, feature="moe_dispatch", baseline_value="padded", loss=5.0,
+                  created_at=T0)
+    base = make_receipt(receipt_id=f"{block}-a0", arm="baseline", arm_index=0, feature_value="padded",
+                        order=1 - cand_order if base_order is None else base_order,
+                        lane=lane, host="node-0", tps=5000.0, **common)
+    cl = cand_lane if cand_lane is not None else {**lane, "features.moe_dispatch": "jagged"}
+    cand = make_receipt(receipt_id=f"{block}-a1", arm="candidate", arm_index=1, feature_value="jagged",
+                        order=cand_order, lane=cl,
+                        host=cand_host, tps=5250.0, tokens_per_step=cand_tokens, data_fingerprint=cand_data,
+                        software_fingerprint=cand_fp, lane_key=base.identity.lane_key, **common)
+    return [base, cand]
+
+
+def reasons(receipts: list[Receipt], policy: Policy) -> dict[str, str]:
+    blocks, refusals = match_blocks(receipts, policy)
+    return {r.block_id.split("/")[1]: r.reason for r in refusals} | {b.block_id.split("/")[1]: "matched"
+                                                                       for b in blocks}
+
+
+def test_a_clean_pair_matches(policy: Policy) -> None:
+    assert reasons(pair("b1"), policy) == {"b1": "matched"}
+
+
+def test_each_kind_of_mismatch_is_refused_with_a_clear_reason(policy: Policy) -> None:
+    lane = base_lane()
+    receipts = (pair("other-host", cand_host="node-1")
+                + pair("seq-len", cand_lane={**lane, "features.moe_dispatch": "jagged", "batch.seq_len": 128})
+                + pair("tokens", cand_tokens=2048) + pair("data", cand_data="data-2")
+                + pair("software", cand_fp="sw-2") + pair("same-order", cand_order=0, base_order=0)
+                + pair("not-tested-value", cand_lane={**lane, "features.moe_dispatch": "grouped_mm"})
+                + pair("orphan")[:1])
+    got = reasons(receipts, policy)
+    assert got["other-host"] == "arms differ in host: 'node-0' vs 'node-1'"
+    assert got["seq-len"] == ("lanes differ beyond the feature under test (features.moe_dispatch) at: "
+                              "batch.seq_len (64 vs 128)")
+    assert got["tokens"] == "different work: tokens_per_step 1024 vs 2048"
+    assert got["data"] == "different data: data_fingerprint 'data-1' vs 'data-2'"
+    assert got["software"] == "arms differ in software_fingerprint: 'sw-1' vs 'sw-2'"
+    assert got["same-order"].startswith("arm orders 0 and 0")
+    assert got["not-tested-value"] == ("candidate arm ran features.moe_dispatch='grouped_mm', not the tested "
+                                       "value 'jagged'")
+    assert got["orphan"].startswith("block has arm(s) baseline#0 only: its partner arm is missing")
+
+
+def test_refused_receipts_are_reported_and_never_counted(policy: Policy) -> None:
+    receipts = simulate(Sim(features=[moe(1.05)], noise=0.007, aa_per_host=2), 0)
+    extra = pair("stray", cand_host="node-9")
+    for r in extra:  # same lane key and round as the campaign, so only the host mismatch keeps it out
+        r.identity.lane_key = receipts[0].identity.lane_key
+    result = promote(receipts + extra, policy_path=policy, defaults_path=DEFAULTS)
+    v = result.verdicts[0]
+    assert v.n_blocks == 12 and "stray-a1" not in v.receipt_ids
+    assert [(r.block_id, r.receipt_ids) for r in result.refusals] == [("r1/stray", ("stray-a0", "stray-a1"))]
+    assert "arms differ in host: 'node-0' vs 'node-9'" in result.markdown
+    assert result.to_dict()["refusals"][0]["reason"] == "arms differ in host: 'node-0' vs 'node-9'"
+
+
+def test_a_lane_key_shared_by_different_lanes_is_refused(policy: Policy) -> None:
+    good = pair("b1") + pair("b2")
+    odd = pair("b3", cand_lane={**base_lane(**{"batch.micro_batch": 4}), "features.moe_dispatch": "jagged"})
+    odd[0].requested.lane["batch.micro_batch"] = 4  # a whole block on another lane, mislabelled with b1's key
+    got = reasons(good + odd, policy)
+    assert got["b1"] == got["b2"] == "matched"
+    assert "is shared with blocks whose baseline lane differs at batch.micro_batch" in got["b3"]
+
+
+def test_seed_is_a_replication_unit_not_a_lane_difference(policy: Policy) -> None:
+    a, b = pair("s1"), pair("s2")
+    for r in b:
+        r.requested.lane["seed"] = 7
+    assert reasons(a + b, policy) == {"s1": "matched", "s2": "matched"}
+    b[1].requested.lane["seed"] = 8  # but the two arms of one block must share it
+    assert "lanes differ beyond the feature under test" in reasons(a + b, policy)["s2"]
+
+
+def test_aborted_arms_and_disqualified_baselines_are_refused(policy: Policy) -> None:
+    aborted, bad_base = pair("ab"), pair("db")
+    aborted[1].identity.status = Status.aborted
+    bad_base[0].identity.status = Status.disqualified
+    got = reasons(aborted + bad_base, policy)
+    assert got["ab"] == "candidate arm #1 was aborted: neither evidence nor a failure"
+    assert got["db"] == "the baseline arm is disqualified (DISQUALIFIED): the block cannot measure anything"
+
+
+def _failed(receipt: Receipt, attempt: int, order: int) -> Receipt:
+    copy = receipt.model_copy(deep=True)
+    copy.identity.receipt_id = f"{receipt.identity.receipt_id}-t{attempt}"
+    copy.identity.attempt, copy.identity.order, copy.identity.status = attempt, order, Status.failed
+    copy.throughput.wall_tokens_per_s = None
+    return copy
+
+
+def test_a_retried_block_uses_its_last_attempt_and_keeps_the_failure(policy: Policy) -> None:
+    # The sweep retries whole blocks: attempt 0 stopped at the failed candidate (the baseline never ran).
+    base, cand = pair("rt")
+    for receipt in (base, cand):
+        receipt.identity.attempt = 1
+    blocks, refusals = match_blocks([_failed(cand, 0, 0), base, cand], policy)
+    assert refusals == [] and blocks[0].candidate.receipt_id == "rt-a1" and blocks[0].candidate.attempt == 1
+    assert blocks[0].earlier_failures == {"candidate": 1}
+
+
+def test_a_block_whose_retries_ran_out_is_a_candidate_loss(policy: Policy) -> None:
+    base, cand = pair("out")  # attempt 0: baseline fine, candidate failed; attempt 1: candidate failed first
+    blocks, refusals = match_blocks([base, _failed(cand, 0, 1), _failed(cand, 1, 0)], policy)
+    assert refusals == [] and blocks[0].baseline.receipt_id == "out-a0"
+    assert blocks[0].candidate.receipt_id == "out-a1-t1" and blocks[0].earlier_failures == {"candidate": 1}
+    assert blocks[0].log_ratio(policy.failures.failed_log_ratio) == policy.failures.failed_log_ratio

@@ -1,0 +1,46 @@
+"""Policy files hold every threshold; a typo or a missing key is refused, never defaulted in code."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from conftest import DEFAULT_POLICY, SINGLE_NODE_POLICY
+
+from ablate.promote import load_policy, with_overrides
+
+
+def test_shipped_policies_load_and_differ_only_where_documented() -> None:
+    default, single = load_policy(DEFAULT_POLICY), load_policy(SINGLE_NODE_POLICY)
+    assert default.ref == "default@1" and single.ref == "single_node@1"
+    assert (default.evidence.min_blocks, default.evidence.min_hosts, default.evidence.min_rounds) == (8, 3, 2)
+    assert default.threshold.min_speedup == 0.01 and default.consistency.min_win_fraction == 0.8
+    assert single.single_node and single.evidence.min_hosts == 1 and not single.consistency.leave_one_host_out
+    same = {f.name for f in dataclasses.fields(default)
+            if getattr(default, f.name) == getattr(single, f.name)}
+    assert {f.name for f in dataclasses.fields(default)} - same == {"name", "profile", "description", "evidence",
+                                                                   "consistency", "path"}
+
+
+def test_unknown_and_missing_keys_are_refused(tmp_path: Path) -> None:
+    text = DEFAULT_POLICY.read_text()
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(text.replace("  min_blocks: 8", "  min_block: 8"))
+    with pytest.raises(ValueError, match="evidence.min_block: unknown key"):
+        load_policy(typo)
+    missing = tmp_path / "missing.yaml"
+    missing.write_text(text.replace("  min_hosts: 3", ""))
+    with pytest.raises(ValueError, match="evidence.min_hosts: missing"):
+        load_policy(missing)
+
+
+def test_nonsense_values_are_refused() -> None:
+    policy = load_policy(DEFAULT_POLICY)
+    with pytest.raises(ValueError, match="multi_host profile needs >= 2 hosts"):
+        with_overrides(policy, {"evidence.min_hosts": 1})
+    with pytest.raises(ValueError, match="family_alpha"):
+        with_overrides(policy, {"family_alpha": 5})
+    with pytest.raises(ValueError, match="expected an integer"):
+        with_overrides(policy, {"evidence.min_blocks": 7.5})
+    assert with_overrides(policy, {"bootstrap.resamples": 500}).bootstrap.resamples == 500

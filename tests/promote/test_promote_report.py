@@ -1,0 +1,74 @@
+"""The PR body and the JSON carry the fields promotion-rule.md §6 asks for."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import DEFAULTS
+from promote_sim import FeatureTruth, Sim, moe, simulate
+
+from ablate.promote import Policy, PromotionResult, promote
+from ablate.promote import report as report_module
+
+QUIET = {"noise": 0.007, "aa_per_host": 2}
+
+
+@pytest.fixture(scope="module")
+def result(policy: Policy) -> PromotionResult:
+    features = [moe(1.05), FeatureTruth("mamba_scan", "chunked", "sequential", 1.0),
+                FeatureTruth("stp", "on", "off", 0.96)]
+    receipts = simulate(Sim(features=features, **QUIET), 0)
+    links = {r.identity.receipt_id: f"http://mlflow.local/#/runs/{r.identity.receipt_id}" for r in receipts}
+    bad = receipts[0].model_dump(mode="json")
+    bad["schema_version"] = "9.0.0"
+    return promote([*receipts, bad], policy_path=policy, defaults_path=DEFAULTS, run_links=links)
+
+
+def test_markdown_has_header_diff_rows_taxes_and_links(result: PromotionResult) -> None:
+    md = result.markdown
+    moe_v = next(v for v in result.verdicts if v.feature == "moe_dispatch")
+    assert md.startswith(f"## ablate promotion report `{result.report_id}`")
+    assert "**Campaign:** sim" in md and "`sim-r1`" in md and "`sim-r2`" in md
+    assert "**Git SHAs:** baseline `abc1234` · candidate `abc1234`" in md
+    assert "**Policy:** `default@1` (multi_host)" in md and "Holm over 2 feature × lane test(s)" in md
+    assert "| `moe_dispatch` | `padded` | `jagged` | global |" in md
+    assert "Rollback: set `features.moe_dispatch.value: padded`" in md
+    row = next(line for line in md.splitlines() if line.startswith("| `moe_dispatch`→`jagged`"))
+    assert "**PROMOTE**" in row and f"{moe_v.speedup:.3f}× [{moe_v.ci95[0]:.3f}, {moe_v.ci95[1]:.3f}]" in row
+    assert "12/3/1/2" in row and "100%" in row and "≤ 1.67× (E 40%)" in row  # Amdahl: 1 / (1 - 0.4)
+    held = next(line for line in md.splitlines() if line.startswith("| `mamba_scan`→`chunked`"))
+    assert "**REJECT**" in held and "no meaningful win" in held
+    assert "### Taxes (never promoted; opt-in only)" in md and "| `stp`→`on` |" in md and "within budget" in md
+    assert "](http://mlflow.local/#/runs/" in md  # MLflow links in the per-lane detail
+    assert "unknown major 9" in md  # invalid receipts are listed, not dropped silently
+
+
+def test_json_has_the_same_content(result: PromotionResult) -> None:
+    data = json.loads(result.to_json())
+    assert data["report_id"] == result.report_id and data["policy"]["ref"] == "default@1"
+    assert [(v["feature"], v["verdict"]) for v in data["verdicts"]] == [
+        (v.feature, v.verdict) for v in result.speed_verdicts]
+    moe_json = next(v for v in data["verdicts"] if v["feature"] == "moe_dispatch")
+    moe_v = next(v for v in result.verdicts if v.feature == "moe_dispatch")
+    assert moe_json["speedup"] == moe_v.speedup and moe_json["ci95"] == list(moe_v.ci95)
+    assert moe_json["amdahl"]["bound"] == pytest.approx(1 / 0.6) and "work" not in moe_json
+    assert data["taxes"][0]["feature"] == "stp" and data["taxes"][0]["within_budget"] is True
+    assert data["changes"][0]["evidence"][0]["report"] == result.report_id
+    assert data["lanes"][0]["calibration"]["num_blocks"] == 12  # 2 A/A per host x 3 hosts x 2 rounds
+    assert data["rejected_receipts"][0]["reason"].startswith("schema_version '9.0.0'")
+    assert len(data["run_links"]) == result.num_receipts
+
+
+def test_an_oversized_body_drops_lane_detail_first(result: PromotionResult, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(report_module, "MAX_MARKDOWN_CHARS", 4000)
+    md = result.markdown
+    assert "1 lane(s) omitted to stay under GitHub's PR body limit" in md and "<details>" not in md
+    assert "| `moe_dispatch`→`jagged`" in md  # the summary is never cut
+
+
+def test_report_id_is_stable_for_the_same_receipts(policy: Policy) -> None:
+    receipts = simulate(Sim(features=[moe(1.05)], **QUIET), 0)
+    a = promote(receipts, policy_path=policy, defaults_path=DEFAULTS)
+    b = promote(list(reversed(receipts)), policy_path=policy, defaults_path=DEFAULTS)
+    assert a.report_id == b.report_id and a.verdicts[0].speedup == b.verdicts[0].speedup

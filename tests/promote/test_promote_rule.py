@@ -1,0 +1,225 @@
+"""The rule on simulated campaigns with known truth (promotion-rule.md §5.5-5.7, §7)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from conftest import DEFAULTS
+from promote_sim import FeatureTruth, Sim, base_lane, moe, simulate
+
+from ablate.promote import HOLD, PROMOTE, REJECT, TAX_REPORTED, Policy, PromotionResult, promote, with_overrides
+from ablate.promote import analysis
+from ablate.promote.analysis import FeatureVerdict
+from ablate.receipts.schema import Code, Disqualifier, Receipt, Severity, Status
+
+QUIET = {"noise": 0.007, "aa_per_host": 2}
+
+
+def run(receipts: list[Receipt], policy: Policy, **kwargs: Any) -> PromotionResult:
+    return promote(receipts, policy_path=policy, defaults_path=DEFAULTS, **kwargs)
+
+
+def verdict_of(result: PromotionResult, feature: str = "moe_dispatch", value: Any = None) -> FeatureVerdict:
+    matches = [v for v in result.verdicts if v.feature == feature and (value is None or v.value == value)]
+    assert len(matches) == 1, [(v.feature, v.value) for v in result.verdicts]
+    return matches[0]
+
+
+def failing(v: FeatureVerdict) -> list[str]:
+    return [c.name for c in v.clauses if not c.passed]
+
+
+def candidates(receipts: list[Receipt]) -> list[Receipt]:
+    return [r for r in receipts if r.identity.arm.value == "candidate"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_real_five_percent_win_with_noise_is_promoted(policy: Policy, seed: int) -> None:
+    result = run(simulate(Sim(features=[moe(1.05)], **QUIET), seed), policy)
+    v = verdict_of(result)
+    assert v.verdict == PROMOTE, v.reason
+    assert 1.03 < v.speedup < 1.07 and v.ci95[0] <= v.speedup <= v.ci95[1]
+    assert v.lower_adj > 1 + v.delta and v.n_blocks == 12 and v.n_hosts == 3 and v.n_rounds == 2
+    assert [(c.feature, c.old, c.new, c.scope) for c in result.changes] == [("moe_dispatch", "padded", "jagged",
+                                                                             "global")]
+
+
+def test_aa_data_is_promoted_in_at_most_one_percent_of_200_campaigns(policy: Policy) -> None:
+    # No true difference, but host-correlated candidate noise (sd 1% per host, as in §7): the case where a
+    # block-level test promoted 12% of null features.
+    sim = Sim(features=[moe(1.0)], noise=0.007, host_arm_sd=0.01, aa_per_host=1)
+    verdicts = [verdict_of(run(simulate(sim, 1000 + seed), policy)).verdict for seed in range(200)]
+    assert verdicts.count(PROMOTE) <= 2, verdicts.count(PROMOTE)
+    assert verdicts.count(REJECT) > 100  # most nulls are positively rejected, not merely held
+
+
+def test_baseline_then_candidate_order_under_drift_is_caught(policy: Policy) -> None:
+    # The machine speeds up 4% within each block and every block runs the baseline first: a null feature looks
+    # 4% faster. A/A blocks were calibrated in a quiet window, so the noise floor does not absorb the drift.
+    sim = Sim(features=[moe(1.0)], noise=0.007, drift_second=0.04, order="baseline_first", drift_in_aa=False,
+              aa_per_host=2)
+    receipts = simulate(sim, 3)
+    v = verdict_of(run(receipts, policy))
+    assert v.verdict == HOLD and failing(v) == ["no_order_effect"]
+    assert "order was not randomised" in v.reason and v.order["candidate_first"] == 0
+    # Without the order clause the same data would be promoted: the check is what stops it.
+    lax = with_overrides(policy, {"order.require_both_orders": False})
+    assert verdict_of(run(receipts, lax)).verdict == PROMOTE
+
+
+def test_an_order_effect_between_mixed_orders_holds(policy: Policy) -> None:
+    sim = Sim(features=[moe(1.06)], noise=0.007, drift_second=0.04, order="alternate", drift_in_aa=False,
+              aa_per_host=2)
+    v = verdict_of(run(simulate(sim, 5), policy))
+    assert v.verdict == HOLD and failing(v) == ["no_order_effect"], v.reason
+    assert v.order["effect"] > 0.05  # baseline-first blocks look ~8% better than candidate-first ones
+
+
+def test_one_disqualified_candidate_arm_blocks_promotion(policy: Policy) -> None:
+    receipts = simulate(Sim(features=[moe(1.05)], **QUIET), 0)
+    assert verdict_of(run(receipts, policy)).verdict == PROMOTE
+    arm = candidates(receipts)[4]
+    arm.disqualifiers.append(Disqualifier(code=Code.BACKEND_FALLBACK, detail="grouped GEMM fell back to a loop"))
+    arm.identity.status = Status.disqualified
+    v = verdict_of(run(receipts, policy))
+    assert v.verdict == REJECT and "BACKEND_FALLBACK x1" in v.reason
+    assert v.gated_disqualifiers == {"BACKEND_FALLBACK": 1} and v.n_blocks == 11  # never counted as a ratio
+
+
+def test_a_warning_disqualifier_is_counted_but_does_not_gate(policy: Policy) -> None:
+    receipts = simulate(Sim(features=[moe(1.05)], **QUIET), 0)
+    candidates(receipts)[0].disqualifiers.append(Disqualifier(code=Code.INSUFFICIENT_STEADY_STEPS,
+                                                              severity=Severity.warn))
+    v = verdict_of(run(receipts, policy))
+    assert v.verdict == PROMOTE and v.disqualifiers["candidate"] == {"INSUFFICIENT_STEADY_STEPS": 1}
+
+
+def test_a_new_graph_break_in_the_candidate_rejects(policy: Policy) -> None:
+    receipts = simulate(Sim(features=[moe(1.05)], **QUIET), 0)
+    candidates(receipts)[2].observed.compile.graph_breaks = 2
+    v = verdict_of(run(receipts, policy))
+    assert v.verdict == REJECT and failing(v) == ["exact_counters"] and "graph_breaks 2 > baseline 0" in v.reason
+
+
+def test_an_inert_toggle_is_refused(policy: Policy) -> None:
+    # A MoE toggle in a lane without E blocks cannot act: even a (spurious) 5% "win" is never counted.
+    sim = Sim(features=[moe(1.05)], lane=base_lane(**{"model.pattern": "AMR"}),
+              layer_counts={"A": 1, "E": 0, "M": 1, "R": 1}, **QUIET)
+    receipts = simulate(sim, 0)
+    v = verdict_of(run(receipts, policy))
+    assert v.verdict == REJECT and failing(v) == ["not_inert"] and "no E" in v.reason
+
+
+def test_inert_check_falls_back_to_layer_counts(policy: Policy, monkeypatch: pytest.MonkeyPatch) -> None:
+    # When the registry cannot type the lane (e.g. the model package is absent), the receipt's facts decide.
+    def broken(lane_json: str) -> None:
+        raise ImportError("trainers.model.pattern")
+
+    monkeypatch.setattr(analysis, "_lane_config", broken)
+    sim = Sim(features=[moe(1.05)], layer_counts={"A": 1, "E": 0, "M": 1, "R": 1}, **QUIET)
+    v = verdict_of(run(simulate(sim, 0), policy))
+    assert v.verdict == REJECT and "layer counts" in v.reason and "no E blocks" in v.reason
+
+
+def test_an_inert_toggle_disqualifier_is_refused(policy: Policy) -> None:
+    receipts = simulate(Sim(features=[moe(1.05)], **QUIET), 0)
+    candidates(receipts)[0].disqualifiers.append(Disqualifier(code=Code.INERT_TOGGLE, detail="no E blocks"))
+    v = verdict_of(run(receipts, policy))
+    assert v.verdict == REJECT and v.reason.startswith("INERT_TOGGLE disqualifier on 1 candidate arm")
+
+
+@pytest.mark.parametrize(("ratio", "within"), [(1.06, True), (0.95, True), (0.85, False)])
+def test_a_tax_is_reported_never_promoted(policy: Policy, ratio: float, within: bool) -> None:
+    stp = FeatureTruth("stp", "on", "off", ratio)
+    result = run(simulate(Sim(features=[stp], **QUIET), 1), policy)
+    v = verdict_of(result, "stp")
+    assert v.verdict == TAX_REPORTED and result.changes == [] and result.holm_family == 0
+    assert v.ci95[0] < ratio * 1.02 and v.ci95[1] > ratio * 0.98  # two-sided interval around the true cost
+    assert v.budget == 0.10 and v.within_budget is within
+    assert ("over budget" in v.reason) is (not within)
+
+
+def test_a_changed_software_fingerprint_restarts_the_round_count(policy: Policy) -> None:
+    two = simulate(Sim(features=[moe(1.05)], fingerprints=["sw-1", "sw-2"], **QUIET), 0)
+    v = verdict_of(run(two, policy))
+    assert v.verdict == HOLD and failing(v) == ["enough_evidence"]
+    assert "1 counted round(s) < 2 (software fingerprint changed: count restarted)" in v.reason
+    assert v.superseded == {"blocks": 6, "fingerprints": ["sw-1"], "rounds": ["sim-r1"]} and v.n_blocks == 6
+    three = simulate(Sim(features=[moe(1.05)], rounds=3, fingerprints=["sw-1", "sw-2", "sw-2"], **QUIET), 0)
+    v = verdict_of(run(three, policy))
+    assert v.verdict == PROMOTE and v.software_fingerprint == "sw-2" and v.n_rounds == 2
+
+
+def test_failed_candidate_arms_count_as_losses(policy: Policy) -> None:
+    receipts = simulate(Sim(features=[moe(1.05)], **QUIET), 0)
+    for arm in candidates(receipts)[:3]:  # what trainers/receipt.py records for a crashed arm
+        arm.identity.status = Status.failed
+        arm.throughput.wall_tokens_per_s = None
+        arm.disqualifiers += [Disqualifier(code=Code.OOM), Disqualifier(code=Code.ARM_FAILED),
+                              Disqualifier(code=Code.INSUFFICIENT_STEADY_STEPS)]
+    v = verdict_of(run(receipts, policy))
+    assert v.gated_disqualifiers == {}  # a failure is a loss and a failure-rate fact, not a gate
+    assert v.failures["candidate"] == {"failed": 3, "arms": 12} and v.n_blocks == 12
+    assert v.verdict in (HOLD, REJECT) and v.win_fraction == pytest.approx(0.75)
+    assert {"failure_rate", "not_flaky"} & set(failing(v))
+
+
+def test_a_nan_in_a_failed_candidate_still_gates(policy: Policy) -> None:
+    receipts = simulate(Sim(features=[moe(1.05)], **QUIET), 0)
+    arm = candidates(receipts)[0]
+    arm.identity.status = Status.failed
+    arm.disqualifiers += [Disqualifier(code=Code.NONFINITE_LOSS), Disqualifier(code=Code.ARM_FAILED)]
+    v = verdict_of(run(receipts, policy))
+    assert v.verdict == REJECT and v.gated_disqualifiers == {"NONFINITE_LOSS": 1}
+
+
+def test_worse_quality_is_rejected(policy: Policy) -> None:
+    v = verdict_of(run(simulate(Sim(features=[moe(1.05, loss_effect=0.05)], **QUIET), 0), policy))
+    assert v.verdict == REJECT and failing(v) == ["quality_not_worse"] and v.loss_delta == pytest.approx(0.05, 0.2)
+
+
+def test_a_suspicious_win_needs_a_confirming_round(policy: Policy) -> None:
+    v = verdict_of(run(simulate(Sim(features=[moe(1.6)], **QUIET), 0), policy))
+    assert v.verdict == HOLD and v.suspicious and failing(v) == ["not_suspicious"]
+    assert "needs a confirming round (2 of 3 rounds)" in v.reason
+    v = verdict_of(run(simulate(Sim(features=[moe(1.6)], rounds=3, **QUIET), 0), policy))
+    assert v.verdict == PROMOTE and v.suspicious
+
+
+def test_the_better_of_two_promoted_values_wins(policy: Policy) -> None:
+    features = [moe(1.08), FeatureTruth("moe_dispatch", "grouped_mm", "padded", 1.05)]
+    result = run(simulate(Sim(features=features, **QUIET), 0), policy)
+    jagged, grouped = verdict_of(result, value="jagged"), verdict_of(result, value="grouped_mm")
+    assert jagged.verdict == PROMOTE and grouped.verdict == HOLD and "'jagged' also promoted" in grouped.reason
+    assert [c.new for c in result.changes] == ["jagged"]
+
+
+def test_a_baseline_that_is_no_longer_the_default_holds(policy: Policy) -> None:
+    # Evidence measured against a stale baseline must not flip the current default.
+    stale = FeatureTruth("mamba_scan", "mamba_ssm", "chunked", 1.05)
+    lane = base_lane(**{"features.mamba_scan": "chunked"})
+    v = verdict_of(run(simulate(Sim(features=[stale], lane=lane, **QUIET), 0), policy), "mamba_scan")
+    assert v.verdict == HOLD and failing(v) == ["baseline_is_default"]
+
+
+def test_single_node_profile_allows_one_host_and_says_block_bootstrap(policy: Policy,
+                                                                      single_node_policy: Policy) -> None:
+    receipts = simulate(Sim(features=[moe(1.05)], hosts=1, blocks_per_host=6, aa_per_host=4, noise=0.007), 0)
+    v = verdict_of(run(receipts, policy))
+    assert v.verdict == HOLD and "1 host(s) < 3" in v.reason
+    result = run(receipts, single_node_policy)
+    v = verdict_of(result)
+    assert v.verdict == PROMOTE and v.bootstrap_unit == "block"
+    assert "Single-node profile" in result.markdown and "block bootstrap" in result.markdown
+    assert result.changes[0].evidence[0]["bootstrap"] == "block"
+
+
+def test_holm_counts_every_speed_test_in_the_campaign(policy: Policy) -> None:
+    features = [moe(1.05), FeatureTruth("mamba_scan", "chunked", "sequential", 1.0),
+                FeatureTruth("fused_residual", "on", "off", 1.0), FeatureTruth("stp", "on", "off", 0.97)]
+    result = run(simulate(Sim(features=features, **QUIET), 0), policy)
+    assert result.holm_family == 3  # taxes are not promotion tests
+    moe_v = verdict_of(result)
+    assert moe_v.alpha_adj in (pytest.approx(0.05 / 3), pytest.approx(0.05 / 2), pytest.approx(0.05))
+    assert moe_v.p_holm >= moe_v.p_raw
