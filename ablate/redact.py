@@ -1,49 +1,70 @@
 """Secret hygiene shared by every place that writes outside the process (receipts, MLflow, logs, the CLI).
 
 Two rules: environment variables reach a receipt only through an allowlist, and anything that looks like a
-secret (by name, or a URI carrying ``user:password@``) is redacted even when allowlisted.
+secret (by name, or credentials inside a URI) is redacted even when allowlisted. Free text (error messages,
+log lines) gets a last pass that removes the values of secret-named variables wherever they appear.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import os
 import re
-from typing import Mapping
+from typing import Mapping, Optional
 
-REDACTED = "***"
+REDACTED = "<redacted>"
 
-ENV_ALLOWLIST_PREFIXES = ("CUDA_", "NCCL_", "TORCH_", "TORCHINDUCTOR_", "PYTORCH_", "OMP_", "MKL_", "KMP_",
-                          "TRITON_", "DS_", "RAY_", "MLFLOW_", "ABLATE_", "NVIDIA_", "GLOO_")
-ENV_ALLOWLIST_EXACT = frozenset({"WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT"})
-SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|KEY|CREDENTIAL|AUTH|COOKIE|SIGNATURE|SESSION)",
-                         re.IGNORECASE)
-_URI_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<pw>[^@/\s]*)@")
-_QUERY_SECRET = re.compile(r"(?P<k>[?&](?:token|access_token|key|apikey|api_key|password|secret|sig|signature)=)"
-                           r"(?P<v>[^&\s]+)", re.IGNORECASE)
+ENV_ALLOWLIST: tuple[str, ...] = (
+    "CUDA_*", "NCCL_*", "NVIDIA_*", "CUBLAS_*", "CUDNN_*", "PYTORCH_*", "TORCH_*", "TORCHINDUCTOR_*",
+    "TORCHDYNAMO_*", "TRITON_*", "OMP_NUM_THREADS", "OMP_PROC_BIND", "OMP_PLACES", "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS", "KMP_*", "GLOO_*", "DS_*", "DEEPSPEED_*", "RAY_TRAIN_*", "MLFLOW_TRACKING_URI",
+    "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT", "ABLATE_*",
+)
+"""Glob patterns of variable names that describe the runtime. Anything else never reaches a receipt."""
+
+SECRET_NAME_PATTERNS: tuple[str, ...] = ("*TOKEN*", "*SECRET*", "*PASSWORD*", "*PASSWD*", "*KEY*", "*CREDENTIAL*",
+                                         "*AUTH*", "*COOKIE*", "*SESSION*")
+"""A name matching one of these keeps its name in the receipt but never its value."""
+
+_URI_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^/@\s]+)@")
+_SECRET_QUERY = re.compile(
+    r"(?i)([?&][^=&\s]*(?:token|key|secret|password|passwd|signature|credential|auth)[^=&\s]*=)[^&\s]+")
 
 
-def redact_uri(text: str) -> str:
-    """Mask ``user:password@`` in URIs and secret-looking query parameters."""
-    text = _URI_USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:{REDACTED}@", text)
-    return _QUERY_SECRET.sub(lambda m: f"{m['k']}{REDACTED}", text)
+def _matches(name: str, patterns: tuple[str, ...]) -> bool:
+    upper = name.upper()
+    return any(fnmatch.fnmatchcase(upper, pattern) for pattern in patterns)
 
 
 def is_secret_name(name: str) -> bool:
-    return bool(SECRET_NAME.search(name))
+    return _matches(name, SECRET_NAME_PATTERNS)
 
 
-def safe_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """The allowlisted part of an environment, with secret-named values and URI passwords masked."""
-    kept: dict[str, str] = {}
-    for name, value in sorted(environ.items()):
-        if not (name.startswith(ENV_ALLOWLIST_PREFIXES) or name in ENV_ALLOWLIST_EXACT):
-            continue
-        kept[name] = REDACTED if is_secret_name(name) else redact_uri(value)
-    return kept
+def redact_uri(value: str) -> str:
+    """Strip credentials embedded in a value: ``scheme://user:pw@host`` and ``?token=...`` query parameters."""
+    value = _URI_USERINFO.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", value)
+    return _SECRET_QUERY.sub(lambda m: f"{m.group(1)}{REDACTED}", value)
 
 
-def scrub(text: str, environ: Mapping[str, str]) -> str:
-    """Replace any secret value from ``environ`` that appears verbatim in ``text`` (log lines, error messages)."""
+def redact_text(text: str, environ: Optional[Mapping[str, str]] = None) -> str:
+    """Redact free text (an error message, a log line) of URI credentials and the values of secret variables.
+
+    Error messages can quote a URI or an environment value verbatim; this is the last line of defence.
+    """
+    text = redact_uri(text)
+    environ = os.environ if environ is None else environ
     for name, value in environ.items():
-        if is_secret_name(name) and len(value) >= 6:
+        if len(value) >= 6 and is_secret_name(name) and value in text:
             text = text.replace(value, REDACTED)
-    return redact_uri(text)
+    return text
+
+
+def capture_env(environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """Allowlisted runtime variables with secret names and embedded credentials redacted."""
+    environ = os.environ if environ is None else environ
+    captured: dict[str, str] = {}
+    for name in sorted(environ):
+        if not _matches(name, ENV_ALLOWLIST):
+            continue
+        captured[name] = REDACTED if is_secret_name(name) else redact_uri(environ[name])
+    return captured

@@ -42,6 +42,9 @@ def _field_type(schema: Any, full_key: str) -> Any:
     """The annotated type of a dotted key inside a dataclass schema (None when the path leaves the schema)."""
     node: Any = schema
     for part in [p for p in full_key.split(".") if p]:
+        if typing.get_origin(node) is dict:
+            node = typing.get_args(node)[1]
+            continue
         if not dataclasses.is_dataclass(node):
             return None
         hints = typing.get_type_hints(node)
@@ -59,6 +62,8 @@ def _allowed_for(schema: Any, full_key: str) -> str:
         return "one of " + ", ".join(m.value for m in ref_type)
     if ref_type is None:
         return "see the schema in ablate/config/schema.py"
+    if typing.get_origin(ref_type) is list:
+        return "a non-empty list of candidate values"
     name = getattr(ref_type, "__name__", None) or str(ref_type).replace("typing.", "")
     return f"a value of type {name}"
 

@@ -23,6 +23,10 @@ class ConfigError(ValueError):
         self.key, self.value, self.allowed = key, value, allowed
         super().__init__(f"{key}: got {value!r}; allowed: {allowed}")
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickle by the constructor's arguments: Ray ships exceptions between processes.
+        return (type(self), (self.key, self.value, self.allowed))
+
 
 def _positive(key: str, value: float) -> None:
     if value <= 0:

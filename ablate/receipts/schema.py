@@ -16,7 +16,9 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-SCHEMA_VERSION = "1.0.0"
+SCHEMA_VERSION = "1.1.0"
+"""1.1 (additive, all optional): CompileRecord.recompile_reasons, Observed.engine, TimeAccounting.detail,
+Receipt.family_share_method; StepStats.loss_series entries may be null (non-finite)."""
 SUPPORTED_MAJORS = frozenset({1})
 TIME_TOLERANCE = 0.01
 """Goodput plus badput must equal wall time within 1% (plus a 50 ms floor for very short arms)."""
@@ -138,6 +140,8 @@ class CompileRecord(_Model):
     graph_break_reasons: list[str] = Field(default_factory=list)
     recompiles: Optional[int] = None
     recompiles_in_steady_state: Optional[int] = None
+    recompile_reasons: list[str] = Field(default_factory=list)
+    """dynamo's recompile_reason per recompile (a size mismatch there is a batch-geometry change)."""
     compile_time_s: Optional[float] = None
     cache_hits: Optional[int] = None
     cache_misses: Optional[int] = None
@@ -150,6 +154,8 @@ class Observed(_Model):
     compile: CompileRecord
     tokens_per_step: Optional[int] = None
     """Tokens per optimizer step as observed (differs from requested only on geometry drift)."""
+    engine: dict[str, Any] = Field(default_factory=dict)
+    """Effective engine settings as resolved (e.g. DeepSpeed's ZeRO stage, the process-group backend)."""
 
 
 class TimeAccounting(_Model):
@@ -158,6 +164,8 @@ class TimeAccounting(_Model):
     badput_s: dict[str, float]
     """Every category of BADPUT_CATEGORIES plus ``other`` (the non-negative remainder)."""
     goodput_fraction: float
+    detail: dict[str, float] = Field(default_factory=dict)
+    """Informational split of ``badput_s.other`` (family_sampling, restart, teardown, unattributed); not summed."""
 
 
 class StepStats(_Model):
@@ -175,7 +183,8 @@ class StepStats(_Model):
     first_step_s: Optional[float] = None
     series: list[float] = Field(default_factory=list)
     """Every measured step's wall time, in order (for per-step charts)."""
-    loss_series: list[float] = Field(default_factory=list)
+    loss_series: list[Optional[float]] = Field(default_factory=list)
+    """Loss per budget step; null where it was not finite."""
 
 
 class Throughput(_Model):
@@ -222,6 +231,8 @@ class Receipt(_Model):
     memory: Memory
     family_share: dict[str, Optional[float]]
     """Fraction of step time in A/E/M/R blocks (sampled); families absent from the pattern are None."""
+    family_share_method: Optional[str] = None
+    """hooks (timed on the blocks that ran) or eager_proxy (whole-model compile: sampled steps ran eager)."""
     quality: Quality
     disqualifiers: list[Disqualifier] = Field(default_factory=list)
     error: Optional[ErrorInfo] = None

@@ -1,0 +1,226 @@
+"""One-worker arms end to end, each in a fresh process (the subprocess executor): a valid receipt whose time
+adds up, what it records, and every disqualifier provoked by a real arm. The arms run two at a time."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from ablate.receipts.schema import BADPUT_CATEGORIES, Receipt, Status, validate_receipt
+from ablate.receipts.store import load_receipts
+from trainer_helpers import CORPUS, make_spec, tiny_lane
+from trainers import run_arm
+from trainers.data import TextSource
+from trainers.provenance import REDACTED
+
+SECRETS = {
+    "TORCH_HUB_TOKEN": "hf_planted_token_7c1e9",
+    "NCCL_IB_SECRET_KEY": "nccl-planted-secret-31ab",
+    "MLFLOW_TRACKING_URI": "https://alice:planted-pa55w0rd@mlflow.example:5000",
+    "AWS_SECRET_ACCESS_KEY": "aws-planted-secret-0d9f",
+    "NCCL_DEBUG": "WARN",
+}
+SECRET_VALUES = ("hf_planted_token_7c1e9", "nccl-planted-secret-31ab", "planted-pa55w0rd", "aws-planted-secret-0d9f")
+COMPILE_FAST = {"compile_backend": "eager"}  # dynamo traces and counts as with inductor, without C++ codegen
+
+
+@pytest.fixture(scope="module")
+def receipt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("arms") / "receipts"
+
+
+@pytest.fixture(scope="module")
+def arms(receipt_dir: Path) -> dict[str, Receipt]:
+    plans = {
+        # Orchestrator clock 1000 s ahead of the worker's: first in the queue so it is still "in the future".
+        "raise_skewed": (make_spec(tiny_lane(), receipt_dir, inject={"raise_at_step": 1},
+                                   scheduled_at=time.time() + 1000), {}),
+        "valid": (make_spec(tiny_lane(model={"pattern": "AEM"}, data={"source": "text", "path": str(CORPUS)}),
+                            receipt_dir), {}),
+        "disqualified": (make_spec(tiny_lane(features={"moe_dispatch": "grouped_mm"},
+                                             hardware={"device": "cuda", "cpu_fallback": True},
+                                             budget={"min_steady_steps": 50}), receipt_dir,
+                                   feature="bucket_cap_mb"), {}),
+        "nan": (make_spec(tiny_lane(), receipt_dir, inject={"nan_at_step": 2}), {}),
+        "oom": (make_spec(tiny_lane(), receipt_dir, inject={"oom_at_step": 1}), {}),
+        "killed": (make_spec(tiny_lane(), receipt_dir, inject={"kill_at_step": 2}), {"max_failures": 1}),
+        "killed_for_good": (make_spec(tiny_lane(), receipt_dir, inject={"kill_at_step": 1}), {"max_failures": 0}),
+        "whole_broken": (make_spec(tiny_lane(compile={"posture": "whole"}), receipt_dir,
+                                   inject={**COMPILE_FAST, "graph_break": True, "geometry_change_at_step": 3}), {}),
+        "regional": (make_spec(tiny_lane(compile={"posture": "regional"}), receipt_dir, inject=COMPILE_FAST), {}),
+    }
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in SECRETS.items():
+            patch.setenv(name, value)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            futures = {name: pool.submit(run_arm, spec, **kwargs) for name, (spec, kwargs) in plans.items()}
+            return {name: future.result() for name, future in futures.items()}
+
+
+def _codes(receipt: Receipt) -> set[str]:
+    return receipt.codes()
+
+
+def _time_sum(receipt: Receipt) -> float:
+    return receipt.time.goodput_s + sum(receipt.time.badput_s.values())
+
+
+def test_valid_arm_validates_and_its_time_adds_up(arms: dict[str, Receipt], receipt_dir: Path) -> None:
+    receipt = arms["valid"]
+    assert receipt.identity.status is Status.valid, receipt.disqualifiers
+    assert receipt.disqualifiers == []
+    validate_receipt(json.loads(receipt.model_dump_json()))
+    assert receipt.identity.executor == "subprocess" and receipt.identity.attempt == 0
+    assert set(receipt.time.badput_s) == {*BADPUT_CATEGORIES, "other"}
+    assert abs(_time_sum(receipt) - receipt.time.wall_s) <= 0.01 * receipt.time.wall_s
+    assert all(value >= 0 for value in receipt.time.badput_s.values())
+    assert receipt.time.goodput_s > 0 and receipt.time.badput_s["startup"] > 0
+    assert receipt.time.badput_s["compile_warmup"] > 0          # the explicit warmup step
+    # 1 explicit warmup step + 6 budget steps, the last one sampled for family share -> 5 steady.
+    assert (receipt.steps.total, receipt.steps.warmup, receipt.steps.steady) == (7, 1, 5)
+    assert len(receipt.steps.series) == 6 and len(receipt.steps.loss_series) == 6
+    assert all(v is not None and math.isfinite(v) for v in receipt.steps.loss_series)
+    assert receipt.steps.p50_s is not None and receipt.steps.p90_s >= receipt.steps.p50_s
+    assert receipt.steps.ideal_s is not None and 0 < receipt.steps.time_to_first_step_s < receipt.time.wall_s
+    assert receipt.throughput.tokens == 6 * 64
+    assert receipt.throughput.wall_tokens_per_s == pytest.approx(receipt.throughput.tokens / receipt.time.wall_s)
+    assert receipt.throughput.steady_tokens_per_s > receipt.throughput.wall_tokens_per_s
+    assert receipt.throughput.mfu is None and receipt.throughput.peak_flops is None   # CPU: peak unknown
+    assert receipt.quality.loss_final is not None and math.isfinite(receipt.quality.loss_final)
+    on_disk = receipt_dir / f"{receipt.identity.receipt_id}.json"
+    assert json.loads(on_disk.read_text())["identity"]["receipt_id"] == receipt.identity.receipt_id
+
+
+def test_valid_arm_records_requested_and_observed_facts(arms: dict[str, Receipt]) -> None:
+    receipt = arms["valid"]
+    requested = receipt.requested
+    assert requested.lane["model.pattern"] == "AEM" and requested.lane["features.moe_dispatch"] == "padded"
+    assert requested.layer_counts == {"A": 1, "M": 1, "E": 1, "R": 0}
+    assert requested.params_total > requested.params_active > 0
+    assert (requested.tokens_per_step, requested.world_size, requested.device) == (64, 1, "auto")
+    assert requested.data_fingerprint == TextSource(str(CORPUS), seed=0, vocab_size=256).fingerprint
+    hardware = receipt.observed.hardware
+    assert hardware["kind"] == "cpu" and hardware["torch_threads"] == 1 and hardware["logical_cpus"] >= 1
+    moe = [b for b in receipt.observed.backends if b.op == "moe"]
+    assert moe and moe[0].requested == moe[0].observed == "padded"
+    compile_record = receipt.observed.compile
+    assert (compile_record.posture_requested, compile_record.posture_observed) == ("eager", "eager")
+    assert compile_record.warmup_resolved == "explicit" and "not CUDA" in compile_record.warmup_reason
+    assert receipt.observed.engine["engine"] == "ddp" and receipt.observed.engine["bucket_cap_mb"] is None
+    assert receipt.memory.kind == "cpu" and receipt.memory.peak_rss_bytes > 50 * 2 ** 20
+    share = receipt.family_share
+    assert share["R"] is None                                  # no R block in the pattern
+    assert all(0 < share[f] < 1 for f in "AEM") and sum(share[f] for f in "AEM") <= 1.0
+    assert receipt.family_share_method == "hooks"
+    assert receipt.identity.software["torch"] and len(receipt.identity.software_fingerprint) == 16
+    assert receipt.identity.config_hash and receipt.identity.host and receipt.identity.pid
+
+
+def test_secrets_never_reach_a_receipt(arms: dict[str, Receipt], receipt_dir: Path) -> None:
+    assert arms["valid"].env["NCCL_DEBUG"] == "WARN"
+    assert arms["valid"].env["TORCH_HUB_TOKEN"] == REDACTED
+    assert "AWS_SECRET_ACCESS_KEY" not in arms["valid"].env
+    assert arms["valid"].env["MLFLOW_TRACKING_URI"] == f"https://{REDACTED}@mlflow.example:5000"
+    texts = [r.model_dump_json() for r in arms.values()] + [p.read_text() for p in receipt_dir.glob("*.json")]
+    for text in texts:
+        for secret in SECRET_VALUES:
+            assert secret not in text
+
+
+def test_receipts_on_disk_load_and_no_scratch_is_left(arms: dict[str, Receipt], receipt_dir: Path) -> None:
+    loaded, rejected = load_receipts(receipt_dir)
+    ids = {r.identity.receipt_id for r in loaded}
+    # Everything loads except the skewed arm, whose time cannot add up (it is failed, so it still validates).
+    assert {r.identity.receipt_id for r in arms.values()} == ids and rejected == []
+    assert not (receipt_dir / ".work").exists()
+
+
+@pytest.mark.parametrize(("arm", "code"), [
+    ("disqualified", "BACKEND_FALLBACK"),
+    ("disqualified", "HARDWARE_MISMATCH"),
+    ("disqualified", "INERT_TOGGLE"),
+    ("disqualified", "INSUFFICIENT_STEADY_STEPS"),
+    ("whole_broken", "GRAPH_BREAK"),
+    ("whole_broken", "RECOMPILE_IN_STEADY_STATE"),
+    ("whole_broken", "BATCH_GEOMETRY_CHANGED"),
+    ("nan", "NONFINITE_LOSS"),
+    ("oom", "OOM"),
+    ("raise_skewed", "ARM_FAILED"),
+    ("raise_skewed", "TIME_ACCOUNTING_VIOLATION"),
+])
+def test_each_disqualifier_is_provoked(arms: dict[str, Receipt], arm: str, code: str) -> None:
+    receipt = arms[arm]
+    assert code in _codes(receipt), (arm, [d.model_dump() for d in receipt.disqualifiers])
+    for other in ("valid", "regional", "killed"):
+        assert code not in _codes(arms[other])
+
+
+def test_lane_fact_disqualifiers_carry_their_evidence(arms: dict[str, Receipt]) -> None:
+    receipt = arms["disqualified"]
+    assert receipt.identity.status is Status.disqualified
+    validate_receipt(json.loads(receipt.model_dump_json()))      # disqualified, but its time still adds up
+    moe = next(b for b in receipt.observed.backends if b.op == "moe")
+    assert (moe.requested, moe.observed) == ("grouped_mm", "jagged") and "CUTLASS" in moe.reason
+    assert receipt.requested.device == "cuda" and receipt.observed.hardware["kind"] == "cpu"
+    detail = {d.code.value: d.detail for d in receipt.disqualifiers}
+    assert "one worker" in detail["INERT_TOGGLE"] and "50" in detail["INSUFFICIENT_STEADY_STEPS"]
+
+
+def test_compile_disqualifiers_carry_their_evidence(arms: dict[str, Receipt]) -> None:
+    receipt = arms["whole_broken"]
+    compile_record = receipt.observed.compile
+    assert compile_record.posture_observed == "whole" and compile_record.graph_breaks >= 1
+    assert any("graph_break" in reason for reason in compile_record.graph_break_reasons)
+    assert compile_record.recompiles_in_steady_state >= 1
+    assert any("size mismatch" in reason for reason in compile_record.recompile_reasons)
+    assert receipt.observed.tokens_per_step == 32                 # seq_len halved from step 3
+    assert receipt.time.badput_s["recompile"] > 0
+    assert receipt.family_share_method == "eager_proxy"
+    assert receipt.identity.status is Status.disqualified
+
+
+def test_regional_compile_arm_is_clean(arms: dict[str, Receipt]) -> None:
+    receipt = arms["regional"]
+    compile_record = receipt.observed.compile
+    assert receipt.identity.status is Status.valid, receipt.disqualifiers
+    assert compile_record.posture_observed == "regional"
+    assert compile_record.unique_graphs == 4                      # one graph per block family
+    assert compile_record.graph_breaks == 0 and compile_record.recompiles_in_steady_state == 0
+    assert compile_record.compile_time_s > 0 and receipt.time.badput_s["compile_warmup"] > 0
+    assert all(receipt.family_share[f] is not None and receipt.family_share[f] > 0 for f in "AEMR")
+
+
+def test_failed_arms_keep_their_cause_and_measurements(arms: dict[str, Receipt]) -> None:
+    nan = arms["nan"]
+    assert nan.identity.status is Status.failed and "ARM_FAILED" in _codes(nan)
+    assert next(d for d in nan.disqualifiers if d.code.value == "NONFINITE_LOSS").step == 2
+    assert len(nan.steps.loss_series) == 3 and nan.steps.loss_series[2] is None   # stopped at the bad step
+    oom = arms["oom"]
+    assert oom.identity.status is Status.failed and oom.error is not None and oom.error.type == "OutOfMemoryError"
+    skewed = arms["raise_skewed"]
+    assert skewed.identity.status is Status.failed and "injected failure" in skewed.error.message
+    for receipt in (nan, oom, skewed):
+        validate_receipt(json.loads(receipt.model_dump_json()))   # failed receipts are kept, not rejected
+
+
+def test_killed_worker_is_relaunched_and_the_receipt_says_so(arms: dict[str, Receipt]) -> None:
+    receipt = arms["killed"]
+    assert receipt.identity.status is Status.valid and receipt.identity.attempt == 1
+    assert receipt.time.detail["restart"] > 0                     # the killed attempt's time, billed in other
+    assert len(receipt.steps.series) == 6
+    assert abs(_time_sum(receipt) - receipt.time.wall_s) <= 0.01 * receipt.time.wall_s
+
+
+def test_a_worker_that_dies_for_good_still_leaves_a_failed_receipt(arms: dict[str, Receipt]) -> None:
+    receipt = arms["killed_for_good"]
+    assert receipt.identity.status is Status.failed and receipt.identity.attempt == 0
+    assert receipt.error is not None and receipt.error.type == "WorkerDied" and "signal 9" in receipt.error.message
+    assert "ARM_FAILED" in _codes(receipt) and receipt.steps.total == 0
+    assert receipt.requested.layer_counts == {"A": 1, "M": 1, "E": 1, "R": 1}    # from the pattern, no worker
+    assert receipt.time.badput_s["queue_wait"] >= 0 and receipt.time.detail["restart"] > 0
+    validate_receipt(json.loads(receipt.model_dump_json()))

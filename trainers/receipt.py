@@ -1,0 +1,254 @@
+"""Assemble an arm's receipt from the worker's result and the executor's stamps; compute its disqualifiers.
+
+How to use: ``build_receipt(spec, result, launch)`` where ``result`` may be None (the worker never returned:
+SIGKILL with no retry left, a worker group that failed to start). Every disqualifier is derived from measured
+facts here, never typed in by a caller; ``status`` follows from them: failed (the arm did not finish its budget),
+disqualified (a fatal disqualifier), valid.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ablate.config.features import FEATURES
+from ablate.config.load import flatten, lane_to_dict
+from ablate.receipts.schema import (FAMILIES, ArmRole, BackendRecord, Code, CompileRecord, Disqualifier, ErrorInfo,
+                                    Identity, Memory, Observed, Quality, Receipt, Requested, Severity, Status,
+                                    StepStats, Throughput, TimeAccounting)
+from trainers.goodput import Accounting, LoopSummary, account_time, step_statistics
+from ablate.redact import capture_env, redact_text
+from trainers.provenance import software_fingerprint, software_versions
+from trainers.result import Geometry, WorkerResult
+from trainers.spec import ArmSpec
+
+PEAK_BF16_FLOPS: tuple[tuple[tuple[str, ...], float], ...] = (
+    (("H100", "NVL"), 835e12), (("H100", "PCIE"), 756e12), (("H100",), 989e12), (("H200",), 989e12),
+    (("GB200",), 2.5e15), (("B200",), 2.25e15), (("A100",), 312e12), (("MI300X",), 1300e12),
+)
+"""Dense bf16 peak per device (torchtitan get_peak_flops); the first entry whose words all appear wins."""
+
+
+@dataclass
+class LaunchInfo:
+    """What the executor saw, in ``time.time()`` stamps on the orchestrator side."""
+
+    executor: str
+    """subprocess or ray_train."""
+    run_start: float
+    """When ``run_arm`` began launching: everything before it since ``scheduled_at`` is queue wait."""
+    end: float
+    attempt_start: Optional[float] = None
+    """Launch of the attempt that produced the result; time before it (failed attempts) is restart time."""
+    restarts: int = 0
+    extra_checkpoint_s: float = 0.0
+    """Final report + checkpoint persistence measured by rank 0 after its result was written."""
+    failure: Optional[dict[str, str]] = None
+    """Executor-level failure (process killed, worker group failed): {type, message}."""
+    git_sha: Optional[str] = None
+    git_dirty: Optional[bool] = None
+    host: str = ""
+    node_id: Optional[str] = None
+    software: dict[str, Optional[str]] = field(default_factory=dict)
+
+
+def config_hash(spec: ArmSpec) -> str:
+    return hashlib.sha256(json.dumps(lane_to_dict(spec.lane), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def peak_flops(hardware: dict[str, Any], precision: str) -> Optional[float]:
+    """Per-device peak for MFU, only where the table's dtype (bf16) is the compute dtype; else None."""
+    if hardware.get("kind") != "cuda" or precision != "bf16":
+        return None
+    gpus = hardware.get("gpus") or []
+    name = str(gpus[0].get("name") or "").upper() if gpus else ""
+    for words, flops in PEAK_BF16_FLOPS:
+        if name and all(word in name for word in words):
+            return flops
+    return None
+
+
+def _letters(spec: ArmSpec) -> str:
+    try:
+        from trainers.model.pattern import parse_pattern
+
+        return parse_pattern(spec.lane.model.pattern)
+    except Exception:  # noqa: BLE001 - a receipt for an arm whose pattern cannot even be parsed still gets written
+        return ""
+
+
+def _time(spec: ArmSpec, result: Optional[WorkerResult], launch: LaunchInfo) -> Accounting:
+    wall = launch.end - spec.scheduled_at
+    queue_wait = launch.run_start - spec.scheduled_at
+    if result is None:
+        return account_time(wall, queue_wait, 0.0, None, restart_s=launch.end - launch.run_start)
+    attempt_start = launch.run_start
+    if launch.restarts:
+        # Time before the attempt that produced the result was lost to failed attempts (restart, in other).
+        # Ray Train restarts inside fit(): the surviving attempt began when its train function did.
+        attempt_start = launch.attempt_start if launch.attempt_start is not None else result.fn_start
+    setup_end = result.ready or result.done or launch.end
+    loop = result.loop_summary
+    done = result.done or launch.end
+    teardown = max(0.0, launch.end - done - launch.extra_checkpoint_s)
+    return account_time(wall, queue_wait, setup_end - attempt_start, loop, restart_s=attempt_start - launch.run_start,
+                        teardown_s=teardown, extra_checkpoint_s=launch.extra_checkpoint_s)
+
+
+def _disqualifiers(spec: ArmSpec, result: Optional[WorkerResult], launch: LaunchInfo, accounting: Accounting,
+                   compile_record: CompileRecord, steady: int, tokens_per_step: int) -> list[Disqualifier]:
+    found: list[Disqualifier] = []
+
+    def add(code: Code, detail: str, step: Optional[int] = None) -> None:
+        found.append(Disqualifier(code=code, severity=Severity.fatal, detail=redact_text(detail)[:2000], step=step))
+
+    lane = spec.lane
+    error = (result.error if result is not None else None) or launch.failure
+    if error is not None:
+        category = error.get("category", "exception")
+        step = error.get("step") if isinstance(error.get("step"), int) else None
+        if category == "nonfinite":
+            add(Code.NONFINITE_LOSS, error.get("message", ""), step)
+        elif category == "oom":
+            add(Code.OOM, error.get("message", "")[:500], step)
+        add(Code.ARM_FAILED, f"{error.get('type')}: {error.get('message', '')[:500]}", step)
+    if result is not None:
+        fallbacks = [b for b in result.backends if b.get("observed") != b.get("requested")]
+        if fallbacks:
+            add(Code.BACKEND_FALLBACK, "; ".join(f"{b['op']}: requested {b['requested']}, ran {b['observed']} "
+                                                 f"({b.get('reason', '')})" for b in fallbacks))
+        if result.device == "cpu" and lane.hardware.device.value == "cuda":
+            add(Code.HARDWARE_MISMATCH, "lane asked for cuda; no CUDA here, ran on CPU (lane.hardware.cpu_fallback)")
+        drift = [t for t in result.tokens_per_step_observed if t != tokens_per_step]
+        # A size-mismatch recompile is geometry evidence only once the steady state began (warmup may legitimately
+        # see several shapes, e.g. regional blocks whose first input does not require grad).
+        size_recompiles = ([r for r in compile_record.recompile_reasons if "size mismatch" in r]
+                           if (compile_record.recompiles_in_steady_state or 0) > 0 else [])
+        if drift or size_recompiles:
+            add(Code.BATCH_GEOMETRY_CHANGED, f"requested {tokens_per_step} tokens/step; observed "
+                                             f"{sorted(set(result.tokens_per_step_observed))}"
+                                             + (f"; recompile: {size_recompiles[0]}" if size_recompiles else ""))
+    if (compile_record.graph_breaks or 0) > 0 or (error or {}).get("category") == "graph_break":
+        reasons = compile_record.graph_break_reasons or [str((error or {}).get("message", ""))[:300]]
+        add(Code.GRAPH_BREAK, f"{compile_record.graph_breaks or 'fullgraph'} graph break(s): {reasons[0]}")
+    if (compile_record.recompiles_in_steady_state or 0) > 0:
+        add(Code.RECOMPILE_IN_STEADY_STATE, f"{compile_record.recompiles_in_steady_state} compile event(s) after "
+                                            "warmup; reasons: " + "; ".join(compile_record.recompile_reasons[-3:]))
+    if spec.feature is not None and spec.feature in FEATURES:
+        reason = FEATURES[spec.feature].inert_reason(lane)
+        if reason:
+            add(Code.INERT_TOGGLE, f"{spec.feature}: {reason}")
+    if error is None and steady < lane.budget.min_steady_steps:   # a failed arm's cause is its failure
+        add(Code.INSUFFICIENT_STEADY_STEPS, f"{steady} steady steps < lane.budget.min_steady_steps "
+                                            f"({lane.budget.min_steady_steps})")
+    if accounting.violation:
+        add(Code.TIME_ACCOUNTING_VIOLATION, accounting.violation)
+    return found
+
+
+def _compile_record(spec: ArmSpec, result: Optional[WorkerResult]) -> CompileRecord:
+    if result is not None and result.compile is not None:
+        return CompileRecord(**result.compile)
+    warmup = (result.warmup if result is not None else None) or {}
+    return CompileRecord(posture_requested=spec.lane.compile.posture.value, posture_observed="not_reached",
+                         warmup_requested=spec.lane.compile.warmup.value,
+                         warmup_resolved=warmup.get("resolved", "not_reached"),
+                         warmup_reason=warmup.get("reason", "the arm ended before its warmup policy was resolved"))
+
+
+def _steps(spec: ArmSpec, result: Optional[WorkerResult], loop: Optional[LoopSummary]) -> StepStats:
+    if loop is None or result is None:
+        return StepStats(total=0, warmup=0, steady=0)
+    steady_s = [s.step_s for s in loop.steps if s.label == "steady"]
+    stats = step_statistics(steady_s)
+    budget = [s for s in loop.steps if s.phase == "budget"]
+    return StepStats(total=len(loop.steps), warmup=sum(1 for s in loop.steps if s.label == "compile_warmup"),
+                     steady=len(steady_s), **stats,
+                     time_to_first_step_s=(result.first_step_end - spec.scheduled_at
+                                           if result.first_step_end is not None else None),
+                     first_step_s=loop.steps[0].step_s if loop.steps else None,
+                     series=[s.step_s for s in budget],
+                     loss_series=[v if math.isfinite(v) else None for v in result.losses])
+
+
+def build_receipt(spec: ArmSpec, result: Optional[WorkerResult], launch: LaunchInfo) -> Receipt:
+    lane = spec.lane
+    assert spec.receipt_id is not None, "run_arm assigns the receipt id before launching"
+    geometry = Geometry(lane.batch.micro_batch, lane.batch.seq_len, lane.batch.grad_accum, lane.engine.workers)
+    accounting = _time(spec, result, launch)
+    loop = result.loop_summary if result is not None else None
+    compile_record = _compile_record(spec, result)
+    steps = _steps(spec, result, loop)
+    disqualifiers = _disqualifiers(spec, result, launch, accounting, compile_record, steps.steady,
+                                   geometry.tokens_per_step)
+    error = (result.error if result is not None else None) or launch.failure
+    status = (Status.failed if error is not None else
+              Status.disqualified if any(d.severity is Severity.fatal for d in disqualifiers) else Status.valid)
+    software = (result.software if result is not None and result.software else None) or launch.software or \
+        software_versions()
+    if result is not None and result.data:
+        fingerprint = str(result.data.get("fingerprint"))
+    else:
+        try:
+            from trainers.data import fingerprint_of   # reads the corpus (and imports torch): only without a result
+
+            fingerprint = fingerprint_of(lane.data, lane.model.vocab_size)
+        except Exception as exc:  # noqa: BLE001 - an unreadable corpus is itself the failure being recorded
+            fingerprint = f"unavailable: {type(exc).__name__}"
+
+    budget_steps = [s for s in loop.steps if s.phase == "budget"] if loop else []
+    steady_steps = [s for s in budget_steps if s.label == "steady"]
+    tokens = sum(s.tokens for s in budget_steps)
+    steady_time = sum(s.step_s for s in steady_steps)
+    flops = (result.flops if result is not None else None) or {}
+    hardware = (result.hardware if result is not None else None) or {}
+    peak = peak_flops(hardware, lane.precision.value)
+    steady_tps = sum(s.tokens for s in steady_steps) / steady_time if steady_time > 0 else None
+    mfu = None
+    if peak and steady_tps and flops.get("total") and not flops.get("coverage_missing"):
+        mfu = flops["total"] * steady_tps / (peak * geometry.world_size)
+    observed_tokens = next((t for t in (result.tokens_per_step_observed if result else [])
+                            if t != geometry.tokens_per_step), geometry.tokens_per_step if result else None)
+    counts = (result.layer_counts if result is not None and result.layer_counts else
+              {family: _letters(spec).count(family) for family in FAMILIES})
+    params = (result.params if result is not None else None) or {}
+
+    return Receipt(
+        identity=Identity(
+            receipt_id=spec.receipt_id, sweep_id=spec.sweep_id, campaign=spec.campaign, block_id=spec.block_id,
+            arm=ArmRole(spec.arm), arm_index=spec.arm_index, order=spec.order, feature=spec.feature,
+            feature_value=spec.feature_value, baseline_value=spec.baseline_value, kind=spec.kind,
+            lane_key=spec.lane_key, config_hash=config_hash(spec), software_fingerprint=software_fingerprint(software),
+            attempt=spec.attempt + launch.restarts, status=status,
+            host=result.host if result is not None else launch.host,
+            node_id=(result.node_id if result is not None else None) or launch.node_id,
+            pid=result.pid if result is not None else None, executor=launch.executor, git_sha=launch.git_sha,
+            git_dirty=launch.git_dirty, created_at=dt.datetime.now(dt.timezone.utc).isoformat(), software=software),
+        requested=Requested(
+            lane=flatten(lane_to_dict(lane)), pattern=lane.model.pattern, layer_counts=counts,
+            params_total=params.get("total"), params_active=params.get("active"),
+            tokens_per_step=geometry.tokens_per_step, data_fingerprint=fingerprint, world_size=geometry.world_size,
+            device=lane.hardware.device.value),
+        observed=Observed(hardware=hardware, backends=[BackendRecord(**b) for b in (result.backends if result else [])],
+                          compile=compile_record, tokens_per_step=observed_tokens,
+                          engine=(result.engine if result is not None else None) or {}),
+        time=TimeAccounting(wall_s=accounting.wall_s, goodput_s=accounting.goodput_s, badput_s=accounting.badput_s,
+                            goodput_fraction=accounting.goodput_fraction, detail=accounting.detail),
+        steps=steps,
+        throughput=Throughput(tokens=tokens, wall_tokens_per_s=tokens / accounting.wall_s if accounting.wall_s > 0
+                              else None, steady_tokens_per_s=steady_tps, flops_per_token=flops.get("total"),
+                              flops_coverage_missing=list(flops.get("coverage_missing") or []), mfu=mfu,
+                              peak_flops=peak),
+        memory=Memory(**((result.memory if result is not None and result.memory else None) or {"kind": "unknown"})),
+        family_share=(result.family_share if result is not None and result.family_share else
+                      {letter: None for letter in FAMILIES}),
+        family_share_method=result.family_method if result is not None else None,
+        quality=Quality(**((result.quality if result is not None else None) or {})),
+        disqualifiers=disqualifiers,
+        error=ErrorInfo(type=str(error.get("type")), message=redact_text(str(error.get("message")))) if error else None,
+        env=(result.env if result is not None and result.env else capture_env()),
+    )
