@@ -103,8 +103,8 @@ def _validate_policies() -> int:
 def sweep(
     campaign: Path = typer.Argument(..., help="Campaign YAML, e.g. search_spaces/smoke.yaml."),
     resume: bool = typer.Option(False, "--resume", help="Continue a killed sweep; finished blocks are not rerun."),
-    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", envvar="MLFLOW_TRACKING_URI",
-                                               help="MLflow store (default sqlite:///<cwd>/mlflow.db)."),
+    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri",
+                                               help="MLflow store; beats tracking.uri and $MLFLOW_TRACKING_URI (default sqlite:///<cwd>/mlflow.db)."),
     storage: Optional[str] = typer.Option(None, "--storage", help="Ray storage path (shared on multi-node)."),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ) -> None:
@@ -144,7 +144,7 @@ def _load_source(source: Optional[Path], tracking_uri: Optional[str], experiment
 @receipts_app.command("list")
 def receipts_list(
     source: Optional[Path] = typer.Option(None, "--source", help="Receipt dir / JSON / JSONL (default: MLflow)."),
-    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", envvar="MLFLOW_TRACKING_URI"),
+    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri"),
     experiment: str = typer.Option("ablate", "--experiment"),
     sweep_name: Optional[list[str]] = typer.Option(None, "--sweep", help="Campaign name or sweep id."),
 ) -> None:
@@ -168,7 +168,7 @@ def receipts_list(
 def receipts_show(
     receipt_id: str = typer.Argument(..., help="A receipt id or a unique prefix."),
     source: Optional[Path] = typer.Option(None, "--source"),
-    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", envvar="MLFLOW_TRACKING_URI"),
+    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri"),
     experiment: str = typer.Option("ablate", "--experiment"),
 ) -> None:
     """Print one receipt as JSON."""
@@ -182,7 +182,7 @@ def receipts_show(
 @receipts_app.command("sync")
 def receipts_sync(
     sweep_dir: Path = typer.Argument(..., help="A sweep directory (its receipts/ and spool.jsonl are replayed)."),
-    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", envvar="MLFLOW_TRACKING_URI"),
+    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri"),
 ) -> None:
     """Bring MLflow to exactly the set of receipts on disk (idempotent by receipt id)."""
     from ablate.tracking.mlflow_store import sync
@@ -197,7 +197,7 @@ def receipts_sync(
 @app.command()
 def promote(
     source: Optional[Path] = typer.Option(None, "--source", help="Receipt dir / JSON / JSONL (default: MLflow)."),
-    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", envvar="MLFLOW_TRACKING_URI"),
+    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri"),
     experiment: str = typer.Option("ablate", "--experiment"),
     sweep_name: Optional[list[str]] = typer.Option(None, "--sweep", help="Only these campaigns / sweep ids."),
     policy: Path = typer.Option(SEARCH_SPACES / "policies" / "default.yaml", "--policy"),
@@ -244,7 +244,7 @@ def promote(
 
 @app.command()
 def doctor(
-    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", envvar="MLFLOW_TRACKING_URI"),
+    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri"),
     address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address (default $RAY_ADDRESS)."),
 ) -> None:
     """Hardware (nvidia-ml-py), torch/CUDA, Ray and MLflow reachability, package versions."""

@@ -62,6 +62,11 @@ def resolve_device(hardware: HardwareConfig, cuda_index: Optional[int]) -> torch
 def _threads(hardware: HardwareConfig, local_world_size: int) -> int:
     if hardware.threads > 0:
         return hardware.threads
+    # Ray sets OMP_NUM_THREADS to the CPUs the scheduler gave this process (the trial's, for a one-worker arm):
+    # honouring it keeps two concurrent arms on two CPUs from oversubscribing each other.
+    allotted = os.environ.get("OMP_NUM_THREADS", "")
+    if allotted.isdigit() and int(allotted) > 0:
+        return int(allotted)
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

@@ -297,7 +297,7 @@ class ResourcesConfig:
 @dataclass
 class TrackingConfig:
     uri: Optional[str] = None
-    """MLflow tracking URI; default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db."""
+    """MLflow tracking URI. Precedence: --tracking-uri, this key, $MLFLOW_TRACKING_URI, sqlite:///<cwd>/mlflow.db."""
     experiment: str = "ablate"
     storage: Optional[str] = None
     """Ray storage path (shared S3/GCS/NFS on multi-node); default: <cwd>/ablate_runs."""

@@ -1,0 +1,258 @@
+"""Expand a campaign into matched blocks: the unit of evidence.
+
+How to run me: ``python -m ablate.sweep.plan search_spaces/smoke.yaml`` prints the blocks a sweep would run.
+
+A block is a baseline arm and a candidate arm run back to back on one node in a random order, which is drawn
+here (seeded by the campaign seed and the sweep id) and recorded in the block. A/A blocks run the baseline twice
+and measure the lane's noise floor. Two designs:
+
+- ``one_at_a_time``: every block compares the defaults lane against the defaults lane plus one change, so every
+  block of the campaign shares one lane key.
+- ``grid``: every combination of the *other* features' values (their baseline and candidate values) is a
+  context lane; in each context, each (feature, candidate) still gets "context vs context + one change" blocks.
+  Interactions show up as the same toggle winning in one lane and not in another; blocks never mix lanes, and
+  a toggle that is inert in a context is skipped there (with the reason recorded).
+
+The lane key is a stable hash of the block's baseline lane: identical for both arms of a block, across blocks of
+the same context and across sweeps, so promotion can pool rounds without ever comparing across lanes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import random
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+from ablate.config.features import FEATURES, feature
+from ablate.config.load import lane_to_dict, load_lane, with_feature
+from ablate.config.schema import Design, LaneConfig, SweepConfig
+
+ARM_ROLES = ("baseline", "candidate", "aa")
+AA_KIND = "aa"
+"""Receipt ``kind`` of A/A arms (speed and tax come from the feature registry)."""
+
+
+def lane_key(lane: LaneConfig) -> str:
+    """Stable 16-hex hash of a lane: sorted-key JSON of the typed lane, so YAML key order never matters."""
+    blob = json.dumps(lane_to_dict(lane), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class ArmPlan:
+    """One arm of a block: its role, its index inside the block and exactly the lane it runs."""
+
+    arm: str
+    """baseline, candidate or aa."""
+    arm_index: int
+    """0 = the baseline (or first A/A twin), 1 = the candidate (or second twin); independent of run order."""
+    lane: LaneConfig
+    value: Optional[Any]
+    """The tested feature's value in this arm (None in A/A blocks)."""
+
+
+@dataclass
+class Block:
+    block_id: str
+    feature: Optional[str]
+    """The feature under test; None for A/A blocks."""
+    candidate_value: Optional[Any]
+    baseline_value: Optional[Any]
+    kind: str
+    """speed or tax (from the feature registry), or aa."""
+    lane_key: str
+    arms: tuple[ArmPlan, ArmPlan]
+    order: tuple[int, int]
+    """Arm indexes in the order they run: (0, 1) = baseline first, (1, 0) = candidate first."""
+    context: dict[str, Any] = field(default_factory=dict)
+    """Grid design: the other features' values that define this block's lane (empty for one_at_a_time)."""
+    repeat: int = 0
+    """Which repetition of its (feature, value, context) group this block is."""
+
+    @property
+    def is_aa(self) -> bool:
+        return self.feature is None
+
+    def run_order(self) -> list[tuple[int, ArmPlan]]:
+        """(order position, arm) in the recorded run order."""
+        return [(position, self.arms[index]) for position, index in enumerate(self.order)]
+
+    def label(self) -> str:
+        if self.is_aa:
+            return f"{self.block_id} A/A"
+        context = "".join(f" [{k}={v}]" for k, v in self.context.items())
+        return f"{self.block_id} {self.feature}: {self.baseline_value} -> {self.candidate_value}{context}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (it crosses into Ray trial processes and is stored next to the sweep)."""
+        return {
+            "block_id": self.block_id, "feature": self.feature, "candidate_value": self.candidate_value,
+            "baseline_value": self.baseline_value, "kind": self.kind, "lane_key": self.lane_key,
+            "order": list(self.order), "context": self.context, "repeat": self.repeat,
+            "arms": [{"arm": a.arm, "arm_index": a.arm_index, "value": a.value, "lane": lane_to_dict(a.lane)}
+                     for a in self.arms],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Block":
+        arms = tuple(ArmPlan(arm=a["arm"], arm_index=a["arm_index"], value=a["value"], lane=load_lane(a["lane"]))
+                     for a in data["arms"])
+        assert len(arms) == 2, "a block has exactly two arms"
+        return cls(block_id=data["block_id"], feature=data["feature"], candidate_value=data["candidate_value"],
+                   baseline_value=data["baseline_value"], kind=data["kind"], lane_key=data["lane_key"],
+                   arms=(arms[0], arms[1]), order=(data["order"][0], data["order"][1]),
+                   context=dict(data.get("context") or {}), repeat=int(data.get("repeat", 0)))
+
+
+@dataclass
+class SweepPlan:
+    sweep_id: str
+    campaign: str
+    design: str
+    seed: int
+    blocks: list[Block]
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    """Grid combinations not run, as (description, reason): the toggle is inert in that context."""
+
+    def fingerprint(self) -> str:
+        """What a resumed sweep must reproduce exactly: ids, lanes and recorded orders of every block."""
+        rows = [(b.block_id, b.lane_key, b.feature, str(b.candidate_value), list(b.order),
+                 [lane_key(a.lane) for a in b.arms]) for b in self.blocks]
+        return hashlib.sha256(json.dumps(rows, default=str).encode()).hexdigest()[:16]
+
+    def lane_keys(self) -> list[str]:
+        return sorted({b.lane_key for b in self.blocks})
+
+
+@dataclass
+class _Group:
+    """Blocks that repeat one comparison: same feature, candidate value and context lane."""
+
+    feature: Optional[str]
+    value: Optional[Any]
+    baseline_lane: LaneConfig
+    candidate_lane: LaneConfig
+    context: dict[str, Any]
+    repeats: int
+
+
+def _normalised(name: str, lane: LaneConfig) -> Any:
+    """The registry's view of a value (enum -> its string), so YAML 100 and 100.0 read the same."""
+    return FEATURES[name].get(lane)
+
+
+def _contexts(sweep: SweepConfig, tested: str) -> Iterable[dict[str, Any]]:
+    """Grid design: every combination of the other features' (baseline + candidate) values."""
+    others = [name for name in sweep.features if name != tested]
+    axes = [[_normalised(name, sweep.lane)] + list(sweep.features[name]) for name in others]
+    for combo in itertools.product(*axes):
+        yield {name: value for name, value in zip(others, combo)
+               if str(value) != str(_normalised(name, sweep.lane))}
+
+
+def _apply(lane: LaneConfig, values: dict[str, Any]) -> LaneConfig:
+    for name, value in values.items():
+        lane = with_feature(lane, name, value)
+    return lane
+
+
+def _groups(sweep: SweepConfig, skipped: list[tuple[str, str]]) -> list[_Group]:
+    groups: list[_Group] = []
+    aa_lanes: dict[str, tuple[LaneConfig, dict[str, Any]]] = {}
+    for name, values in sweep.features.items():
+        spec = feature(name)
+        contexts = _contexts(sweep, name) if sweep.design is Design.grid else [{}]
+        for context in contexts:
+            base = _apply(sweep.lane, context)
+            aa_lanes.setdefault(lane_key(base), (base, context))
+            for value in values:
+                candidate = with_feature(base, name, value)
+                inert = spec.inert_reason(candidate)
+                if inert:
+                    # one_at_a_time campaigns were already refused by load_sweep; only grid contexts reach this.
+                    skipped.append((f"{name}={value} in {context}", inert))
+                    continue
+                groups.append(_Group(name, _normalised(name, candidate), base, candidate, context, sweep.blocks))
+    if not sweep.features:
+        aa_lanes.setdefault(lane_key(sweep.lane), (sweep.lane, {}))
+    if sweep.aa_blocks:
+        for base, context in aa_lanes.values():
+            groups.append(_Group(None, None, base, base, context, sweep.aa_blocks))
+    return groups
+
+
+def _balanced_orders(rng: random.Random, count: int) -> list[tuple[int, int]]:
+    """Half the repeats run the baseline first, half the candidate first (the odd one is a coin flip), shuffled:
+    counterbalancing beats independent coin flips, which can put 7 of 8 baselines first."""
+    orders = [(0, 1), (1, 0)] * (count // 2)
+    if count % 2:
+        orders.append(rng.choice([(0, 1), (1, 0)]))
+    rng.shuffle(orders)
+    return orders
+
+
+def plan_sweep(sweep: SweepConfig, sweep_id: str) -> SweepPlan:
+    """Every block of the campaign, in the order they are submitted.
+
+    Blocks are interleaved round-robin by repetition (round 0 of every comparison, then round 1, ...) so slow
+    drift of a node (thermal, neighbours) spreads over all features instead of landing on one. Arm orders are
+    seeded by ``sweep.seed`` and ``sweep_id``, so a resumed sweep (same id) replans identically while a new
+    round draws fresh orders.
+    """
+    skipped: list[tuple[str, str]] = []
+    groups = _groups(sweep, skipped)
+    rng = random.Random(hashlib.sha256(f"{sweep.seed}/{sweep_id}".encode()).hexdigest())
+    orders = [_balanced_orders(rng, group.repeats) for group in groups]
+    rounds = max((group.repeats for group in groups), default=0)
+    scheduled: list[tuple[_Group, int, tuple[int, int]]] = [
+        (group, repeat, orders[g][repeat]) for repeat in range(rounds) for g, group in enumerate(groups)
+        if repeat < group.repeats
+    ]
+    width = max(3, len(str(max(len(scheduled) - 1, 0))))
+    blocks = []
+    for index, (group, repeat, order) in enumerate(scheduled):
+        key = lane_key(group.baseline_lane)
+        if group.feature is None:
+            arms = (ArmPlan("aa", 0, group.baseline_lane, None), ArmPlan("aa", 1, group.baseline_lane, None))
+            kind, baseline_value = AA_KIND, None
+        else:
+            baseline_value = _normalised(group.feature, group.baseline_lane)
+            arms = (ArmPlan("baseline", 0, group.baseline_lane, baseline_value),
+                    ArmPlan("candidate", 1, group.candidate_lane, group.value))
+            kind = FEATURES[group.feature].kind
+        blocks.append(Block(block_id=f"b{index:0{width}d}", feature=group.feature, candidate_value=group.value,
+                            baseline_value=baseline_value, kind=kind, lane_key=key, arms=arms, order=order,
+                            context=dict(group.context), repeat=repeat))
+    return SweepPlan(sweep_id=sweep_id, campaign=sweep.name, design=sweep.design.value, seed=sweep.seed,
+                     blocks=blocks, skipped=skipped)
+
+
+def plan_blocks(sweep: SweepConfig, sweep_id: str) -> list[Block]:
+    """The blocks of ``plan_sweep`` (what ``ablate validate`` counts)."""
+    return plan_sweep(sweep, sweep_id).blocks
+
+
+def _main(argv: list[str]) -> int:
+    from ablate.config.load import load_sweep
+
+    if len(argv) != 1:
+        print("usage: python -m ablate.sweep.plan <campaign.yaml>", file=sys.stderr)
+        return 2
+    sweep, _ = load_sweep(argv[0])
+    plan = plan_sweep(sweep, sweep_id="preview")
+    for block in plan.blocks:
+        first = block.arms[block.order[0]]
+        print(f"{block.label():60s} lane {block.lane_key}  first: "
+              f"{f'twin{first.arm_index}' if block.is_aa else first.arm}")
+    for what, why in plan.skipped:
+        print(f"skipped {what}: {why}")
+    print(f"{len(plan.blocks)} blocks, {2 * len(plan.blocks)} arms, lanes: {', '.join(plan.lane_keys())}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))

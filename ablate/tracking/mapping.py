@@ -1,0 +1,108 @@
+"""How one receipt reads in MLflow: run name, params, tags, metrics and per-step series.
+
+Pure functions of a ``Receipt`` (no MLflow import), so the mapping is easy to read in one place and to test.
+Unknown values (``None``) are skipped, never logged as 0; every string passes ``redact_uri``.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Optional
+
+from ablate.receipts.schema import Receipt
+from ablate.redact import redact_uri
+
+TAG = "ablate."
+ROLE_SWEEP, ROLE_ARM = "sweep", "arm"
+
+
+def run_name(receipt: Receipt) -> str:
+    ident = receipt.identity
+    if ident.feature is None:
+        name = f"{ident.block_id}·aa·twin{ident.arm_index}"
+    else:
+        name = f"{ident.block_id}·{ident.arm.value}·{ident.feature}={ident.feature_value}"
+    return name + (f"·retry{ident.attempt}" if ident.attempt else "")
+
+
+def receipt_params(receipt: Receipt) -> dict[str, str]:
+    return {key: redact_uri(str(value)) for key, value in sorted(receipt.requested.lane.items())}
+
+
+def receipt_tags(receipt: Receipt) -> dict[str, str]:
+    ident = receipt.identity
+    tags = {
+        "role": ROLE_ARM, "receipt_id": ident.receipt_id, "sweep_id": ident.sweep_id, "campaign": ident.campaign,
+        "lane_key": ident.lane_key, "config_hash": ident.config_hash, "block_id": ident.block_id,
+        "arm": ident.arm.value, "arm_index": str(ident.arm_index), "order": str(ident.order),
+        "feature": ident.feature or "A/A", "feature_value": str(ident.feature_value),
+        "baseline_value": str(ident.baseline_value), "kind": ident.kind, "attempt": str(ident.attempt),
+        "status": ident.status.value, "host": ident.host, "node_id": ident.node_id or "", "executor": ident.executor,
+        "software_fingerprint": ident.software_fingerprint, "git_sha": ident.git_sha or "",
+        "disqualifiers": ",".join(sorted(receipt.codes())) or "none", "device": receipt.requested.device,
+        "compile.requested": receipt.observed.compile.posture_requested,
+        "compile.observed": receipt.observed.compile.posture_observed,
+        "warmup.resolved": receipt.observed.compile.warmup_resolved,
+    }
+    mismatched = []
+    for backend in receipt.observed.backends:
+        tags[f"backend.{backend.op}.requested"] = backend.requested
+        tags[f"backend.{backend.op}.observed"] = backend.observed
+        if backend.requested != backend.observed:
+            mismatched.append(backend.op)
+    tags["backends_match"] = "false" if mismatched else "true"
+    out = {TAG + key: redact_uri(value)[:5000] for key, value in tags.items()}
+    out["mlflow.note.content"] = _note(receipt)
+    return out
+
+
+def _note(receipt: Receipt) -> str:
+    """The run description the UI shows: what this arm is, in one sentence."""
+    ident = receipt.identity
+    what = "A/A (baseline twice)" if ident.feature is None else (
+        f"`{ident.feature}` = `{ident.feature_value}` (baseline `{ident.baseline_value}`)")
+    codes = ", ".join(sorted(receipt.codes()))
+    tps = receipt.throughput.wall_tokens_per_s
+    return (f"Block **{ident.block_id}**, {ident.arm.value} arm, ran {'first' if ident.order == 0 else 'second'}: "
+            f"{what}. Status **{ident.status.value}**{f' ({codes})' if codes else ''}; "
+            f"wall tokens/s {f'{tps:.1f}' if tps else 'n/a'}; goodput {receipt.time.goodput_fraction:.1%} of "
+            f"{receipt.time.wall_s:.2f}s. Lane `{ident.lane_key}`, host {ident.host}.")
+
+
+def receipt_metrics(receipt: Receipt) -> dict[str, float]:
+    """Scalar metrics; None (unknown) is skipped, never logged as 0."""
+    t, s, tp, mem, q = receipt.time, receipt.steps, receipt.throughput, receipt.memory, receipt.quality
+    values: dict[str, Optional[float]] = {
+        "goodput_fraction": t.goodput_fraction, "wall_s": t.wall_s, "goodput_s": t.goodput_s,
+        "wall_tokens_per_s": tp.wall_tokens_per_s, "steady_tokens_per_s": tp.steady_tokens_per_s,
+        "tokens": tp.tokens, "mfu": tp.mfu, "step_p50_s": s.p50_s, "step_p90_s": s.p90_s, "step_mean_s": s.mean_s,
+        "ideal_step_s": s.ideal_s, "time_to_first_step_s": s.time_to_first_step_s, "first_step_s": s.first_step_s,
+        "steps_steady": s.steady, "steps_anomalous": s.anomalous,
+        "peak_memory_bytes": mem.peak_allocated_bytes if mem.peak_allocated_bytes is not None else mem.peak_rss_bytes,
+        "peak_reserved_bytes": mem.peak_reserved_bytes, "peak_rss_bytes": mem.peak_rss_bytes,
+        "loss_final": q.loss_final, "loss_mean_last_k": q.loss_mean_last_k, "lm_loss_final": q.lm_loss_final,
+        "stp_loss_final": q.stp_loss_final, "aux_loss_final": q.aux_loss_final,
+        "disqualifiers": float(len(receipt.disqualifiers)),
+    }
+    values.update({f"badput_{name}_s": value for name, value in t.badput_s.items()})
+    values.update({f"family_share_{name}": value for name, value in receipt.family_share.items()})
+    return {key: float(value) for key, value in values.items() if value is not None}
+
+
+def receipt_series(receipt: Receipt) -> list[tuple[str, float, int]]:
+    """Per-step (key, value, step): loss, step time and tokens/s, so the UI draws charts."""
+    rows: list[tuple[str, float, int]] = [("loss", float(v), i) for i, v in enumerate(receipt.steps.loss_series)
+                                          if v is not None]
+    tokens = receipt.observed.tokens_per_step or receipt.requested.tokens_per_step
+    for i, seconds in enumerate(receipt.steps.series):
+        rows.append(("step_time_s", float(seconds), i))
+        if seconds > 0:
+            rows.append(("tokens_per_s", tokens / seconds, i))
+    return rows
+
+
+def epoch_ms(iso: str) -> Optional[int]:
+    try:
+        return int(datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp() * 1000)
+    except ValueError:
+        return None

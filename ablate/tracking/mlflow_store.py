@@ -1,0 +1,405 @@
+"""Receipts into MLflow: one parent run per sweep, one nested child run per arm, idempotent by receipt id.
+
+How to run me: ``python -m ablate.tracking.mlflow_store <sweep dir>`` replays a sweep's receipts (what
+``ablate receipts sync`` does).
+
+The receipt files are the source of truth; MLflow is a view of them. Everything here runs on the Tune *driver*
+(a ``Callback``), so a SQLite store has a single writer. Before creating a child run the store looks the receipt
+id up (tag ``ablate.receipt_id``); a run is marked complete (tag ``ablate.logged``) only after its params,
+metrics and artifacts are in, and an incomplete one left by a crash is deleted and written again. If the store
+cannot be reached, receipts are appended to ``<sweep dir>/spool.jsonl`` and ``sync`` replays them later.
+
+Child run (what the UI's Compare view lines up for the two arms of a block):
+- name ``b003·candidate·moe_dispatch=jagged``; tag ``mlflow.parentRunId`` = the sweep's run;
+- params: the flattened lane with its dotted names (``features.moe_dispatch``, ``model.d_model``, ...);
+- tags ``ablate.*``: lane key, feature, arm, block id, order, host, node, executor, requested/observed backends,
+  status, disqualifiers, receipt id;
+- metrics: goodput fraction, wall/steady tokens/s, step p50/p90, MFU (when known), peak memory, loss, badput per
+  phase, plus per-step series ``loss``, ``step_time_s`` and ``tokens_per_s`` logged with ``step=``;
+- artifacts: ``receipt.json`` and ``goodput.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from ablate.receipts.schema import InvalidReceipt, Receipt, Status, validate_receipt
+from ablate.receipts.store import RECEIPTS_DIR, SPOOL_FILE, append_spool, load_receipts
+from ablate.redact import redact_uri
+from ablate.tracking.mapping import (
+    ROLE_ARM,
+    ROLE_SWEEP,
+    TAG,
+    epoch_ms,
+    receipt_metrics,
+    receipt_params,
+    receipt_series,
+    receipt_tags,
+    run_name,
+)
+from ablate.tracking.plots import goodput_png, summary_png
+from ablate.tracking.uri import resolve_tracking_uri, sqlite_path
+
+log = logging.getLogger(__name__)
+
+SWEEPS_DIR = "sweeps"
+"""``<sweep dir>/sweeps/<sweep_id>.json``: metadata written by the runner (experiment name, plan, storage)."""
+_PARAMS_PER_BATCH, _METRICS_PER_BATCH, _TAGS_PER_BATCH = 100, 1000, 100
+_PROGRESS_BAR_ENV = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+
+
+def _q(key: str) -> str:
+    return f"tags.`{key}`"
+
+
+def run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    if tracking_uri.startswith(("http://", "https://")):
+        return f"{redact_uri(tracking_uri).rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    return f"runs:/{run_id}"
+
+
+class TrackingClient:
+    """An ``MlflowClient`` bound to one experiment, with the idempotent writes ablate needs."""
+
+    def __init__(self, tracking_uri: str, experiment: str) -> None:
+        from mlflow import MlflowClient
+
+        self.tracking_uri = tracking_uri
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        self.experiment_id = self._experiment(experiment)
+
+    def _experiment(self, name: str) -> str:
+        found = self.client.get_experiment_by_name(name)
+        if found is not None:
+            return found.experiment_id
+        db = sqlite_path(self.tracking_uri)
+        # Keep artifacts next to the embedded database instead of wherever the driver's cwd happens to be.
+        location = (db.parent / "mlartifacts" / name).as_uri() if db else None
+        return self.client.create_experiment(name, artifact_location=location)
+
+    def search(self, filters: Iterable[str]) -> list[Any]:
+        query = " and ".join(filters)
+        runs, token = [], None
+        while True:
+            page = self.client.search_runs([self.experiment_id], filter_string=query, max_results=1000,
+                                           page_token=token)
+            runs.extend(page)
+            token = page.token
+            if not token:
+                return runs
+
+    def arm_runs(self, sweep_id: Optional[str] = None) -> dict[str, Any]:
+        """receipt id -> run, for arm runs (of one sweep)."""
+        filters = [f"{_q(TAG + 'role')} = '{ROLE_ARM}'"]
+        if sweep_id:
+            filters.append(f"{_q(TAG + 'sweep_id')} = '{sweep_id}'")
+        return {run.data.tags[TAG + "receipt_id"]: run for run in self.search(filters)}
+
+    def parent_run(self, sweep_id: str, campaign: str, params: Optional[dict[str, Any]] = None,
+                   tags: Optional[dict[str, str]] = None, reopen: bool = False) -> tuple[str, bool]:
+        """(run id, created) of the sweep's parent run, found by tag or created RUNNING; ``reopen`` marks a
+        found one RUNNING again (a resumed sweep)."""
+        found = self.search([f"{_q(TAG + 'role')} = '{ROLE_SWEEP}'", f"{_q(TAG + 'sweep_id')} = '{sweep_id}'"])
+        if found:
+            run_id = found[0].info.run_id
+            if reopen and found[0].info.status != "RUNNING":
+                self.client.update_run(run_id, status="RUNNING")
+            return run_id, False
+        all_tags = {TAG + "role": ROLE_SWEEP, TAG + "sweep_id": sweep_id, TAG + "campaign": campaign,
+                    TAG + "driver_host": socket.gethostname(), **(tags or {})}
+        run = self.client.create_run(self.experiment_id, run_name=sweep_id, tags=all_tags)
+        self._log_batch(run.info.run_id, params={k: redact_uri(str(v)) for k, v in (params or {}).items()})
+        return run.info.run_id, True
+
+    def _log_batch(self, run_id: str, params: Optional[dict[str, str]] = None,
+                   metrics: Optional[list[Any]] = None, tags: Optional[dict[str, str]] = None) -> None:
+        from mlflow.entities import Param, RunTag
+
+        items = [Param(k, v) for k, v in (params or {}).items()]
+        for i in range(0, len(items), _PARAMS_PER_BATCH):
+            self.client.log_batch(run_id, params=items[i:i + _PARAMS_PER_BATCH])
+        rows = metrics or []
+        for i in range(0, len(rows), _METRICS_PER_BATCH):
+            self.client.log_batch(run_id, metrics=rows[i:i + _METRICS_PER_BATCH])
+        tag_items = [RunTag(k, v) for k, v in (tags or {}).items()]
+        for i in range(0, len(tag_items), _TAGS_PER_BATCH):
+            self.client.log_batch(run_id, tags=tag_items[i:i + _TAGS_PER_BATCH])
+
+    def log_receipt(self, receipt: Receipt, parent_run_id: str, existing: Optional[Any] = None) -> tuple[str, bool]:
+        """(run id, created). Idempotent: a complete run for this receipt id is returned as is."""
+        from mlflow.entities import Metric
+
+        if existing is None:
+            hits = self.search([f"{_q(TAG + 'receipt_id')} = '{receipt.identity.receipt_id}'"])
+            existing = hits[0] if hits else None
+        if existing is not None:
+            if existing.data.tags.get(TAG + "logged") == "1":
+                return existing.info.run_id, False
+            self.client.delete_run(existing.info.run_id)  # a crash mid-write: write it again, whole
+        end_ms = epoch_ms(receipt.identity.created_at) or int(time.time() * 1000)
+        start_ms = end_ms - int(receipt.time.wall_s * 1000)
+        tags = receipt_tags(receipt)
+        tags["mlflow.parentRunId"] = parent_run_id
+        run = self.client.create_run(self.experiment_id, start_time=start_ms, tags=tags, run_name=run_name(receipt))
+        run_id = run.info.run_id
+        metrics = [Metric(k, v, end_ms, 0) for k, v in receipt_metrics(receipt).items()]
+        metrics += [Metric(k, v, start_ms + step, step) for k, v, step in receipt_series(receipt)]
+        self._log_batch(run_id, params=receipt_params(receipt), metrics=metrics)
+        with tempfile.TemporaryDirectory(prefix="ablate-mlflow-") as tmp:
+            path = Path(tmp) / "receipt.json"
+            path.write_text(receipt.model_dump_json(indent=2))
+            self.client.log_artifact(run_id, str(path))
+            self.client.log_artifact(run_id, str(goodput_png(receipt, Path(tmp) / "goodput.png",
+                                                             title=run_name(receipt))))
+        self.client.set_tag(run_id, TAG + "logged", "1")
+        status = "FAILED" if receipt.identity.status is Status.failed else "FINISHED"
+        self.client.set_terminated(run_id, status=status, end_time=end_ms)
+        return run_id, True
+
+    def log_summary(self, parent_run_id: str, sweep_id: str, receipts: list[Receipt]) -> None:
+        """Summary plot + per-sweep counts on the parent run (rewritten each time, so it stays current)."""
+        mine = [r for r in receipts if r.identity.sweep_id == sweep_id]
+        counts = {status.value: sum(r.identity.status is status for r in mine) for status in Status}
+        with tempfile.TemporaryDirectory(prefix="ablate-mlflow-") as tmp:
+            plot = summary_png(mine, Path(tmp) / "summary.png", title=f"{sweep_id}: candidate / baseline per block")
+            if plot is not None:
+                self.client.log_artifact(parent_run_id, str(plot))
+            summary = {"sweep_id": sweep_id, "arms": len(mine), "status": counts,
+                       "receipts": sorted(r.identity.receipt_id for r in mine)}
+            (Path(tmp) / "summary.json").write_text(json.dumps(summary, indent=2))
+            self.client.log_artifact(parent_run_id, str(Path(tmp) / "summary.json"))
+        now = int(time.time() * 1000)
+        from mlflow.entities import Metric
+
+        rows = [Metric(f"arms_{k}", float(v), now, 0) for k, v in counts.items()]
+        rows.append(Metric("arms", float(len(mine)), now, 0))
+        self._log_batch(parent_run_id, metrics=rows)
+
+
+class MlflowStore:
+    """The sweep's tracking session on the Tune driver: parent run, child runs, spool when unreachable."""
+
+    def __init__(self, tracking_uri: str, experiment: str, sweep_dir: Path) -> None:
+        self.tracking_uri = resolve_tracking_uri(tracking_uri)
+        self.experiment = experiment
+        self.sweep_dir = Path(sweep_dir)
+        self.client: Optional[TrackingClient] = None
+        self.parent_run_id: Optional[str] = None
+        self.offline_reason: Optional[str] = None
+        self.spooled = 0
+        self.logged: dict[str, str] = {}
+        self._monitor: Any = None
+
+    @property
+    def online(self) -> bool:
+        return self.offline_reason is None
+
+    def _go_offline(self, exc: BaseException) -> None:
+        self.offline_reason = redact_uri(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        log.warning("MLflow at %s unreachable (%s); receipts are spooled to %s; replay them with "
+                    "`ablate receipts sync %s`", redact_uri(self.tracking_uri), self.offline_reason,
+                    self.sweep_dir / SPOOL_FILE, self.sweep_dir)
+
+    def open_sweep(self, sweep_id: str, campaign: str, params: dict[str, Any], tags: dict[str, str],
+                   system_metrics: bool = True) -> Optional[str]:
+        try:
+            self.client = TrackingClient(self.tracking_uri, self.experiment)
+            self.parent_run_id, _ = self.client.parent_run(sweep_id, campaign, params, tags, reopen=True)
+            self.logged = {rid: run.info.run_id for rid, run in self.client.arm_runs(sweep_id).items()
+                           if run.data.tags.get(TAG + "logged") == "1"}
+        except Exception as exc:  # noqa: BLE001 - any store failure means: spool, never lose a receipt
+            self._go_offline(exc)
+            return None
+        if system_metrics:
+            self._start_system_metrics()
+        return self.parent_run_id
+
+    def _start_system_metrics(self) -> None:
+        """Driver-node CPU/memory/disk/network (and GPU via nvidia-ml-py) on the parent run, when available."""
+        try:
+            import psutil  # noqa: F401 - MLflow's monitor needs it
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._monitor = SystemMetricsMonitor(self.parent_run_id, sampling_interval=5,
+                                                 tracking_uri=self.tracking_uri)
+            self._monitor.start()
+        except Exception as exc:  # noqa: BLE001 - optional telemetry
+            log.info("MLflow system metrics unavailable: %s", exc)
+            self._monitor = None
+
+    def log_receipt(self, receipt: Receipt) -> Optional[str]:
+        """The child run id, or None when the receipt went to the spool instead."""
+        rid = receipt.identity.receipt_id
+        if rid in self.logged:
+            return self.logged[rid]
+        if self.online and self.client is not None and self.parent_run_id is not None:
+            try:
+                run_id, _ = self.client.log_receipt(receipt, self.parent_run_id)
+                self.logged[rid] = run_id
+                return run_id
+            except Exception as exc:  # noqa: BLE001
+                self._go_offline(exc)
+        append_spool(receipt, self.sweep_dir)
+        self.spooled += 1
+        return None
+
+    def stop_monitor(self) -> None:
+        if self._monitor is not None:
+            self._monitor.finish()
+            self._monitor = None
+
+    def close_sweep(self, sweep_id: str, receipts: list[Receipt], failed: bool) -> None:
+        """Summary plot on the parent run, which is then marked FINISHED (or FAILED when blocks errored)."""
+        self.stop_monitor()
+        if not self.online or self.client is None or self.parent_run_id is None:
+            return
+        try:
+            self.client.log_summary(self.parent_run_id, sweep_id, receipts)
+            self.client.client.set_terminated(self.parent_run_id, status="FAILED" if failed else "FINISHED")
+        except Exception as exc:  # noqa: BLE001
+            self._go_offline(exc)
+
+
+# --- replay and read back ---
+
+
+@dataclass
+class SyncResult:
+    tracking_uri: str
+    experiment: str
+    logged: list[str] = field(default_factory=list)
+    already: list[str] = field(default_factory=list)
+    rejected: list[tuple[str, str]] = field(default_factory=list)
+    parents: dict[str, str] = field(default_factory=dict)
+
+    def __rich__(self) -> str:
+        return str(self)
+
+    def __str__(self) -> str:
+        lines = [f"MLflow {redact_uri(self.tracking_uri)} experiment {self.experiment!r}: {len(self.logged)} "
+                 f"receipt(s) logged, {len(self.already)} already there, {len(self.rejected)} rejected, "
+                 f"{len(self.parents)} sweep(s)"]
+        lines += [f"  rejected {origin}: {why}" for origin, why in self.rejected]
+        return "\n".join(lines)
+
+
+def _sweep_meta(sweep_dir: Path) -> dict[str, dict[str, Any]]:
+    metas = {}
+    for path in sorted((sweep_dir / SWEEPS_DIR).glob("*.json")) if (sweep_dir / SWEEPS_DIR).is_dir() else []:
+        try:
+            meta = json.loads(path.read_text())
+            metas[meta["sweep_id"]] = meta
+        except (json.JSONDecodeError, KeyError):
+            continue
+    return metas
+
+
+def gather(source: Path) -> tuple[list[Receipt], list[tuple[str, str]]]:
+    """Receipts of a sweep dir (``receipts/`` + ``spool.jsonl``), or of any file/dir ``load_receipts`` reads."""
+    parts = [p for p in (source / RECEIPTS_DIR, source / SPOOL_FILE) if p.exists()] if source.is_dir() else []
+    receipts: dict[str, Receipt] = {}
+    rejected: list[tuple[str, str]] = []
+    for part in parts or [source]:
+        found, bad = load_receipts(part)
+        rejected += bad
+        for receipt in found:
+            receipts.setdefault(receipt.identity.receipt_id, receipt)
+    return list(receipts.values()), rejected
+
+
+def sync(source: str | Path, tracking_uri: Optional[str] = None, experiment: Optional[str] = None) -> SyncResult:
+    """Bring MLflow to exactly the receipts under ``source``: nothing logged twice, nothing left out.
+
+    Raises when the store is unreachable (the spool stays as it is, so the next sync picks it up).
+    """
+    source = Path(source)
+    uri = resolve_tracking_uri(tracking_uri)
+    metas = _sweep_meta(source) if source.is_dir() else {}
+    receipts, rejected = gather(source)
+    by_sweep: dict[str, list[Receipt]] = {}
+    for receipt in receipts:
+        by_sweep.setdefault(receipt.identity.sweep_id, []).append(receipt)
+    default_experiment = experiment or next((m.get("experiment") for m in metas.values() if m.get("experiment")),
+                                            "ablate")
+    result = SyncResult(tracking_uri=uri, experiment=default_experiment, rejected=rejected)
+    clients: dict[str, TrackingClient] = {}
+    for sweep_id, mine in sorted(by_sweep.items()):
+        name = experiment or metas.get(sweep_id, {}).get("experiment") or default_experiment
+        client = clients.setdefault(name, TrackingClient(uri, name))
+        parent_id, created = client.parent_run(sweep_id, mine[0].identity.campaign,
+                                               params=metas.get(sweep_id, {}).get("params"))
+        result.parents[sweep_id] = parent_id
+        present = client.arm_runs(sweep_id)
+        for receipt in sorted(mine, key=lambda r: (r.identity.block_id, r.identity.attempt, r.identity.order)):
+            _, new = client.log_receipt(receipt, parent_id, existing=present.get(receipt.identity.receipt_id))
+            (result.logged if new else result.already).append(receipt.identity.receipt_id)
+        client.log_summary(parent_id, sweep_id, mine)
+        if created:
+            client.client.set_terminated(parent_id, status="FINISHED")
+    return result
+
+
+def load_receipts_from_mlflow(tracking_uri: Optional[str], experiment: str, sweep_id: Optional[str] = None
+                              ) -> tuple[list[Receipt], list[tuple[str, str]], dict[str, str]]:
+    """(receipts, (run, reason) rejects, receipt id -> run link) of the experiment's arm runs (one sweep)."""
+    from mlflow import MlflowClient
+
+    uri = resolve_tracking_uri(tracking_uri)
+    if MlflowClient(tracking_uri=uri).get_experiment_by_name(experiment) is None:
+        return [], [(f"{redact_uri(uri)} experiment {experiment!r}", "no such experiment")], {}
+    client = TrackingClient(uri, experiment)
+    receipts: dict[str, Receipt] = {}
+    rejected: list[tuple[str, str]] = []
+    links: dict[str, str] = {}
+    quiet = os.environ.get(_PROGRESS_BAR_ENV)
+    os.environ[_PROGRESS_BAR_ENV] = "false"  # one tqdm bar per run would bury the CLI's table
+    try:
+        _read_receipts(client, sweep_id, uri, receipts, rejected, links)
+    finally:
+        if quiet is None:
+            os.environ.pop(_PROGRESS_BAR_ENV, None)
+        else:
+            os.environ[_PROGRESS_BAR_ENV] = quiet
+    return list(receipts.values()), rejected, links
+
+
+def _read_receipts(client: TrackingClient, sweep_id: Optional[str], uri: str, receipts: dict[str, Receipt],
+                   rejected: list[tuple[str, str]], links: dict[str, str]) -> None:
+    with tempfile.TemporaryDirectory(prefix="ablate-receipts-") as tmp:
+        for receipt_id, run in sorted(client.arm_runs(sweep_id).items()):
+            run_id = run.info.run_id
+            if run.data.tags.get(TAG + "logged") != "1":
+                rejected.append((f"run {run_id}", "incomplete run (logging was interrupted); run a sync"))
+                continue
+            try:
+                path = client.client.download_artifacts(run_id, "receipt.json", dst_path=str(Path(tmp) / run_id))
+                receipt = validate_receipt(json.loads(Path(path).read_text()))
+            except (InvalidReceipt, OSError, json.JSONDecodeError) as exc:
+                rejected.append((f"run {run_id}", str(exc)))
+                continue
+            except Exception as exc:  # noqa: BLE001 - MlflowException for a missing artifact
+                rejected.append((f"run {run_id}", f"receipt.json unavailable: {exc}"))
+                continue
+            receipts.setdefault(receipt.identity.receipt_id, receipt)
+            links[receipt.identity.receipt_id] = run_link(uri, client.experiment_id, run_id)
+
+
+def _main(argv: list[str]) -> int:
+    if len(argv) not in (1, 2):
+        print("usage: python -m ablate.tracking.mlflow_store <sweep dir> [tracking uri]", file=sys.stderr)
+        return 2
+    print(sync(argv[0], argv[1] if len(argv) == 2 else None))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))

@@ -1,0 +1,180 @@
+"""Sweeps on a real local Ray runtime (2 CPUs, one per module): end to end into MLflow, fail-fast resources,
+the no-deadlock trial shape, and resuming a sweep whose driver was killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from sweeps_common import REPO, fresh_mlflow_uri, tiny_smoke
+
+from ablate.config.load import load_sweep
+from ablate.receipts.schema import Receipt, Status
+from ablate.receipts.store import load_receipts
+from ablate.sweep.layout import Layout
+from ablate.sweep.plan import plan_sweep
+from ablate.sweep.resources import BlockNeed, ResourceError, check_cluster, local_ray_init_kwargs
+from ablate.sweep.run import run_sweep
+from ablate.tracking.mlflow_store import ROLE_SWEEP, TAG, TrackingClient
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def ray_address() -> Iterator[str]:
+    import ray
+
+    ray.init(**local_ray_init_kwargs(num_cpus=2, num_gpus=0), include_dashboard=False, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+def _by_block(receipts: list[Receipt]) -> dict[str, list[Receipt]]:
+    blocks: dict[str, list[Receipt]] = defaultdict(list)
+    for receipt in receipts:
+        blocks[receipt.identity.block_id].append(receipt)
+    return blocks
+
+
+def test_smoke_sweep_end_to_end(ray_address: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    campaign = tiny_smoke(tmp_path / "campaign")
+    uri = fresh_mlflow_uri(tmp_path)
+    # b001's first arm raises on its first attempt: Tune's FailureConfig reruns the whole block as attempt 1.
+    summary = run_sweep(campaign, tracking_uri=uri, storage=str(tmp_path / "runs"), progress=True,
+                        inject={"b001": {"raise_at_step": 1}})
+    assert (summary.blocks_total, summary.blocks_done, summary.blocks_errored, summary.exit_code) == (3, 3, 0, 0)
+    assert summary.max_concurrent == 2 and summary.executor == "subprocess"
+    assert summary.arms_logged == 7 and summary.arms_failed == 1 and summary.spooled == 0
+
+    on_disk, rejected = load_receipts(Path(summary.sweep_dir) / "receipts")
+    assert rejected == [] and len(on_disk) == 7
+    assert {r.identity.receipt_id for r in on_disk} == set(summary.receipt_ids)
+    sweep, _ = load_sweep(campaign)
+    plan = {b.block_id: b for b in plan_sweep(sweep, summary.sweep_id).blocks}
+    for block_id, mine in _by_block(on_disk).items():
+        for attempt in {r.identity.attempt for r in mine}:
+            arms = [r for r in mine if r.identity.attempt == attempt]
+            assert len({(r.identity.node_id, r.identity.host) for r in arms}) == 1, "both arms on one node"
+            for receipt in arms:
+                # The recorded order is the order that ran.
+                assert plan[block_id].order[receipt.identity.order] == receipt.identity.arm_index
+                assert receipt.identity.lane_key == plan[block_id].lane_key
+    retried = [r for r in on_disk if r.identity.block_id == "b001"]
+    assert sorted((r.identity.attempt, r.identity.status is Status.failed) for r in retried) == [
+        (0, True), (1, False), (1, False)]
+
+    # N free CPUs keep N arms busy: arms of different blocks overlapped in time.
+    spans = [(block, arm["scheduled_at"], arm["ended_at"]) for block, entry in summary.timeline.items()
+             for arm in entry["arms"]]
+    assert any(a[0] != b[0] and a[1] < b[2] and b[1] < a[2] for a in spans for b in spans)
+
+    client = TrackingClient(uri, "ablate")
+    parents = client.search([f"tags.`{TAG}role` = '{ROLE_SWEEP}'"])
+    assert [p.info.run_id for p in parents] == [summary.parent_run_id]
+    parent = client.client.get_run(summary.parent_run_id)
+    assert parent.info.status == "FINISHED" and parent.data.params["design"] == "one_at_a_time"
+    assert parent.data.params["lane.model.pattern"] == "AEMR"
+    assert any(key.startswith("system/") for key in parent.data.metrics), "MLflow system metrics on the sweep run"
+    assert {a.path for a in client.client.list_artifacts(summary.parent_run_id)} >= {"summary.png", "summary.json"}
+    children = client.arm_runs(summary.sweep_id)
+    assert set(children) == set(summary.receipt_ids), "one child run per arm"
+    names = [run.info.run_name for run in children.values()]
+    assert len(set(names)) == 7 and "b001·aa·twin0" not in names
+    assert any(name.endswith("·retry1") for name in names)
+    for run in children.values():
+        assert run.data.tags["mlflow.parentRunId"] == summary.parent_run_id
+        assert {"goodput_fraction", "wall_tokens_per_s", "step_p50_s"} <= set(run.data.metrics) or \
+            run.data.tags[TAG + "status"] == "failed"
+
+    progress = capsys.readouterr().err
+    assert "blocks 3/3 done" in progress and "1 failed" in progress and "ETA" in progress
+
+
+def test_a_campaign_no_node_can_hold_fails_at_once(ray_address: str, tmp_path: Path) -> None:
+    campaign = tiny_smoke(tmp_path, lane={"engine": {"workers": 2}}, resources={"cpus_per_worker": 2})
+    started = time.monotonic()
+    with pytest.raises(ResourceError) as info:
+        run_sweep(campaign, tracking_uri=f"sqlite:///{tmp_path / 'm.db'}", storage=str(tmp_path / "runs"),
+                  progress=False)
+    assert time.monotonic() - started < 20
+    message = str(info.value)
+    assert "one node with 4 CPU" in message and "2 worker(s) x 2 CPU" in message
+    assert ": 2 CPU" in message and "2 CPU < 4" in message
+    assert not (tmp_path / "m.db").exists(), "refused before anything was tracked or submitted"
+    fits = check_cluster(BlockNeed(workers=2, cpus_per_worker=1, gpus_per_worker=0), campaign="x", wait_s=0)
+    assert fits.max_concurrent == 1
+
+
+def test_multi_worker_trial_shape_cannot_deadlock_on_two_cpus(ray_address: str, tmp_path: Path) -> None:
+    """Shared notes §3a: a trial holding 1 CPU whose two 1-CPU workers need the other 2 never starts.
+    Like Ray Train, the trial here asks for a STRICT_PACK placement group of two 1-CPU workers; with the driver
+    shape ablate uses for multi-worker arms (no CPU held) it is placed at once, with the naive one never."""
+    from ray import tune
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    def trial(config: dict[str, Any]) -> None:
+        group = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="STRICT_PACK")
+        placed = group.wait(timeout_seconds=config["timeout"])
+        remove_placement_group(group)
+        tune.report({"placed": int(placed)})
+
+    def run(resources: dict[str, float], timeout: float) -> int:
+        tuner = tune.Tuner(tune.with_resources(trial, resources), param_space={"timeout": timeout},
+                           run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0))
+        return int(tuner.fit()[0].metrics["placed"])
+
+    assert run(BlockNeed(workers=2, cpus_per_worker=1, gpus_per_worker=0).trial_resources(), timeout=60) == 1
+    assert run({"CPU": 1.0}, timeout=3) == 0, "control: the naive shape starves its own workers"
+
+
+def test_resume_after_the_driver_is_killed(ray_address: str, tmp_path: Path) -> None:
+    campaign = tiny_smoke(tmp_path / "campaign", name="resume", features={"fused_residual": ["on"]}, blocks=1,
+                          aa_blocks=1, resources={"cpus_per_worker": 1, "max_concurrent_blocks": 1})
+    uri = fresh_mlflow_uri(tmp_path)
+    storage = str(tmp_path / "runs")
+    layout = Layout.for_campaign("resume", storage)
+    code = (f"from ablate.sweep.run import run_sweep; run_sweep({str(campaign)!r}, tracking_uri={uri!r}, "
+            f"storage={storage!r}, progress=False)")
+    log = (tmp_path / "driver.log").open("w")
+    driver = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "RAY_ADDRESS": ray_address},
+                              stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 150
+    finished: set[str] = set()
+    while not finished:
+        assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "no block finished in time"
+        time.sleep(0.3)
+        found, _ = load_receipts(layout.receipts_dir) if layout.receipts_dir.exists() else ([], [])
+        finished = {b for b, arms in _by_block(found).items() if len({r.identity.arm_index for r in arms}) == 2}
+    os.kill(driver.pid, signal.SIGKILL)
+    driver.wait()
+    before, _ = load_receipts(layout.receipts_dir)
+    sweep_id = (layout.local_dir / "LATEST").read_text().strip()
+    ids_before = {b: {r.identity.receipt_id for r in arms} for b, arms in _by_block(before).items()}
+
+    summary = run_sweep(campaign, resume=True, tracking_uri=uri, storage=storage, progress=False)
+    assert summary.resumed and summary.sweep_id == sweep_id
+    assert (summary.blocks_done, summary.blocks_total, summary.exit_code) == (2, 2, 0)
+    after, rejected = load_receipts(layout.receipts_dir)
+    assert rejected == []
+    for block_id in finished:
+        mine = {r.identity.receipt_id for r in after if r.identity.block_id == block_id}
+        assert mine == ids_before[block_id], f"finished block {block_id} was rerun"
+    assert not any(r.identity.block_id in finished for r in
+                   [r for r in after if r.identity.receipt_id in set(summary.receipt_ids)])
+    complete = {b for b, arms in _by_block(after).items() if len({r.identity.arm_index for r in arms}) == 2}
+    assert complete == {"b000", "b001"}
+    client = TrackingClient(uri, "ablate")
+    runs = client.search([f"tags.`{TAG}sweep_id` = '{sweep_id}'", f"tags.`{TAG}role` = 'arm'"])
+    assert sorted(r.data.tags[TAG + "receipt_id"] for r in runs) == sorted(r.identity.receipt_id for r in after), \
+        "MLflow holds every receipt on disk exactly once"
+    assert len(client.search([f"tags.`{TAG}sweep_id` = '{sweep_id}'", f"tags.`{TAG}role` = 'sweep'"])) == 1
+    json.loads((layout.local_dir / "sweeps" / f"{sweep_id}.json").read_text())

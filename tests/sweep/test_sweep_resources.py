@@ -1,0 +1,61 @@
+"""Resource accounting as arithmetic: what a block asks Ray for, what a node holds, how many blocks run at once."""
+
+from __future__ import annotations
+
+import pytest
+
+from ablate.sweep.resources import DRIVER_CPU, DRIVER_GPU, BlockNeed, ResourceError, fit_node, plan_capacity
+
+
+def test_one_worker_arms_hold_their_cpus_in_the_trial_itself() -> None:
+    need = BlockNeed(workers=1, cpus_per_worker=1, gpus_per_worker=0)
+    assert need.executor == "subprocess"
+    assert need.trial_resources() == {"CPU": 1.0}
+    assert fit_node(need, "n1", "h", {"CPU": 2.0}).arms == 2
+    gpu = BlockNeed(workers=1, cpus_per_worker=4, gpus_per_worker=1)
+    assert gpu.trial_resources() == {"CPU": 4.0, "GPU": 1.0}
+    assert fit_node(gpu, "n1", "h", {"CPU": 48.0, "GPU": 4.0}).arms == 4
+    assert fit_node(gpu, "n1", "h", {"CPU": 48.0}).arms == 0
+
+
+def test_multi_worker_trials_hold_no_cpu_only_the_nodes_arm_capacity() -> None:
+    need = BlockNeed(workers=2, cpus_per_worker=1, gpus_per_worker=0)
+    assert need.executor == "ray_train"
+    # The §3a deadlock needs the trial to hold a CPU its workers want; this shape holds none.
+    assert need.trial_resources() == {"CPU": 0.0, DRIVER_CPU: 2.0}
+    node = fit_node(need, "n1", "h", {"CPU": 2.0, DRIVER_CPU: 2.0})
+    assert node.arms == 1
+    gpu = BlockNeed(workers=2, cpus_per_worker=4, gpus_per_worker=1)
+    assert gpu.trial_resources() == {"CPU": 0.0, DRIVER_CPU: 8.0, DRIVER_GPU: 2.0}
+    # GPU-bound: 48 CPUs would admit 6 trials, 4 GPUs only 2.
+    assert fit_node(gpu, "n1", "h", {"CPU": 48.0, "GPU": 4.0, DRIVER_CPU: 48.0, DRIVER_GPU: 4.0}).arms == 2
+
+
+def test_a_node_without_driver_resources_is_named_with_the_fix() -> None:
+    need = BlockNeed(workers=2, cpus_per_worker=1, gpus_per_worker=0)
+    node = fit_node(need, "abcdef123456", "box", {"CPU": 8.0})
+    assert node.arms == 0
+    assert DRIVER_CPU in node.why_not and "ray start --resources" in node.why_not
+
+
+def test_a_campaign_that_fits_nowhere_raises_with_need_and_have() -> None:
+    need = BlockNeed(workers=2, cpus_per_worker=2, gpus_per_worker=0)
+    nodes = [fit_node(need, "node0001", "a", {"CPU": 2.0, DRIVER_CPU: 2.0}),
+             fit_node(need, "node0002", "b", {"CPU": 3.0, DRIVER_CPU: 3.0})]
+    with pytest.raises(ResourceError) as info:
+        plan_capacity(need, nodes, campaign="big")
+    message = str(info.value)
+    assert "'big'" in message and "one node with 4 CPU" in message and "2 worker(s) x 2 CPU" in message
+    assert "node node0001 (a): 2 CPU" in message and "node node0002 (b): 3 CPU" in message
+    assert "lane.engine.workers" in message
+
+
+def test_concurrency_sums_nodes_and_respects_caps() -> None:
+    need = BlockNeed(workers=1, cpus_per_worker=1, gpus_per_worker=0)
+    nodes = [fit_node(need, f"n{i}", "h", {"CPU": 2.0}) for i in range(3)]
+    assert plan_capacity(need, nodes, campaign="c").max_concurrent == 6
+    assert plan_capacity(need, nodes, campaign="c", num_blocks=4).max_concurrent == 4
+    assert plan_capacity(need, nodes, campaign="c", max_concurrent_blocks=2).max_concurrent == 2
+    # An explicit cap above today's nodes is honoured (pending trials hold nothing: the autoscaler's cue).
+    above = plan_capacity(need, nodes, campaign="c", max_concurrent_blocks=10)
+    assert above.max_concurrent == 10 and "autoscaler" in above.describe()

@@ -1,0 +1,62 @@
+"""Helpers shared by tests/sweep and tests/tracking (imported by name: tests/ is on sys.path via conftest)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+from ruamel.yaml import YAML
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_smoke(directory: Path, steps: int = 4, name: str = "smoke", lane: dict[str, dict[str, Any]] | None = None,
+               **overrides: Any) -> Path:
+    """The smoke campaign (search_spaces/smoke.yaml) with a tiny step budget; ``lane`` sections are merged into
+    the lane (``{"engine": {"workers": 2}}``), other keyword arguments replace top-level keys."""
+    yaml = YAML()
+    data = yaml.load((REPO / "search_spaces" / "smoke.yaml").read_text())
+    data["name"] = name
+    data["lane"]["budget"]["steps"] = steps
+    data["lane"]["budget"]["min_steady_steps"] = 2
+    for section, values in (lane or {}).items():
+        data["lane"].setdefault(section, {}).update(values)
+    data.update(overrides)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "defaults.yaml").write_text((REPO / "search_spaces" / "defaults.yaml").read_text())
+    path = directory / f"{name}.yaml"
+    with path.open("w") as handle:
+        yaml.dump(data, handle)
+    return path
+
+
+def closed_port() -> int:
+    """A localhost port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+_TEMPLATE: dict[str, Path] = {}
+
+
+def fresh_mlflow_uri(directory: Path) -> str:
+    """A new, empty MLflow SQLite store in ``directory``. Creating the schema (alembic migrations) costs ~3-10 s
+    on 2 cores, so it is done once per test process and copied."""
+    import atexit
+    import shutil
+    import tempfile
+
+    if "db" not in _TEMPLATE:
+        from mlflow import MlflowClient
+
+        home = tempfile.mkdtemp(prefix="ablate-mlflow-template-")
+        atexit.register(shutil.rmtree, home, True)
+        template = Path(home) / "mlflow.db"
+        MlflowClient(tracking_uri=f"sqlite:///{template}").search_experiments()
+        _TEMPLATE["db"] = template
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / "mlflow.db"
+    shutil.copyfile(_TEMPLATE["db"], target)
+    return f"sqlite:///{target}"

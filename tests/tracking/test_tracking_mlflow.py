@@ -1,0 +1,160 @@
+"""Receipts in MLflow: the child-run mapping, idempotence, the spool when the store is down, and reading back.
+
+The receipts are real: one smoke block's two arms run through ``trainers.run_arm`` (fresh processes, no Ray).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from sweeps_common import closed_port, fresh_mlflow_uri, tiny_smoke
+
+from ablate.config.load import load_sweep
+from ablate.receipts.schema import BADPUT_CATEGORIES, Receipt
+from ablate.receipts.store import SPOOL_FILE, load_receipts
+from ablate.sweep.plan import plan_sweep
+from ablate.sweep.trial import make_arm_spec
+from ablate.tracking.mlflow_store import (
+    ROLE_ARM,
+    TAG,
+    MlflowStore,
+    TrackingClient,
+    load_receipts_from_mlflow,
+    run_name,
+    sync,
+)
+from ablate.tracking.plots import phases
+from ablate.tracking.uri import default_tracking_uri, resolve_tracking_uri
+
+
+@pytest.fixture(scope="module")
+def receipts(tmp_path_factory: pytest.TempPathFactory) -> list[Receipt]:
+    from trainers import run_arm
+
+    directory = tmp_path_factory.mktemp("arms")
+    sweep, _ = load_sweep(tiny_smoke(directory))
+    block = next(b for b in plan_sweep(sweep, "track-1").blocks if b.feature == "moe_dispatch")
+    return [run_arm(make_arm_spec(block, position, arm, sweep_id="track-1", campaign=sweep.name,
+                                  receipt_dir=str(directory / "receipts")))
+            for position, arm in block.run_order()]
+
+
+def test_child_runs_carry_params_tags_metrics_series_and_artifacts(receipts: list[Receipt], tmp_path: Path) -> None:
+    uri = fresh_mlflow_uri(tmp_path)
+    client = TrackingClient(uri, "exp")
+    parent, created = client.parent_run("track-1", "smoke")
+    assert created and client.parent_run("track-1", "smoke") == (parent, False)
+    run_ids = [client.log_receipt(r, parent)[0] for r in receipts]
+    mlflow = client.client
+    runs = [mlflow.get_run(run_id) for run_id in run_ids]
+    by_arm = {run.data.tags[TAG + "arm"]: run for run in runs}
+    assert set(by_arm) == {"baseline", "candidate"}
+    cand, base = by_arm["candidate"], by_arm["baseline"]
+    assert cand.info.run_name == "b000·candidate·moe_dispatch=jagged"
+    assert base.info.run_name == "b000·baseline·moe_dispatch=padded"
+    for run, receipt in zip(runs, receipts):
+        tags = run.data.tags
+        assert tags["mlflow.parentRunId"] == parent and tags[TAG + "role"] == ROLE_ARM
+        assert tags[TAG + "receipt_id"] == receipt.identity.receipt_id
+        assert tags[TAG + "lane_key"] == receipt.identity.lane_key and tags[TAG + "block_id"] == "b000"
+        assert tags[TAG + "order"] == str(receipt.identity.order)
+        assert tags[TAG + "status"] == receipt.identity.status.value
+        assert tags[TAG + "host"] == receipt.identity.host
+        for backend in receipt.observed.backends:
+            assert tags[f"{TAG}backend.{backend.op}.observed"] == backend.observed
+        metrics = run.data.metrics
+        assert metrics["goodput_fraction"] == pytest.approx(receipt.time.goodput_fraction)
+        assert metrics["wall_tokens_per_s"] == pytest.approx(receipt.throughput.wall_tokens_per_s)
+        assert {"steady_tokens_per_s", "step_p50_s", "step_p90_s", "peak_memory_bytes", "loss_final"} <= set(metrics)
+        assert ("mfu" in metrics) == (receipt.throughput.mfu is not None), "null MFU is skipped, never logged as 0"
+        history = mlflow.get_metric_history(run.info.run_id, "loss")
+        finite = [i for i, v in enumerate(receipt.steps.loss_series) if v is not None]
+        assert sorted(m.step for m in history) == finite and finite
+        assert len(mlflow.get_metric_history(run.info.run_id, "tokens_per_s")) == len(receipt.steps.series) > 0
+        artifacts = {a.path for a in mlflow.list_artifacts(run.info.run_id)}
+        assert artifacts == {"receipt.json", "goodput.png"}
+        path = mlflow.download_artifacts(run.info.run_id, "receipt.json", str(tmp_path / run.info.run_id))
+        assert json.loads(Path(path).read_text())["identity"]["receipt_id"] == receipt.identity.receipt_id
+        png = mlflow.download_artifacts(run.info.run_id, "goodput.png", str(tmp_path / run.info.run_id))
+        assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Compare view: the two arms' params differ exactly in the toggle under test.
+    differing = {k for k in base.data.params if base.data.params[k] != cand.data.params.get(k)}
+    assert differing == {"features.moe_dispatch"}
+    # Idempotent: logging again returns the same runs and creates none.
+    assert [client.log_receipt(r, parent) for r in receipts] == [(run_id, False) for run_id in run_ids]
+    assert len(client.arm_runs("track-1")) == 2
+
+
+def test_unreachable_store_spools_and_sync_replays_exactly_once(receipts: list[Receipt], tmp_path: Path) -> None:
+    down = f"http://ablate:s3cretpw@127.0.0.1:{closed_port()}"
+    sweep_dir = tmp_path / "smoke"
+    store = MlflowStore(down, "exp", sweep_dir)
+    started = time.monotonic()
+    assert store.open_sweep("track-1", "smoke", {"design": "x"}, {}, system_metrics=False) is None
+    assert [store.log_receipt(r) for r in receipts] == [None, None]
+    assert time.monotonic() - started < 30, "an unreachable store must fail fast (retries are set low)"
+    assert not store.online and "s3cretpw" not in (store.offline_reason or "")
+    spool = sweep_dir / SPOOL_FILE
+    spooled, rejected = load_receipts(spool)
+    assert rejected == [] and {r.identity.receipt_id for r in spooled} == {r.identity.receipt_id for r in receipts}
+
+    uri = fresh_mlflow_uri(tmp_path)
+    first = sync(sweep_dir, uri, experiment="exp")
+    assert sorted(first.logged) == sorted(r.identity.receipt_id for r in receipts) and first.already == []
+    again = sync(sweep_dir, uri, experiment="exp")
+    assert again.logged == [] and sorted(again.already) == sorted(first.logged)
+    client = TrackingClient(uri, "exp")
+    assert len(client.arm_runs()) == len(receipts), "no duplicates after two syncs"
+    parent = client.client.get_run(first.parents["track-1"])
+    assert parent.info.status == "FINISHED"
+    assert {a.path for a in client.client.list_artifacts(parent.info.run_id)} >= {"summary.png", "summary.json"}
+
+
+def test_a_run_interrupted_mid_write_is_replaced_not_duplicated(receipts: list[Receipt], tmp_path: Path) -> None:
+    uri = fresh_mlflow_uri(tmp_path)
+    client = TrackingClient(uri, "exp")
+    parent, _ = client.parent_run("track-1", "smoke")
+    receipt = receipts[0]
+    half = client.client.create_run(client.experiment_id, tags={TAG + "role": ROLE_ARM,
+                                                                 TAG + "sweep_id": "track-1",
+                                                                 TAG + "receipt_id": receipt.identity.receipt_id})
+    run_id, created = client.log_receipt(receipt, parent)
+    assert created and run_id != half.info.run_id
+    assert client.client.get_run(half.info.run_id).info.lifecycle_stage == "deleted"
+    assert list(client.arm_runs("track-1")) == [receipt.identity.receipt_id]
+
+
+def test_receipts_read_back_from_mlflow_with_links(receipts: list[Receipt], tmp_path: Path) -> None:
+    uri = fresh_mlflow_uri(tmp_path)
+    client = TrackingClient(uri, "exp")
+    parent, _ = client.parent_run("track-1", "smoke")
+    for receipt in receipts:
+        client.log_receipt(receipt, parent)
+    found, rejected, links = load_receipts_from_mlflow(uri, "exp", sweep_id="track-1")
+    assert rejected == []
+    assert sorted(r.model_dump_json() for r in found) == sorted(r.model_dump_json() for r in receipts)
+    assert set(links) == {r.identity.receipt_id for r in receipts}
+    assert all(link.startswith("runs:/") for link in links.values())
+    assert load_receipts_from_mlflow(uri, "exp", sweep_id="other")[0] == []
+    assert load_receipts_from_mlflow(uri, "missing")[1][0][1] == "no such experiment"
+
+
+def test_goodput_plot_has_one_bar_per_phase_summing_to_wall(receipts: list[Receipt]) -> None:
+    for receipt in receipts:
+        rows = phases(receipt)
+        assert [name for name, _ in rows][:1 + len(BADPUT_CATEGORIES)] == ["goodput", *BADPUT_CATEGORIES]
+        assert rows[-1][0] == "other"
+        assert sum(v for _, v in rows) == pytest.approx(receipt.time.wall_s, rel=0.011, abs=0.06)
+        assert run_name(receipt).startswith("b000·")
+
+
+def test_tracking_uri_default_override_and_absolute_sqlite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert resolve_tracking_uri(cwd=tmp_path) == f"sqlite:///{tmp_path.resolve()}/mlflow.db" == \
+        default_tracking_uri(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracker:5000")
+    assert resolve_tracking_uri(cwd=tmp_path) == "http://tracker:5000"
+    assert resolve_tracking_uri("sqlite:///rel/m.db", cwd=tmp_path) == f"sqlite:///{tmp_path.resolve()}/rel/m.db"
