@@ -329,3 +329,7 @@ class SweepConfig:
         _positive("blocks", self.blocks)
         _non_negative("aa_blocks", self.aa_blocks)
         _non_negative("max_failures", self.max_failures)
+        hardware = self.lane.hardware
+        if hardware.device is Device.cuda and not hardware.cpu_fallback and self.resources.gpus_per_worker < 1:
+            raise ConfigError("resources.gpus_per_worker", self.resources.gpus_per_worker,
+                              "at least 1 when lane.hardware.device is cuda (or lane.hardware.device: auto)")

@@ -25,10 +25,11 @@ import json
 import os
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from ablate.config.schema import ConfigError, ResourcesConfig
+from ablate.config.schema import ConfigError, Device, LaneConfig, ResourcesConfig
 from ablate.sweep.plan import Block
 
 DRIVER_CPU = "ablate_driver_cpu"
@@ -84,6 +85,18 @@ class BlockNeed:
                       + (f" and {self.arm_gpus} {DRIVER_GPU}" if self.arm_gpus else "")
                       + " (the node's arm capacity)")
         return f"one node with {self.arm_cpus} CPU{gpus} for one arm ({shape}; {driver})"
+
+
+def gpu_resources(lane: LaneConfig, resources: ResourcesConfig, cluster_gpus: float) -> ResourcesConfig:
+    """What to ask for when the lane wants CUDA: refuse a GPU-less cluster before any trial starts, unless the
+    lane allows a CPU fallback, whose arms then run on CPU and carry HARDWARE_MISMATCH."""
+    if lane.hardware.device is not Device.cuda or cluster_gpus >= 1:
+        return resources
+    if not lane.hardware.cpu_fallback:
+        raise ConfigError("lane.hardware.device", "cuda", "auto or cpu: this Ray cluster has no GPUs (or set "
+                                                          "lane.hardware.cpu_fallback: true to run on CPU, every "
+                                                          "receipt then carries HARDWARE_MISMATCH)")
+    return dataclasses.replace(resources, gpus_per_worker=0)
 
 
 def block_need(blocks: Iterable[Block], resources: ResourcesConfig) -> BlockNeed:

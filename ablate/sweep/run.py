@@ -40,7 +40,7 @@ from ablate.receipts.schema import InvalidReceipt, Receipt, Status, validate_rec
 from ablate.receipts.store import SPOOL_FILE, write_receipt
 from ablate.sweep.layout import LATEST, Layout
 from ablate.sweep.plan import SweepPlan, plan_sweep
-from ablate.sweep.resources import Capacity, block_need, check_cluster, local_ray_init_kwargs
+from ablate.sweep.resources import Capacity, block_need, check_cluster, gpu_resources, local_ray_init_kwargs
 from ablate.sweep.trial import block_progress, run_block, trial_dirname, trial_name
 from ablate.tracking.mlflow_store import SWEEPS_DIR, MlflowStore, gather
 from ablate.tracking.uri import resolve_tracking_uri, shown
@@ -304,6 +304,7 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
     started_ray = ensure_ray()
     store: Optional[MlflowStore] = None
     try:
+        sweep.resources = gpu_resources(sweep.lane, sweep.resources, ray.cluster_resources().get("GPU", 0.0))
         need = block_need(plan.blocks, sweep.resources)
         capacity = check_cluster(need, campaign=sweep.name, max_concurrent_blocks=sweep.resources.max_concurrent_blocks,
                                  num_blocks=len(plan.blocks))

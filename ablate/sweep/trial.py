@@ -89,6 +89,9 @@ def run_block(config: dict[str, Any], context: Optional[dict[str, Any]] = None) 
                      "node_id": node_id, "host": host, "at": time.time()},
                     checkpoint=tune.Checkpoint.from_directory(directory))
     inject = context.get("inject", {}).get(block.block_id, {}) if attempt == 0 else {}
+    failed: list[str] = []
+    # Both arms always run: a failed arm is still half of a block, so promotion sees a failed candidate as a
+    # loss (and a failed baseline as a block without a yardstick) instead of an unpaired receipt.
     for position, arm in block.run_order():
         spec = make_arm_spec(block, position, arm, sweep_id=context["sweep_id"], campaign=context["campaign"],
                              receipt_dir=context["receipt_dir"], attempt=attempt,
@@ -100,7 +103,9 @@ def run_block(config: dict[str, Any], context: Optional[dict[str, Any]] = None) 
                      "receipt": receipt.model_dump_json()})
         if receipt.identity.status is Status.failed:
             why = receipt.error.message if receipt.error else "no error recorded"
-            raise ArmFailed(f"block {block.block_id} attempt {attempt}: {arm.arm} arm failed: {why}")
+            failed.append(f"{arm.arm} arm failed: {why}")
+    if failed:
+        raise ArmFailed(f"block {block.block_id} attempt {attempt}: " + "; ".join(failed))
 
 
 def block_progress(receipts: list[Receipt], sweep_id: str) -> tuple[list[str], dict[str, int]]:

@@ -1,6 +1,7 @@
 """Which MLflow tracking store a sweep writes to, and how it is shown.
 
-Order: an explicit URI (``--tracking-uri`` or the campaign's ``tracking.uri``), then ``$MLFLOW_TRACKING_URI``,
+Credentials inside an http(s) URI are moved to ``MLFLOW_TRACKING_USERNAME``/``MLFLOW_TRACKING_PASSWORD`` so
+no URL MLflow prints carries them. Order: an explicit URI (``--tracking-uri`` or the campaign's ``tracking.uri``), then ``$MLFLOW_TRACKING_URI``,
 then the embedded default ``sqlite:///<absolute cwd>/mlflow.db``. Relative SQLite paths are made absolute
 against the driver's working directory, because Ray Tune changes the working directory of trial processes and a
 relative store would silently become a different database (shared/notes/ray-tune-train.md §5).
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Optional
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from ablate.redact import redact_uri
 
@@ -32,9 +34,27 @@ def absolute_sqlite(uri: str, cwd: Optional[Path] = None) -> str:
     return f"{prefix}{((cwd or Path.cwd()) / path).resolve()}"
 
 
+def move_credentials(uri: str) -> str:
+    """``http://user:pw@host`` -> ``http://host``, with user and password handed to MLflow's basic-auth variables.
+
+    MLflow prints and logs run URLs built from the tracking URI; a password left inside it would land on stdout
+    and in warnings. Variables the user already set win.
+    """
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or "@" not in parts.netloc:
+        return uri
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    if user:
+        os.environ.setdefault("MLFLOW_TRACKING_USERNAME", unquote(user))
+    if password:
+        os.environ.setdefault("MLFLOW_TRACKING_PASSWORD", unquote(password))
+    return urlunsplit(parts._replace(netloc=hostport))
+
+
 def resolve_tracking_uri(explicit: Optional[str] = None, cwd: Optional[Path] = None) -> str:
     uri = explicit or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(cwd)
-    return absolute_sqlite(uri, cwd)
+    return absolute_sqlite(move_credentials(uri), cwd)
 
 
 def sqlite_path(uri: str) -> Optional[Path]:

@@ -52,10 +52,10 @@ def test_smoke_sweep_end_to_end(ray_address: str, tmp_path: Path, capsys: pytest
                         inject={"b001": {"raise_at_step": 1}})
     assert (summary.blocks_total, summary.blocks_done, summary.blocks_errored, summary.exit_code) == (3, 3, 0, 0)
     assert summary.max_concurrent == 2 and summary.executor == "subprocess"
-    assert summary.arms_logged == 7 and summary.arms_failed == 1 and summary.spooled == 0
+    assert summary.arms_logged == 8 and summary.arms_failed == 1 and summary.spooled == 0
 
     on_disk, rejected = load_receipts(Path(summary.sweep_dir) / "receipts")
-    assert rejected == [] and len(on_disk) == 7
+    assert rejected == [] and len(on_disk) == 8
     assert {r.identity.receipt_id for r in on_disk} == set(summary.receipt_ids)
     sweep, _ = load_sweep(campaign)
     plan = {b.block_id: b for b in plan_sweep(sweep, summary.sweep_id).blocks}
@@ -69,7 +69,7 @@ def test_smoke_sweep_end_to_end(ray_address: str, tmp_path: Path, capsys: pytest
                 assert receipt.identity.lane_key == plan[block_id].lane_key
     retried = [r for r in on_disk if r.identity.block_id == "b001"]
     assert sorted((r.identity.attempt, r.identity.status is Status.failed) for r in retried) == [
-        (0, True), (1, False), (1, False)]
+        (0, False), (0, True), (1, False), (1, False)]
 
     # N free CPUs keep N arms busy: arms of different blocks overlapped in time.
     spans = [(block, arm["scheduled_at"], arm["ended_at"]) for block, entry in summary.timeline.items()
@@ -87,7 +87,7 @@ def test_smoke_sweep_end_to_end(ray_address: str, tmp_path: Path, capsys: pytest
     children = client.arm_runs(summary.sweep_id)
     assert set(children) == set(summary.receipt_ids), "one child run per arm"
     names = [run.info.run_name for run in children.values()]
-    assert len(set(names)) == 7 and "b001·aa·twin0" not in names
+    assert len(set(names)) == 8 and "b001·aa·twin0" not in names
     assert any(name.endswith("·retry1") for name in names)
     for run in children.values():
         assert run.data.tags["mlflow.parentRunId"] == summary.parent_run_id

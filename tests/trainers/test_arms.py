@@ -16,7 +16,7 @@ from ablate.receipts.store import load_receipts
 from trainer_helpers import CORPUS, make_spec, tiny_lane
 from trainers import run_arm
 from trainers.data import TextSource
-from trainers.provenance import REDACTED
+from ablate.redact import REDACTED
 
 SECRETS = {
     "TORCH_HUB_TOKEN": "hf_planted_token_7c1e9",

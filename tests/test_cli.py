@@ -1,0 +1,133 @@
+"""The `ablate` CLI as a user runs it: `python -m ablate ...` in a real process."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE_RECEIPTS = REPO / "tests" / "promote" / "assets" / "smoke_receipts"
+
+
+def ablate(*args: str, cwd: Path = REPO, timeout: int = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ablate", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
+                                                "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0"})
+
+
+def test_help_lists_every_command() -> None:
+    out = ablate("--help")
+    assert out.returncode == 0, out.stderr
+    for command in ("validate", "sweep", "receipts", "promote", "doctor"):
+        assert command in out.stdout
+
+
+def test_every_search_space_validates() -> None:
+    out = ablate("validate")
+    assert out.returncode == 0, out.stdout + out.stderr
+    campaigns = sorted(p.name for p in (REPO / "search_spaces").glob("*.yaml") if p.name != "defaults.yaml")
+    for name in campaigns + ["defaults.yaml", "default.yaml", "single_node.yaml"]:
+        assert name in out.stdout, f"{name} not validated"
+    assert "nam56r_gpu.yaml" in out.stdout and "FAIL" not in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("lane: {model: {pattern: AEXM}}\nfeatures: {moe_dispatch: [jagged]}\n", "lane.model.pattern"),
+        ("lane: {model: {n_experts: 2, top_k: 3}}\nfeatures: {moe_dispatch: [jagged]}\n", "lane.model.top_k: got 3"),
+        ("lane: {batch: {seq_len: 40}}\nfeatures: {moe_dispatch: [jagged]}\n", "lane.batch.seq_len: got 40"),
+        ("lane: {engine: {name: deepspeed, zero_stage: 7}}\nfeatures: {moe_dispatch: [jagged]}\n",
+         "lane.engine.zero_stage: got 7"),
+        ("lane: {budget: {steps: -3}}\nfeatures: {moe_dispatch: [jagged]}\n", "lane.budget.steps: got -3"),
+        ("features: {moe_dispatch: [padded]}\n", "different from the baseline"),
+        ("features: {moe_dispatch: [jagged]}\nresources: {cpus_per_worker: 0}\n", "resources.cpus_per_worker: got 0"),
+        ("lane: {model: {pattern: AEMR}\n", "well-formed YAML"),
+    ],
+)
+def test_bad_campaigns_fail_validation_with_key_and_value(tmp_path: Path, body: str, message: str) -> None:
+    shutil.copy(REPO / "search_spaces" / "defaults.yaml", tmp_path / "defaults.yaml")
+    (tmp_path / "bad.yaml").write_text(body)
+    out = ablate("validate", str(tmp_path / "bad.yaml"))
+    assert out.returncode == 1
+    assert message in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_bad_pattern_names_character_and_position(tmp_path: Path) -> None:
+    shutil.copy(REPO / "search_spaces" / "defaults.yaml", tmp_path / "defaults.yaml")
+    (tmp_path / "bad.yaml").write_text("lane: {model: {pattern: AEXM}}\nfeatures: {moe_dispatch: [jagged]}\n")
+    out = ablate("validate", str(tmp_path / "bad.yaml"))
+    assert "'X'" in out.stderr and "position 2" in out.stderr, out.stderr
+
+
+def test_sweep_refuses_bad_input_before_any_trial(tmp_path: Path) -> None:
+    shutil.copy(REPO / "search_spaces" / "defaults.yaml", tmp_path / "defaults.yaml")
+    (tmp_path / "bad.yaml").write_text("lane: {model: {n_experts: 2, top_k: 3}}\nfeatures: {moe_dispatch: [jagged]}\n")
+    out = ablate("sweep", str(tmp_path / "bad.yaml"), cwd=tmp_path)
+    assert out.returncode == 2 and "lane.model.top_k: got 3" in out.stderr
+    assert not (tmp_path / "ablate_runs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_receipts_list_and_show_read_receipts_on_disk() -> None:
+    listed = ablate("receipts", "list", "--source", str(SMOKE_RECEIPTS))
+    assert listed.returncode == 0, listed.stderr
+    first = sorted(SMOKE_RECEIPTS.glob("*.json"))[0]
+    receipt = json.loads(first.read_text())
+    assert receipt["identity"]["receipt_id"][:8] in listed.stdout
+    shown = ablate("receipts", "show", receipt["identity"]["receipt_id"][:12], "--source", str(SMOKE_RECEIPTS))
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["identity"]["receipt_id"] == receipt["identity"]["receipt_id"]
+
+
+def test_promote_refuses_bad_receipts_by_name(tmp_path: Path) -> None:
+    source = tmp_path / "receipts"
+    shutil.copytree(SMOKE_RECEIPTS, source)
+    good = json.loads(sorted(source.glob("*.json"))[0].read_text())
+    future = dict(good, schema_version="9.0.0")
+    future["identity"] = dict(good["identity"], receipt_id="future-major")
+    (source / "future.json").write_text(json.dumps(future))
+    incomplete = {k: v for k, v in good.items() if k != "time"}
+    incomplete["identity"] = dict(good["identity"], receipt_id="incomplete")
+    (source / "incomplete.json").write_text(json.dumps(incomplete))
+    out = ablate("promote", "--source", str(source), "--policy", "search_spaces/policies/single_node.yaml",
+                 "--out", str(tmp_path / "reports"), timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "unknown major 9" in out.stdout + out.stderr
+    assert "time" in out.stdout + out.stderr and "incomplete.json" in out.stdout + out.stderr
+    reports = list((tmp_path / "reports").glob("*.json"))
+    assert len(reports) == 1 and isinstance(json.loads(reports[0].read_text()), dict)
+
+
+def test_promote_with_only_bad_receipts_fails_clearly(tmp_path: Path) -> None:
+    (tmp_path / "r.json").write_text(json.dumps({"schema_version": "2.0.0", "identity": {}}))
+    out = ablate("promote", "--source", str(tmp_path), "--out", str(tmp_path / "reports"))
+    assert out.returncode == 2 and "no valid receipts" in out.stderr and "unknown major 2" in out.stderr
+
+
+def test_doctor_reports_hardware_and_versions(tmp_path: Path) -> None:
+    out = ablate("doctor", "--tracking-uri", f"sqlite:///{tmp_path / 'doctor.db'}", cwd=tmp_path)
+    assert "hardware" in out.stdout and "torch=2.13" in out.stdout and "ray=2.60" in out.stdout
+    assert "mlflow" in out.stdout and out.returncode == 0, out.stdout + out.stderr
+
+
+def test_cuda_lane_without_gpus_per_worker_is_refused(tmp_path: Path) -> None:
+    shutil.copy(REPO / "search_spaces" / "defaults.yaml", tmp_path / "defaults.yaml")
+    (tmp_path / "gpu.yaml").write_text("lane: {hardware: {device: cuda}}\nfeatures: {moe_dispatch: [jagged]}\n")
+    out = ablate("validate", str(tmp_path / "gpu.yaml"))
+    assert out.returncode == 1 and "resources.gpus_per_worker: got 0" in out.stderr, out.stderr
+
+
+def test_gpu_campaign_on_a_gpu_less_cluster_fails_before_any_trial(tmp_path: Path) -> None:
+    shutil.copy(REPO / "search_spaces" / "defaults.yaml", tmp_path / "defaults.yaml")
+    (tmp_path / "gpu.yaml").write_text("lane: {hardware: {device: cuda}}\nfeatures: {moe_dispatch: [jagged]}\n"
+                                       "resources: {gpus_per_worker: 1}\n")
+    out = ablate("sweep", str(tmp_path / "gpu.yaml"), "--no-progress", cwd=tmp_path, timeout=240)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "lane.hardware.device: got 'cuda'" in out.stderr and "no GPUs" in out.stderr
+    assert not list((tmp_path / "ablate_runs").rglob("*.json")), "no trial ran, no receipt was written"
