@@ -1,0 +1,93 @@
+"""Dispatcher: requested vs observed with reasons, strict mode, forcing, JSON table; kernels imports no Triton."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.capability import probe
+from kernels.dispatch import BackendMismatchError, Dispatcher, registered_ops
+from kernels.moe import moe_jagged, moe_padded
+
+CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_grouped_mm_on_cpu_falls_back_to_jagged_with_reason() -> None:
+    d = Dispatcher(CPU)
+    resolved = d.resolve("moe", "grouped_mm", dims=(64, 128, 256))
+    assert resolved.record.observed == "jagged"
+    assert resolved.fn is moe_jagged
+    assert "SM90" in resolved.record.reason and "cpu" in resolved.record.reason
+    assert d.fallbacks() == [resolved.record.as_dict()]
+
+
+def test_strict_mode_raises_on_fallback_but_not_on_match() -> None:
+    d = Dispatcher(CPU, strict=True)
+    assert d.resolve("moe", "jagged", dims=(64, 128, 256)).record.observed == "jagged"
+    with pytest.raises(BackendMismatchError, match="grouped_mm"):
+        d.resolve("moe", "grouped_mm", dims=(64, 128, 256))
+    # The refused resolution is still in the ledger, so a receipt can show why.
+    assert any(r["requested"] == "grouped_mm" for r in d.table())
+
+
+def test_misaligned_dims_fall_back_to_loop() -> None:
+    d = Dispatcher(CPU)
+    record = d.resolve("moe", "jagged", dims=(60, 128, 256)).record
+    assert record.observed == "jagged_loop" and "multiples of 8" in record.reason
+
+
+def test_gpu_only_backends_fall_back_on_cpu() -> None:
+    d = Dispatcher(CPU)
+    assert d.resolve("ssd", "mamba_ssm", conv_channels=64).record.observed == "chunked"
+    norm = d.resolve("add_rmsnorm", "triton").record
+    expected = "compiled" if probe(CPU).cpp_compiler else "eager"
+    assert norm.observed == expected and "CUDA" in norm.reason
+
+
+def test_unknown_backend_lists_valid_ones() -> None:
+    with pytest.raises(ValueError, match="valid backends.*jagged"):
+        Dispatcher(CPU).resolve("moe", "magic")
+    with pytest.raises(ValueError, match="registered ops"):
+        Dispatcher(CPU).resolve("nope", "x")
+
+
+def test_force_pins_backend_and_says_so() -> None:
+    d = Dispatcher(CPU)
+    with d.forced("moe", "padded"):
+        record = d.resolve("moe", "jagged", dims=(64, 128, 256))
+    assert record.fn is moe_padded and record.record.observed == "padded" and "forced" in record.record.reason
+    assert d.resolve("moe", "jagged", dims=(64, 128, 256)).record.observed == "padded", "ledger keeps the forced row"
+    assert Dispatcher(CPU).resolve("moe", "jagged", dims=(64, 128, 256)).record.observed == "jagged"
+
+
+def test_resolves_once_and_table_is_json() -> None:
+    d = Dispatcher(CPU)
+    first = d.resolve("recurrent_scan", "parallel")
+    assert d.resolve("recurrent_scan", "parallel") is first
+    d.resolve("mla_ingress", "fused")
+    table = d.table()
+    assert [row["op"] for row in table] == ["mla_ingress", "recurrent_scan"]
+    assert json.loads(json.dumps(table)) == table
+    assert set(table[0]) == {"op", "requested", "observed", "reason"}
+    assert d.fallbacks() == []
+    json.dumps(probe(CPU).as_dict())
+
+
+def test_every_op_registered_with_a_reference() -> None:
+    assert registered_ops() == ["add_rmsnorm", "mla_ingress", "moe", "recurrent_scan", "ssd"]
+
+
+def test_importing_kernels_does_not_import_triton() -> None:
+    code = ("import sys; sys.path.insert(0, %r); import kernels, kernels.dispatch; "
+            "from kernels.dispatch import Dispatcher; import torch; "
+            "Dispatcher(torch.device('cpu')).resolve('add_rmsnorm', 'triton'); "
+            "print('triton' in sys.modules, 'mamba_ssm' in sys.modules)") % str(ROOT)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "False"]

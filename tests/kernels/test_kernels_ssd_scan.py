@@ -1,0 +1,124 @@
+"""Chunked SSD vs the sequential recurrence (and a quadratic closed form); parallel minGRU scan vs its loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.scan import linear_scan, mingru_heinsen, mingru_parallel, mingru_sequential_ref
+from kernels.ssd import segsum, ssd_chunked, ssd_sequential_ref
+
+
+def _ssd_inputs(batch: int, seq_len: int, heads: int, head_dim: int, state: int, dtype: torch.dtype = torch.float32):
+    gen = torch.Generator().manual_seed(seq_len * 31 + heads)
+    x = torch.randn(batch, seq_len, heads, head_dim, generator=gen)
+    dt = F.softplus(torch.randn(batch, seq_len, heads, generator=gen) - 1.0)
+    A = -torch.exp(torch.rand(heads, generator=gen) * 2.0)
+    B = torch.randn(batch, seq_len, state, generator=gen)
+    C = torch.randn(batch, seq_len, state, generator=gen)
+    return [t.to(dtype).requires_grad_(True) for t in (x, dt, A, B, C)]
+
+
+def _grads(y: torch.Tensor, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(y.dtype)
+    return torch.autograd.grad(y, inputs, gy)
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+@pytest.mark.parametrize("shape,chunk", [((2, 64, 3, 8, 4), 16), ((1, 48, 2, 4, 8), 8), ((2, 32, 4, 8, 16), 32)])
+def test_chunked_ssd_matches_sequential_fp32(shape: tuple, chunk: int) -> None:
+    inputs = _ssd_inputs(*shape)
+    y_ref = ssd_sequential_ref(*inputs)
+    y = ssd_chunked(*inputs, chunk=chunk)
+    assert (y - y_ref).abs().max().item() <= 1e-4
+    for g, g_ref in zip(_grads(y, inputs), _grads(y_ref, inputs)):
+        assert _rel_err(g, g_ref) <= 1e-4
+
+
+def test_chunked_ssd_bf16_close_to_fp32_sequential() -> None:
+    ref_inputs = _ssd_inputs(2, 32, 2, 8, 4)
+    y_ref = ssd_sequential_ref(*ref_inputs)
+    inputs = _ssd_inputs(2, 32, 2, 8, 4, dtype=torch.bfloat16)
+    y = ssd_chunked(*inputs, chunk=16)
+    assert y.dtype == torch.bfloat16
+    assert _rel_err(y, y_ref) <= 3e-2
+    for g, g_ref in zip(_grads(y, inputs), _grads(y_ref, ref_inputs)):
+        assert _rel_err(g, g_ref) <= 5e-2
+
+
+def test_sequential_ssd_matches_quadratic_closed_form() -> None:
+    # Independent oracle (the SSD "attention" dual): y_t = sum_{s<=t} (C_t . B_s) exp(A sum_{s<r<=t} dt_r) dt_s x_s.
+    x, dt, A, B, C = [t.detach().double() for t in _ssd_inputs(1, 6, 2, 3, 4)]
+    y = torch.zeros_like(x)
+    for t in range(6):
+        for s in range(t + 1):
+            decay = torch.exp(A * dt[0, s + 1:t + 1].sum(0))
+            y[0, t] += ((C[0, t] @ B[0, s]) * decay * dt[0, s])[:, None] * x[0, s]
+    torch.testing.assert_close(ssd_sequential_ref(x, dt, A, B, C), y, rtol=1e-10, atol=1e-10)
+
+
+def test_segsum_is_stable_masked_cumsum() -> None:
+    a = torch.tensor([0.5, -1.0, 2.0])
+    out = segsum(a)
+    assert out[2, 0].item() == pytest.approx(-1.0 + 2.0) and out[1, 1].item() == 0.0
+    assert torch.isinf(out[0, 1]) and out[0, 1] < 0
+
+
+def test_chunked_ssd_rejects_ragged_length() -> None:
+    with pytest.raises(ValueError, match="multiple of the SSD chunk"):
+        ssd_chunked(*_ssd_inputs(1, 20, 1, 2, 2), chunk=8)
+
+
+def _scan_inputs(batch: int, seq_len: int, width: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seq_len + width)
+    return [torch.randn(batch, seq_len, width, generator=gen).to(dtype).requires_grad_(True) for _ in range(2)]
+
+
+@pytest.mark.parametrize("fn", [mingru_parallel, mingru_heinsen])
+@pytest.mark.parametrize("shape", [(2, 64, 16), (1, 257, 8), (3, 5, 4), (1, 1, 3)])
+def test_parallel_scans_match_sequential_fp32(fn, shape: tuple) -> None:
+    inputs = _scan_inputs(*shape)
+    h_ref = mingru_sequential_ref(*inputs)
+    h = fn(*inputs)
+    assert h.shape == h_ref.shape
+    assert (h - h_ref).abs().max().item() <= 5e-4
+    for g, g_ref in zip(_grads(h, inputs), _grads(h_ref, inputs)):
+        assert _rel_err(g, g_ref) <= 5e-4
+
+
+@pytest.mark.parametrize("fn", [mingru_parallel, mingru_heinsen])
+def test_parallel_scans_bf16_close_to_fp32_sequential(fn) -> None:
+    ref_inputs = _scan_inputs(2, 32, 8)
+    h_ref = mingru_sequential_ref(*ref_inputs)
+    inputs = _scan_inputs(2, 32, 8, dtype=torch.bfloat16)
+    h = fn(*inputs)
+    assert h.dtype == torch.bfloat16
+    assert _rel_err(h, h_ref) <= 2e-2
+    for g, g_ref in zip(_grads(h, inputs), _grads(h_ref, ref_inputs)):
+        assert _rel_err(g, g_ref) <= 5e-2
+
+
+def test_linear_scan_handles_signed_inputs_and_odd_lengths() -> None:
+    # Independent of minGRU: any a, b (signed b, as RG-LRU would need), lengths that are not powers of two.
+    gen = torch.Generator().manual_seed(0)
+    for seq_len in (1, 2, 7, 33):
+        a, b = torch.rand(2, seq_len, 3, generator=gen), torch.randn(2, seq_len, 3, generator=gen)
+        h, expected = torch.zeros(2, 3), []
+        for t in range(seq_len):
+            h = a[:, t] * h + b[:, t]
+            expected.append(h)
+        torch.testing.assert_close(linear_scan(a, b), torch.stack(expected, 1), rtol=1e-5, atol=1e-6)
+
+
+def test_sequential_scan_is_the_mingru_recurrence() -> None:
+    gate, cand = [t.detach() for t in _scan_inputs(1, 4, 3)]
+    h = torch.zeros(3)
+    for t in range(4):
+        z = torch.sigmoid(gate[0, t])
+        g = torch.where(cand[0, t] >= 0, cand[0, t] + 0.5, torch.sigmoid(cand[0, t]))
+        h = (1 - z) * h + z * g
+        torch.testing.assert_close(mingru_sequential_ref(gate, cand)[0, t], h)

@@ -1,0 +1,62 @@
+"""Property-based tests for the config loader: any input either types cleanly or fails with a ConfigError
+that names a key from the input; no other exception ever escapes the boundary."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ablate.config.load import flatten, lane_to_dict, structured
+from ablate.config.schema import ConfigError, LaneConfig, SweepConfig
+
+LEAF_PATHS = sorted(flatten(lane_to_dict(LaneConfig())).keys())
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-10, 10_000), st.floats(allow_nan=True),
+                    st.text(max_size=8), st.lists(st.integers(), max_size=2))
+
+
+def _nest(flat: dict[str, object]) -> dict[str, object]:
+    root: dict[str, object] = {}
+    for dotted, value in flat.items():
+        node = root
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})  # type: ignore[assignment]
+        node[leaf] = value
+    return root
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(st.sampled_from(LEAF_PATHS), scalars, max_size=4))
+def test_any_lane_input_types_or_names_its_key(flat: dict[str, object]) -> None:
+    try:
+        sweep = structured(SweepConfig, {"lane": _nest(flat)})
+    except ConfigError as exc:
+        assert exc.key.startswith("lane") or exc.key == "<root>", exc.key
+        assert ": got " in str(exc) and "allowed:" in str(exc)
+        return
+    for dotted, value in flat.items():
+        node = sweep.lane
+        for part in dotted.split("."):
+            node = getattr(node, part)
+        assert node is not None or value is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.dictionaries(st.text(min_size=1, max_size=6).filter(lambda k: "." not in k), scalars, max_size=3))
+def test_unknown_top_level_keys_are_refused_by_name(data: dict[str, object]) -> None:
+    known = {f.name for f in dataclasses.fields(SweepConfig)}
+    unknown = [k for k in data if k not in known]
+    try:
+        structured(SweepConfig, data)
+    except ConfigError as exc:
+        assert exc.key in data or exc.key.split(".")[0] in data
+        return
+    assert not unknown, f"unknown keys {unknown} were accepted"
+
+
+def test_every_leaf_has_a_type_the_error_message_can_name() -> None:
+    hints = typing.get_type_hints(LaneConfig)
+    assert set(hints) >= {"model", "features", "batch", "engine", "compile"}
