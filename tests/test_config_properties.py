@@ -60,3 +60,44 @@ def test_unknown_top_level_keys_are_refused_by_name(data: dict[str, object]) -> 
 def test_every_leaf_has_a_type_the_error_message_can_name() -> None:
     hints = typing.get_type_hints(LaneConfig)
     assert set(hints) >= {"model", "features", "batch", "engine", "compile"}
+
+
+# --- the pattern grammar ---
+
+from ablate.config.pattern import parse_pattern  # noqa: E402
+
+segments = st.lists(st.tuples(st.text(alphabet="AEMR", min_size=1, max_size=6), st.integers(1, 5)),
+                    min_size=1, max_size=4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(segments)
+def test_pattern_expansion_matches_its_segments(parts: list[tuple[str, int]]) -> None:
+    written = "+".join(letters if count == 1 else f"{letters}*{count}" for letters, count in parts)
+    assert parse_pattern(written) == "".join(letters * count for letters, count in parts)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="AEMR", min_size=0, max_size=8),
+       st.characters(blacklist_characters="AEMR*+0123456789").filter(lambda c: not c.isspace()),
+       st.text(alphabet="AEMR", min_size=0, max_size=8))
+def test_any_foreign_character_is_named_with_its_position(left: str, bad: str, right: str) -> None:
+    written = f"A{left}{bad}{right}"  # whitespace is ignored by the grammar, so it is not generated
+    try:
+        parse_pattern(written)
+    except ConfigError as exc:
+        assert exc.key == "lane.model.pattern"
+        assert f"position {1 + len(left)}" in str(exc) and repr(bad) in str(exc)
+    else:
+        raise AssertionError(f"{written!r} was accepted")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=12))
+def test_parser_returns_family_letters_or_a_config_error(text: str) -> None:
+    try:
+        letters = parse_pattern(text)
+    except ConfigError as exc:
+        assert exc.key == "lane.model.pattern"
+        return
+    assert letters and set(letters) <= set("AEMR")

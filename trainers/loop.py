@@ -196,7 +196,7 @@ def run_worker(spec: ArmSpec, ctx: WorkerContext,
     try:
         from trainers.model import HybridLM
         from trainers.model.flops import flops_per_token
-        from trainers.model.pattern import parse_pattern
+        from ablate.config.pattern import parse_pattern
         from kernels.dispatch import Dispatcher
 
         result.software = software_versions()

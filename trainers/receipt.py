@@ -74,7 +74,7 @@ def peak_flops(hardware: dict[str, Any], precision: str) -> Optional[float]:
 
 def _letters(spec: ArmSpec) -> str:
     try:
-        from trainers.model.pattern import parse_pattern
+        from ablate.config.pattern import parse_pattern
 
         return parse_pattern(spec.lane.model.pattern)
     except Exception:  # noqa: BLE001 - a receipt for an arm whose pattern cannot even be parsed still gets written

@@ -11,13 +11,11 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from ablate.config.pattern import parse_pattern
 from ablate.config.schema import ConfigError, LaneConfig
 
 
 def _layer_letters(lane: LaneConfig) -> str:
-    # Imported lazily: the pattern grammar lives with the model, and the registry must import without torch.
-    from trainers.model.pattern import parse_pattern
-
     return parse_pattern(lane.model.pattern)
 
 

@@ -142,6 +142,10 @@ class ModelConfig:
     rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
+        # Imported here: pattern.py raises this module's ConfigError, so a top-level import would be circular.
+        from ablate.config.pattern import parse_pattern
+
+        parse_pattern(self.pattern)
         for name in ("vocab_size", "d_model", "n_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                      "q_lora_rank", "kv_lora_rank", "n_experts", "top_k", "d_expert", "ssm_d_state",
                      "ssm_head_dim", "ssm_expand", "ssm_chunk", "conv_kernel"):

@@ -6,7 +6,7 @@ import pytest
 
 from ablate.config.schema import ConfigError
 from trainers.model import parse_pattern
-from trainers.model.pattern import family_counts
+from ablate.config.pattern import family_counts
 
 
 def test_nam56r_preset_counts() -> None:

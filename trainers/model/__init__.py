@@ -10,6 +10,6 @@ See ``hybrid.py`` (model), ``blocks.py`` (the four block families), ``pattern.py
 """
 
 from trainers.model.hybrid import HybridLM, LMOutput
-from trainers.model.pattern import PRESETS, family_counts, parse_pattern
+from ablate.config.pattern import PRESETS, family_counts, parse_pattern
 
 __all__ = ["HybridLM", "LMOutput", "PRESETS", "family_counts", "parse_pattern"]

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Union
 
 from ablate.config.schema import FeatureConfig, ModelConfig, OnOff
-from trainers.model.pattern import FAMILIES, parse_pattern
+from ablate.config.pattern import FAMILIES, parse_pattern
 
 TRAINING_FACTOR = 3.0
 

@@ -33,7 +33,7 @@ from torch import Tensor
 from ablate.config.schema import FeatureConfig, ModelConfig, OnOff
 from kernels.dispatch import Dispatcher, Resolved
 from trainers.model.blocks import Mamba2Block, MLABlock, MoEBlock, RecurrentBlock, ResidualNorm
-from trainers.model.pattern import FAMILIES, family_counts, parse_pattern
+from ablate.config.pattern import FAMILIES, family_counts, parse_pattern
 
 
 @dataclass
