@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -24,3 +25,15 @@ def _repo_cwd(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def repo() -> Path:
     return REPO
+
+
+@pytest.fixture(scope="module")
+def ray_address() -> Iterator[str]:
+    """A real local Ray runtime with 2 CPUs, one per test module (start-up costs seconds)."""
+    import ray
+
+    from ablate.sweep.resources import local_ray_init_kwargs
+
+    ray.init(**local_ray_init_kwargs(num_cpus=2, num_gpus=0), include_dashboard=False, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from collections import defaultdict
 from typing import Any
 
 from ruamel.yaml import YAML
@@ -60,3 +61,11 @@ def fresh_mlflow_uri(directory: Path) -> str:
     target = directory / "mlflow.db"
     shutil.copyfile(_TEMPLATE["db"], target)
     return f"sqlite:///{target}"
+
+
+def by_block(receipts: list[Any]) -> dict[str, list[Any]]:
+    blocks: dict[str, list[Any]] = defaultdict(list)
+    for receipt in receipts:
+        blocks[receipt.identity.block_id].append(receipt)
+    return blocks
+

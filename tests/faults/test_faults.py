@@ -20,36 +20,22 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterator
 
 import pytest
-from sweeps_common import REPO, fresh_mlflow_uri, tiny_smoke
+from sweeps_common import REPO, by_block, fresh_mlflow_uri, tiny_smoke
 
 from ablate.promote import promote
 from ablate.promote.policy import load_policy
-from ablate.receipts.schema import Code, Receipt, Status
+from ablate.receipts.schema import Code, Status
 from ablate.receipts.store import load_receipts
-from ablate.sweep.resources import local_ray_init_kwargs
 from ablate.sweep.run import run_sweep
 from ablate.tracking.mlflow_store import TAG, TrackingClient
 
 pytestmark = pytest.mark.ray
 
 
-@pytest.fixture(scope="module")
-def ray_address() -> Iterator[str]:
-    import ray
-
-    ray.init(**local_ray_init_kwargs(num_cpus=2, num_gpus=0), include_dashboard=False, log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
 
 
-def _by_block(receipts: list[Receipt]) -> dict[str, list[Receipt]]:
-    blocks: dict[str, list[Receipt]] = defaultdict(list)
-    for receipt in receipts:
-        blocks[receipt.identity.block_id].append(receipt)
-    return blocks
 
 
 def _arm_runs(uri: str, sweep_id: str) -> dict[str, object]:
@@ -65,7 +51,7 @@ def test_failed_nan_and_oom_arms_leave_receipts_and_the_sweep_goes_on(ray_addres
 
     receipts, rejected = load_receipts(Path(summary.sweep_dir) / "receipts")
     assert rejected == []
-    blocks = _by_block(receipts)
+    blocks = by_block(receipts)
     assert set(blocks) == {"b000", "b001", "b002", "b003"}, "every block ran: one failure never stops the sweep"
     assert [r.identity.status for r in blocks["b003"]] == [Status.valid, Status.valid]
 

@@ -9,39 +9,26 @@ import signal
 import subprocess
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-from sweeps_common import REPO, fresh_mlflow_uri, tiny_smoke
+from sweeps_common import REPO, by_block, fresh_mlflow_uri, tiny_smoke
 
 from ablate.config.load import load_sweep
-from ablate.receipts.schema import Receipt, Status
+from ablate.receipts.schema import Status
 from ablate.receipts.store import load_receipts
 from ablate.sweep.layout import Layout
 from ablate.sweep.plan import plan_sweep
-from ablate.sweep.resources import BlockNeed, ResourceError, check_cluster, local_ray_init_kwargs
+from ablate.sweep.resources import BlockNeed, ResourceError, check_cluster
 from ablate.sweep.run import run_sweep
 from ablate.tracking.mlflow_store import ROLE_SWEEP, TAG, TrackingClient
 
 pytestmark = pytest.mark.ray
 
 
-@pytest.fixture(scope="module")
-def ray_address() -> Iterator[str]:
-    import ray
-
-    ray.init(**local_ray_init_kwargs(num_cpus=2, num_gpus=0), include_dashboard=False, log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
 
 
-def _by_block(receipts: list[Receipt]) -> dict[str, list[Receipt]]:
-    blocks: dict[str, list[Receipt]] = defaultdict(list)
-    for receipt in receipts:
-        blocks[receipt.identity.block_id].append(receipt)
-    return blocks
 
 
 def test_smoke_sweep_end_to_end(ray_address: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -59,7 +46,7 @@ def test_smoke_sweep_end_to_end(ray_address: str, tmp_path: Path, capsys: pytest
     assert {r.identity.receipt_id for r in on_disk} == set(summary.receipt_ids)
     sweep, _ = load_sweep(campaign)
     plan = {b.block_id: b for b in plan_sweep(sweep, summary.sweep_id).blocks}
-    for block_id, mine in _by_block(on_disk).items():
+    for block_id, mine in by_block(on_disk).items():
         for attempt in {r.identity.attempt for r in mine}:
             arms = [r for r in mine if r.identity.attempt == attempt]
             assert len({(r.identity.node_id, r.identity.host) for r in arms}) == 1, "both arms on one node"
@@ -153,12 +140,12 @@ def test_resume_after_the_driver_is_killed(ray_address: str, tmp_path: Path) -> 
         assert time.monotonic() < deadline, "no block finished in time"
         time.sleep(0.3)
         found, _ = load_receipts(layout.receipts_dir) if layout.receipts_dir.exists() else ([], [])
-        finished = {b for b, arms in _by_block(found).items() if len({r.identity.arm_index for r in arms}) == 2}
+        finished = {b for b, arms in by_block(found).items() if len({r.identity.arm_index for r in arms}) == 2}
     os.kill(driver.pid, signal.SIGKILL)
     driver.wait()
     before, _ = load_receipts(layout.receipts_dir)
     sweep_id = (layout.local_dir / "LATEST").read_text().strip()
-    ids_before = {b: {r.identity.receipt_id for r in arms} for b, arms in _by_block(before).items()}
+    ids_before = {b: {r.identity.receipt_id for r in arms} for b, arms in by_block(before).items()}
 
     summary = run_sweep(campaign, resume=True, tracking_uri=uri, storage=storage, progress=False)
     assert summary.resumed and summary.sweep_id == sweep_id
@@ -170,7 +157,7 @@ def test_resume_after_the_driver_is_killed(ray_address: str, tmp_path: Path) -> 
         assert mine == ids_before[block_id], f"finished block {block_id} was rerun"
     assert not any(r.identity.block_id in finished for r in
                    [r for r in after if r.identity.receipt_id in set(summary.receipt_ids)])
-    complete = {b for b, arms in _by_block(after).items() if len({r.identity.arm_index for r in arms}) == 2}
+    complete = {b for b, arms in by_block(after).items() if len({r.identity.arm_index for r in arms}) == 2}
     assert complete == {"b000", "b001"}
     client = TrackingClient(uri, "ablate")
     runs = client.search([f"tags.`{TAG}sweep_id` = '{sweep_id}'", f"tags.`{TAG}role` = 'arm'"])
