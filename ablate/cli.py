@@ -26,8 +26,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Distributed ablation runner: does this training-speed feature really make training faster?")
 receipts_app = typer.Typer(no_args_is_help=True, help="Receipts on disk and in MLflow.")
 app.add_typer(receipts_app, name="receipts")
-console = Console()
-err = Console(stderr=True)
+# Piped output (CI logs, `ray job logs`) gets wide lines instead of rich's 80-column default.
+console = Console(width=None if sys.stdout.isatty() else 200)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 
 SEARCH_SPACES = Path("search_spaces")
 
@@ -223,7 +224,7 @@ def promote(
     md_path = out / f"{result.report_id}.md"
     md_path.write_text(result.markdown)
     (out / f"{result.report_id}.json").write_text(result.to_json())
-    console.print(result.markdown, markup=False, highlight=False)
+    print(result.markdown)  # raw: it is the PR body, and rich would re-wrap its tables
     console.print(f"\nreport: {md_path}", highlight=False)
     if write or branch:
         changed = promotion.write_defaults(result, defaults)

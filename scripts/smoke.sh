@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ablate sweep search_spaces/smoke.yaml "$@"
-.venv/bin/ablate promote --source ablate_runs/smoke --policy search_spaces/policies/single_node.yaml
+.venv/bin/ablate promote --sweep smoke --policy search_spaces/policies/single_node.yaml
