@@ -156,20 +156,27 @@ def test_tracking_server_outage_spools_and_sync_restores_exactly(ray_address: st
                           blocks=2, aa_blocks=0, resources={"cpus_per_worker": 1, "max_concurrent_blocks": 1})
     storage = tmp_path / "runs"
     server = _start_server(backend, artifacts, port, server_log)
-    env = {**os.environ, **SECRETS, "RAY_ADDRESS": ray_address, "PYTHONPATH": str(REPO), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
-           "MLFLOW_HTTP_REQUEST_TIMEOUT": "3", "MLFLOW_TRACKING_URI": uri}
-    driver_log = tmp_path / "driver.log"
-    with driver_log.open("w") as log:
-        driver = subprocess.Popen([sys.executable, "-m", "ablate", "sweep", str(campaign), "--storage", str(storage),
-                                   "--no-progress"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        # The server goes away once the sweep's parent run exists, i.e. during the sweep.
-        deadline = time.monotonic() + 120
-        while not backend.exists() or b"ablate.role" not in backend.read_bytes():
-            assert driver.poll() is None, driver_log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "the sweep never reached the tracking server"
-            time.sleep(0.3)
-        _stop_server(server)
-        assert driver.wait(timeout=300) == 0, driver_log.read_text()[-3000:]
+    driver: subprocess.Popen[bytes] | None = None
+    try:
+        env = {**os.environ, **SECRETS, "RAY_ADDRESS": ray_address, "PYTHONPATH": str(REPO),
+               "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "3", "MLFLOW_TRACKING_URI": uri}
+        driver_log = tmp_path / "driver.log"
+        with driver_log.open("w") as log:
+            driver = subprocess.Popen([sys.executable, "-m", "ablate", "sweep", str(campaign), "--storage", str(storage),
+                                       "--no-progress"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+            # The server goes away once the sweep's parent run exists, i.e. during the sweep.
+            deadline = time.monotonic() + 120
+            while not backend.exists() or b"ablate.role" not in backend.read_bytes():
+                assert driver.poll() is None, driver_log.read_text()[-3000:]
+                assert time.monotonic() < deadline, "the sweep never reached the tracking server"
+                time.sleep(0.3)
+            _stop_server(server)
+            assert driver.wait(timeout=300) == 0, driver_log.read_text()[-3000:]
+    finally:
+        if driver is not None and driver.poll() is None:
+            driver.kill()
+        if server.poll() is None:
+            _stop_server(server)
 
     sweep_dir = storage / "outage"
     on_disk, rejected = load_receipts(sweep_dir / "receipts")
