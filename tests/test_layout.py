@@ -72,3 +72,9 @@ def test_defaults_cover_every_model_toggle_at_its_reference() -> None:
             assert name in defaults.values, f"defaults.yaml lacks {name}"
             assert str(defaults.values[name]) == str(spec.get(lane)), f"{name} default is not its reference"
     assert all(FEATURES[n].kind != "tax" or v == "off" for n, v in defaults.values.items())
+
+
+def test_readme_never_exposes_the_dashboard_or_mlflow_publicly() -> None:
+    readme = (REPO / "README.md").read_text()
+    assert "0.0.0.0" not in readme and "--dashboard-host" not in readme
+    assert "ray dashboard cluster.yaml" in readme and "Token authentication stays on" in readme
