@@ -5,8 +5,8 @@ How to use::
     from trainers.model import HybridLM, parse_pattern
     model = HybridLM(lane.model, lane.features, dispatcher)
 
-See ``hybrid.py`` (model), ``blocks.py`` (the four block families), ``pattern.py`` (layer grammar and presets),
-``flops.py`` (FLOPs per token with its convention).
+See ``hybrid.py`` (model), ``blocks.py`` (the four block families), ``flops.py`` (FLOPs per token with its
+convention); the layer grammar and presets live in ``ablate/config/pattern.py`` (torch-free, re-exported here).
 """
 
 from trainers.model.hybrid import HybridLM, LMOutput
