@@ -230,8 +230,9 @@ def ensure_ray() -> bool:
         # driver runs from another directory.
         root = str(Path(__file__).resolve().parents[2])
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-        ray.init(address="local", **local_ray_init_kwargs(), include_dashboard=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": path}})
+        init = local_ray_init_kwargs()
+        init["runtime_env"]["env_vars"]["PYTHONPATH"] = path
+        ray.init(address="local", include_dashboard=False, **init)
     return True
 
 
