@@ -116,8 +116,8 @@ def sweep(
         summary = run_sweep(campaign, resume=resume, tracking_uri=tracking_uri, storage=storage, progress=progress)
     except ConfigError as exc:
         _fail(str(exc))
-    console.print(summary.render() if hasattr(summary, "render") else summary)
-    if getattr(summary, "exit_code", 0):
+    console.print(summary.render())
+    if summary.exit_code:
         raise typer.Exit(summary.exit_code)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional, TypeVar
 
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 
@@ -92,8 +92,7 @@ def structured(schema: type[T], data: Any, prefix: str = "") -> T:
         key = str(getattr(exc, "full_key", "") or "")
         full = f"{prefix}{key}" if key else (prefix.rstrip(".") or "<root>")
         value = _lookup(data, key)
-        message = str(exc).splitlines()[0]
-        if "not in" in message or "Key '" in message and "not" in message:
+        if isinstance(exc, ConfigKeyError):
             allowed = _known_keys(schema, key)
         else:
             allowed = _allowed_for(schema, key)
