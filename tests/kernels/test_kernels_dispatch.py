@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -36,10 +37,19 @@ def test_strict_mode_raises_on_fallback_but_not_on_match() -> None:
     assert any(r["requested"] == "grouped_mm" for r in d.table())
 
 
-def test_misaligned_dims_fall_back_to_loop() -> None:
+def test_misaligned_dims_fall_back_to_loop_where_grouped_gemm_runs() -> None:
+    # Resolution logic for an A100-like device (no GPU here): _grouped_mm needs 16-byte aligned strides.
     d = Dispatcher(CPU)
+    d.capability = dataclasses.replace(d.capability, device_type="cuda", cuda_available=True,
+                                       cuda_capability=(8, 0), grouped_mm_fast_path=False)
     record = d.resolve("moe", "jagged", dims=(60, 128, 256)).record
     assert record.observed == "jagged_loop" and "multiples of 8" in record.reason
+
+
+def test_cpu_jagged_is_expert_major_for_any_dims() -> None:
+    # The CPU path is plain mm per expert: no alignment rule, so misaligned dims stay on jagged and say why.
+    record = Dispatcher(CPU).resolve("moe", "jagged", dims=(60, 128, 256)).record
+    assert record.observed == "jagged" and "expert-major" in record.reason
 
 
 def test_gpu_only_backends_fall_back_on_cpu() -> None:

@@ -14,7 +14,8 @@ from kernels.moe import (expert_capacity, expert_counts, load_balance_loss, moe_
 # (tokens, experts, top_k, d_model, d_expert, skew): skew biases the router towards expert 0 (ragged loads; with
 # skew > 1 the last expert gets nothing). Exactness needs every non-empty expert to hold >= 2 rows: a 1-row group is
 # a BLAS gemv whose reduction order differs from gemm (see test_single_row_groups_within_rounding).
-SHAPES = [(64, 4, 2, 32, 16, 0.0), (97, 8, 2, 16, 8, 2.0), (96, 8, 2, 16, 8, 3.0), (33, 4, 3, 24, 16, 1.0)]
+SHAPES = [(64, 4, 2, 32, 16, 0.0), (97, 8, 2, 16, 8, 2.0), (96, 8, 2, 16, 8, 3.0), (33, 4, 3, 24, 16, 1.0),
+          (40, 4, 2, 12, 6, 0.0)]  # the last is not 8-aligned: the CPU expert-major path takes any dims
 
 
 def _inputs(tokens: int, experts: int, top_k: int, d_model: int, d_expert: int, skew: float,
