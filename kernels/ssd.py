@@ -12,7 +12,7 @@ Backends (op ``ssd``; the feature ``mamba_scan`` requests one):
 - ``chunked``: ``ssd_chunked``, the four steps of Listing 1 of the Mamba-2 paper (``mamba_ssm/modules/ssd_minimal.py``,
   not imported: that module imports Triton at top level) as batched matmuls: quadratic attention-like form inside
   chunks of length Q, a linear recurrence over the L/Q chunk states. GEMM-shaped work instead of L tiny steps, with
-  a hand-written backward. On the 2-core CPU Q=32 is fastest fwd+bwd (Q=16 and Q=64 about 1.4x slower at L=512).
+  a hand-written backward. On the 2-core CPU Q=32 is fastest fwd+bwd (Q=16 and Q=64 1.1-1.5x slower at L=512).
 - ``mamba_ssm``: ``mamba_chunk_scan_combined`` (Triton) when the package is installed on CUDA; lazy import.
 
 Shape suffix legend: B batch, L sequence, H heads, P head dim, N state dim, Q chunk length, C number of chunks
@@ -46,18 +46,53 @@ def ssd_sequential_ref(x_BLHP: Tensor, dt_BLH: Tensor, A_H: Tensor, B_BLN: Tenso
     return torch.stack(ys, dim=1)
 
 
+def _contiguous_result(op: Callable[..., Tensor], *args: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """``op(*args)`` (an elementwise op) as a fresh contiguous tensor of ``dtype`` (default: the first arg's), one pass.
+
+    Elementwise ops take the layout of their first operand, and a head-major operand would make the result need a
+    second, copying pass (so would a dtype cast); ``out=`` writes the wanted layout and dtype directly. Under
+    torch.compile the functional form: functionalization drops an ``out=`` tensor's layout (later views then fail),
+    and Inductor fuses the copy anyway.
+    """
+    dtype = dtype or args[0].dtype
+    if torch.compiler.is_compiling():
+        return op(*args).to(dtype).contiguous()
+    out = torch.empty(torch.broadcast_shapes(*(a.shape for a in args)), dtype=dtype, device=args[0].device)
+    return op(*args, out=out)
+
+
+def _mul_sum(a: Tensor, b: Tensor, dim: int, scratch: Optional[Tensor]) -> Tensor:
+    """(a * b).sum(dim) with the product written into ``scratch`` (eager): one workspace for every such reduction
+    of the backward instead of a fresh full-size temporary each (fresh pages fault in; measured ~2000 minor faults per
+    fwd+bwd at the benchmark shape)."""
+    if scratch is None or torch.compiler.is_compiling():
+        return (a * b).sum(dim)
+    return torch.mul(a, b, out=scratch[:a.numel()].view(a.shape)).sum(dim)
+
+
+def _head_major(t_BCQHP: Tensor, scratch: Tensor) -> Tensor:
+    """A contiguous (B, C, H, Q, P) copy of ``t``, in ``scratch`` when eager."""
+    t_BCHQP = t_BCQHP.transpose(2, 3)
+    if torch.compiler.is_compiling():
+        return t_BCHQP.contiguous()
+    return scratch[:t_BCHQP.numel()].view(t_BCHQP.shape).copy_(t_BCHQP)
+
+
 def causal_decay(cs_XT: Tensor, dtype: torch.dtype) -> Tensor:
-    """exp(cs[i] - cs[j]) for j <= i and 0 above the diagonal, from a float64 cumulative sum ``cs``.
+    """exp(cs[i] - cs[j]) for j <= i (clamped to [e^-80, e^80]) and 0 above the diagonal, from a float64 cumsum.
 
     The difference is taken in float64 and rounded once: an fp32 cumsum difference loses digits when |cumsum| is large
     next to a short segment (measured 1.1e-4 vs the sequential recurrence at Q=64, 2.6e-5 for ssd_minimal's masked
     segsum, 1.1e-5 this way), and it avoids segsum's Q x Q cumsum.
     """
     length = cs_XT.shape[-1]
-    # x + (-y) on the small vector rather than x - y on the grid: one full-grid pass fewer.
-    diff_XTT = (cs_XT[..., :, None] + (-cs_XT)[..., None, :]).to(dtype)
-    causal = torch.tril(torch.ones(length, length, dtype=torch.bool, device=cs_XT.device))
-    return torch.exp(diff_XTT.masked_fill(~causal, float("-inf")))
+    cs_XT = cs_XT.contiguous()  # small; a strided operand makes the full-grid subtraction slower
+    diff_XTT = _contiguous_result(torch.sub, cs_XT[..., :, None], cs_XT[..., None, :], dtype=dtype)
+    # exp of -inf or of anything that under/overflows takes the vector library's slow path (measured 13x slower on
+    # half -inf input), so mask with a multiply instead of -inf, and clamp: a decay below e^-80 (1.8e-35) is far under
+    # fp32 resolution next to the diagonal term, and the upper triangle only has to stay finite to be zeroed.
+    causal = torch.tril(torch.ones(length, length, dtype=dtype, device=cs_XT.device))
+    return diff_XTT.clamp_(-80.0, 80.0).exp_().mul_(causal)
 
 
 def _flip_cumsum(x: Tensor, dim: int) -> Tensor:
@@ -65,13 +100,33 @@ def _flip_cumsum(x: Tensor, dim: int) -> Tensor:
     return torch.flip(torch.cumsum(torch.flip(x, [dim]), dim), [dim])
 
 
+def _chunk_scan(b_BCX: Tensor, decay_BCH: Tensor, reverse: bool = False) -> Tensor:
+    """out[0] = 0, out[c] = decay[c-1] * out[c-1] + b[c-1]; reversed: out[C-1] = 0, out[c-1] = decay[c] * out[c] + b[c].
+
+    Written slice by slice into one buffer (stacking a list costs a full extra pass). Eager writes with ``out=``;
+    Dynamo rejects a non-contiguous ``out=``, so compiled code assigns the slice instead.
+    """
+    n_chunks = b_BCX.shape[1]
+    out_BCX = torch.empty_like(b_BCX)
+    out_BCX[:, n_chunks - 1 if reverse else 0] = 0
+    eager = not torch.compiler.is_compiling()
+    for c in (range(n_chunks - 1, 0, -1) if reverse else range(1, n_chunks)):
+        dst, src = (c - 1, c) if reverse else (c, c - 1)
+        if eager:
+            torch.addcmul(b_BCX[:, src], out_BCX[:, src], decay_BCH[:, src, :, None], out=out_BCX[:, dst])
+        else:
+            out_BCX[:, dst] = torch.addcmul(b_BCX[:, src], out_BCX[:, src], decay_BCH[:, src, :, None])
+    return out_BCX
+
+
 class _ChunkedSSD(torch.autograd.Function):
     """The four steps of Listing 1 (ssd_minimal) with a hand-written backward.
 
     Autograd over the same steps records ~50 nodes whose backward adds layout copies, full-grid masked_fill and
-    transpose passes; saving the few operands each GEMM needs and writing the adjoint directly measured 1.5x faster
-    fwd+bwd on the 2-core CPU (benchmarks/results/kernels.json). The inter-chunk recurrence runs as a scan over the
-    L/Q chunk states (as mamba_ssm's state_passing kernel does) instead of ssd_minimal's (C+1)^2 decay GEMM.
+    transpose passes and a fresh temporary per op; saving the few operands each GEMM needs, writing the adjoint
+    directly and reusing one workspace measured 1.2-1.4x faster fwd+bwd than autograd over the same four steps on the
+    2-core CPU, head to head. The inter-chunk recurrence runs as a scan over the L/Q chunk states (as mamba_ssm's
+    state_passing kernel does) instead of ssd_minimal's (C+1)^2 decay GEMM.
     """
 
     @staticmethod
@@ -80,8 +135,10 @@ class _ChunkedSSD(torch.autograd.Function):
         batch, seq_len, n_heads, head_dim = x_BLHP.shape
         n_chunks, d_state, width = seq_len // chunk, B_BLN.shape[-1], n_heads * head_dim
         rows = batch * n_chunks * n_heads
-        # Discretise as mamba_ssm's test does: ssd_minimal(x * dt, A * dt, B, C).
-        u_BCQHP = (x_BLHP * dt_BLH[..., None]).view(batch, n_chunks, chunk, n_heads, head_dim)
+        # Discretise as mamba_ssm's test does: ssd_minimal(x * dt, A * dt, B, C); u = x * dt is only ever needed
+        # head-major (intra-chunk bmm) or decayed (chunk states), so it is written straight into those two layouts.
+        x_BCQHP = x_BLHP.view(batch, n_chunks, chunk, n_heads, head_dim)
+        dt_BCQH = dt_BLH.view(batch, n_chunks, chunk, n_heads)
         cs64_BCQH = torch.cumsum((dt_BLH * A_H).view(batch, n_chunks, chunk, n_heads).double(), dim=2)
         cs_BCQH = cs64_BCQH.to(x_BLHP.dtype)
         B_BCQN = B_BLN.reshape(batch, n_chunks, chunk, d_state)
@@ -91,72 +148,69 @@ class _ChunkedSSD(torch.autograd.Function):
         G_BCQS = C_BCQN @ B_BCQN.transpose(-1, -2)
         L_BCHQS = causal_decay(cs64_BCQH.transpose(2, 3), x_BLHP.dtype)
         M_BCHQS = L_BCHQS * G_BCQS[:, :, None]
-        uh_BCHQP = u_BCQHP.transpose(2, 3).contiguous()
-        y_diag_BCHQP = torch.bmm(M_BCHQS.view(rows, chunk, chunk), uh_BCHQP.view(rows, chunk, head_dim))
+        uh_BCHQP = _contiguous_result(torch.mul, x_BCQHP.transpose(2, 3), dt_BCQH.transpose(2, 3)[..., None])
+        y_diag_BCHQP = torch.bmm(M_BCHQS.view(rows, chunk, chunk), uh_BCHQP.reshape(rows, chunk, head_dim))
 
         # 2. Each chunk's own end state: S = sum_s exp(cs_last - cs_s) u_s B_s^T, heads folded into the GEMM width
         # (B and C are shared by all heads).
         w_BCQH = torch.exp((cs64_BCQH[:, :, -1:] - cs64_BCQH).to(x_BLHP.dtype))
-        uw_BCQF = (u_BCQHP * w_BCQH[..., None]).view(batch, n_chunks, chunk, width)
+        uw_BCQF = (x_BCQHP * (dt_BCQH * w_BCQH)[..., None]).view(batch, n_chunks, chunk, width)
         S_BCHX = (uw_BCQF.transpose(-1, -2) @ B_BCQN).view(batch, n_chunks, n_heads, head_dim * d_state)
 
         # 3. State entering chunk c: H[0] = 0, H[c] = exp(T[c-1]) H[c-1] + S[c-1], T = a chunk's total decay.
-        # Filled slice by slice: stacking a list costs a full extra pass (measured); no out= because Dynamo rejects a
-        # non-contiguous out tensor.
         eT_BCH = torch.exp(cs_BCQH[:, :, -1])
-        H_BCHX = torch.empty_like(S_BCHX)
-        H_BCHX[:, 0] = 0
-        for c in range(1, n_chunks):
-            H_BCHX[:, c] = torch.addcmul(S_BCHX[:, c - 1], H_BCHX[:, c - 1], eT_BCH[:, c - 1, :, None])
+        H_BCHX = _chunk_scan(S_BCHX, eT_BCH)
         H_BCFN = H_BCHX.view(batch, n_chunks, width, d_state)
 
         # 4. Read the carried state out with C_l, decayed to position l; add the intra-chunk part.
         E_BCQH = torch.exp(cs_BCQH)
         z_BCQHP = (C_BCQN @ H_BCFN.transpose(-1, -2)).view(batch, n_chunks, chunk, n_heads, head_dim)
         y_diag_BCQHP = y_diag_BCHQP.view(batch, n_chunks, n_heads, chunk, head_dim).transpose(2, 3)
-        y_BCQHP = torch.addcmul(y_diag_BCQHP, z_BCQHP, E_BCQH[..., None])
-        ctx.save_for_backward(x_BLHP, dt_BLH, A_H, B_BCQN, C_BCQN, u_BCQHP, uh_BCHQP, G_BCQS, L_BCHQS, M_BCHQS,
+        y_BCQHP = _contiguous_result(torch.addcmul, y_diag_BCQHP, z_BCQHP, E_BCQH[..., None])
+        ctx.save_for_backward(x_BLHP, dt_BLH, A_H, B_BCQN, C_BCQN, uh_BCHQP, G_BCQS, L_BCHQS, M_BCHQS,
                               w_BCQH, uw_BCQF, eT_BCH, H_BCFN, E_BCQH, z_BCQHP)
         return y_BCQHP.reshape(batch, seq_len, n_heads, head_dim)
 
     @staticmethod
     def backward(ctx: Any, gy_BLHP: Tensor) -> tuple[Optional[Tensor], ...]:
-        (x_BLHP, dt_BLH, A_H, B_BCQN, C_BCQN, u_BCQHP, uh_BCHQP, G_BCQS, L_BCHQS, M_BCHQS,
+        (x_BLHP, dt_BLH, A_H, B_BCQN, C_BCQN, uh_BCHQP, G_BCQS, L_BCHQS, M_BCHQS,
          w_BCQH, uw_BCQF, eT_BCH, H_BCFN, E_BCQH, z_BCQHP) = ctx.saved_tensors
-        batch, n_chunks, chunk, n_heads, head_dim = u_BCQHP.shape
+        batch, n_chunks, n_heads, chunk, head_dim = uh_BCHQP.shape
+        x_BCQHP = x_BLHP.view(batch, n_chunks, chunk, n_heads, head_dim)
+        dt_BCQH = dt_BLH.view(batch, n_chunks, chunk, n_heads)
         d_state, width, rows = B_BCQN.shape[-1], n_heads * head_dim, batch * n_chunks * n_heads
         gy_BCQHP = gy_BLHP.reshape(batch, n_chunks, chunk, n_heads, head_dim)
 
+        scratch = gy_BLHP.new_empty(max(gy_BLHP.numel(), H_BCFN.numel()))
+
         # 4. y_off = exp(cs) * z, z = C @ H^T.
-        g_cs_BCQH = (gy_BCQHP * z_BCQHP).sum(-1).mul_(E_BCQH)
+        g_cs_BCQH = _mul_sum(gy_BCQHP, z_BCQHP, -1, scratch).mul_(E_BCQH)
         gz_BCQF = (gy_BCQHP * E_BCQH[..., None]).view(batch, n_chunks, chunk, width)
         g_C_BCQN = gz_BCQF @ H_BCFN
         g_H_BCHX = (gz_BCQF.transpose(-1, -2) @ C_BCQN).view(batch, n_chunks, n_heads, head_dim * d_state)
 
         # 3. Reverse scan: the gradient reaching H[c] is g_S[c-1]; g_S[C-1] = 0 (the last state feeds nothing).
-        g_S_BCHX = torch.empty_like(g_H_BCHX)
-        g_S_BCHX[:, -1] = 0
-        for c in range(n_chunks - 1, 0, -1):
-            g_S_BCHX[:, c - 1] = g_H_BCHX[:, c] if c == n_chunks - 1 else torch.addcmul(
-                g_H_BCHX[:, c], g_S_BCHX[:, c], eT_BCH[:, c, :, None])
-        g_T_BCH = (g_S_BCHX * H_BCFN.view_as(g_S_BCHX)).sum(-1).mul_(eT_BCH)
+        g_S_BCHX = _chunk_scan(g_H_BCHX, eT_BCH, reverse=True)
+        g_T_BCH = _mul_sum(g_S_BCHX, H_BCFN.view_as(g_S_BCHX), -1, scratch).mul_(eT_BCH)
 
         # 2. S = uw^T @ B, uw = u * exp(cs_last - cs).
         g_S_BCFN = g_S_BCHX.view(batch, n_chunks, width, d_state)
         g_uw_BCQHP = (B_BCQN @ g_S_BCFN.transpose(-1, -2)).view(batch, n_chunks, chunk, n_heads, head_dim)
         g_B_BCQN = uw_BCQF @ g_S_BCFN
-        g_w_BCQH = (g_uw_BCQHP * u_BCQHP).sum(-1).mul_(w_BCQH)
+        g_w_BCQH = _mul_sum(g_uw_BCQHP, x_BCQHP, -1, scratch).mul_(dt_BCQH * w_BCQH)
         g_cs_BCQH -= g_w_BCQH
         g_cs_BCQH[:, :, -1] += g_w_BCQH.sum(2) + g_T_BCH
 
         # 1. y_diag = (L * G) @ u per head; L = exp(cs_l - cs_s), so d/dcs_l = +rowsum, d/dcs_s = -colsum.
-        gyh_BCHQP = gy_BCQHP.transpose(2, 3).contiguous().view(rows, chunk, head_dim)
-        g_M_BCHQS = torch.bmm(gyh_BCHQP, uh_BCHQP.view(rows, chunk, head_dim).transpose(1, 2)).view_as(M_BCHQS)
+        gyh_BCHQP = _head_major(gy_BCQHP, scratch).view(rows, chunk, head_dim)  # dead before scratch's next use
+        g_M_BCHQS = torch.bmm(gyh_BCHQP, uh_BCHQP.reshape(rows, chunk, head_dim).transpose(1, 2)).view_as(M_BCHQS)
         g_uh = torch.bmm(M_BCHQS.view(rows, chunk, chunk).transpose(1, 2), gyh_BCHQP)
-        g_u_BCQHP = torch.addcmul(g_uh.view(batch, n_chunks, n_heads, chunk, head_dim).transpose(2, 3),
-                                  g_uw_BCQHP, w_BCQH[..., None])
-        g_G_BCQS = (g_M_BCHQS * L_BCHQS).sum(2)
-        g_logL_BCHQS = g_M_BCHQS.mul_(M_BCHQS)
+        g_uh_BCQHP = g_uh.view(batch, n_chunks, n_heads, chunk, head_dim).transpose(2, 3)
+        g_u_BCQHP = _contiguous_result(torch.addcmul, g_uh_BCQHP, g_uw_BCQHP, w_BCQH[..., None])
+        # In place: g_M * L gives g_G (summed over heads), times G it is g_M * M = the gradient of log L.
+        g_ML_BCHQS = g_M_BCHQS.mul_(L_BCHQS)
+        g_G_BCQS = g_ML_BCHQS.sum(2)
+        g_logL_BCHQS = g_ML_BCHQS.mul_(G_BCQS[:, :, None])
         g_cs_BCQH += (g_logL_BCHQS.sum(-1) - g_logL_BCHQS.sum(-2)).transpose(2, 3)
         g_C_BCQN += g_G_BCQS @ B_BCQN
         g_B_BCQN += g_G_BCQS.transpose(-1, -2) @ C_BCQN
@@ -164,8 +218,8 @@ class _ChunkedSSD(torch.autograd.Function):
         # Inputs: cs = cumsum over the chunk of a = dt * A; u = x * dt.
         g_a_BLH = _flip_cumsum(g_cs_BCQH, 2).view_as(dt_BLH)
         g_u_BLHP = g_u_BCQHP.reshape(x_BLHP.shape)
-        g_x = g_u_BLHP * dt_BLH[..., None]
-        g_dt = (g_u_BLHP * x_BLHP).sum(-1) + g_a_BLH * A_H
+        g_dt = _mul_sum(g_u_BLHP, x_BLHP, -1, scratch) + g_a_BLH * A_H
+        g_x = g_u_BLHP.mul_(dt_BLH[..., None])
         g_A = (g_a_BLH * dt_BLH).sum((0, 1))
         return g_x, g_dt, g_A, g_B_BCQN.view(batch, -1, d_state), g_C_BCQN.view(batch, -1, d_state), None
 
@@ -182,7 +236,7 @@ def ssd_chunked(x_BLHP: Tensor, dt_BLH: Tensor, A_H: Tensor, B_BLN: Tensor, C_BL
     inputs = (x_BLHP, dt_BLH, A_H, B_BLN, C_BLN)
     compute = torch.float64 if any(t.dtype == torch.float64 for t in inputs) else torch.float32
     with torch.autocast(x_BLHP.device.type, enabled=False):
-        y_BLHP = _ChunkedSSD.apply(*(t.to(compute) for t in inputs), chunk)
+        y_BLHP = _ChunkedSSD.apply(*(t.to(compute).contiguous() for t in inputs), chunk)
     return y_BLHP.to(x_BLHP.dtype)
 
 
