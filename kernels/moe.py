@@ -248,16 +248,23 @@ def _expert_mlp_grad(ctx: Any, g_y_RD: Optional[Tensor], _g_h: Optional[Tensor])
 expert_mlp.register_autograd(_expert_mlp_grad, setup_context=_expert_mlp_setup)
 
 
+def experts_grouped_gemm(xs_RD: Tensor, w13_EDG: Tensor, w2_EFD: Tensor, counts_E: Tensor) -> Tensor:
+    """Stage by stage over all rows: grouped GEMM, SwiGLU, grouped GEMM (the CUDA path; CPU runs it as a loop)."""
+    offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+    return grouped_mm(_swiglu(grouped_mm(xs_RD, w13_EDG, offs_E)), w2_EFD, offs_E)
+
+
+def experts_expert_major(xs_RD: Tensor, w13_EDG: Tensor, w2_EFD: Tensor, counts_E: Tensor) -> Tensor:
+    """One expert at a time (the CPU path): bit-identical to ``experts_grouped_gemm`` in fp32."""
+    return expert_mlp(xs_RD, w13_EDG, w2_EFD, torch.cumsum(counts_E, 0))[0]
+
+
 def _jagged(x_TD: Tensor, topi_TK: Tensor, topv_TK: Tensor, w13_EDG: Tensor, w2_EFD: Tensor,
             compute_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     order_R, tok_R, _, counts_E = _sort_by_expert(topi_TK, w13_EDG.shape[0])
     xs_RD = x_TD.index_select(0, tok_R).to(compute_dtype)
-    w13_EDG, w2_EFD = w13_EDG.to(compute_dtype), w2_EFD.to(compute_dtype)
-    if x_TD.device.type == "cpu":
-        y_RD, _ = expert_mlp(xs_RD, w13_EDG, w2_EFD, torch.cumsum(counts_E, 0))
-    else:
-        offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
-        y_RD = grouped_mm(_swiglu(grouped_mm(xs_RD, w13_EDG, offs_E)), w2_EFD, offs_E)
+    experts = experts_expert_major if x_TD.device.type == "cpu" else experts_grouped_gemm
+    y_RD = experts(xs_RD, w13_EDG.to(compute_dtype), w2_EFD.to(compute_dtype), counts_E)
     out_TD = _combine(x_TD, tok_R, y_RD, topv_TK.reshape(-1)[order_R].float())
     return out_TD, torch.zeros((), dtype=torch.long, device=x_TD.device)
 
