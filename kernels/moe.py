@@ -179,7 +179,8 @@ def expert_mlp(xs_RD: Tensor, w13_EDG: Tensor, w2_EFD: Tensor, offs_E: Tensor) -
     instead of three passes over all R rows (a (R, 2F) fp32 pre-activation is 32 MB at the benchmark shape). Same
     per-row GEMMs and SwiGLU ops as the stage-by-stage path, so the result is bit-identical. CPU has no grouped GEMM
     kernel (``torch._grouped_mm`` there is this same per-group loop without the fusion). Opaque to compile, so the
-    host read of ``offs_E`` is no graph break. ``h_RG`` is kept for the backward.
+    host read of ``offs_E`` is no graph break. ``h_RG`` is an internal output kept for the backward: a gradient
+    flowing into it is ignored, so callers must not use it.
     """
     d_ff = w2_EFD.shape[1]
     h_RG = xs_RD.new_empty(xs_RD.shape[0], 2 * d_ff)

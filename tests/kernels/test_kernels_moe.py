@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.moe import (expert_capacity, expert_counts, experts_expert_major, experts_grouped_gemm,
+from kernels.moe import (expert_capacity, expert_counts, expert_mlp, experts_expert_major, experts_grouped_gemm,
                          load_balance_loss, moe_dropless_padded_ref, moe_grouped_mm, moe_jagged, moe_jagged_loop,
                          moe_padded, route)
 
@@ -81,6 +81,14 @@ def test_expert_major_cpu_path_equals_grouped_gemm_path(shape: tuple, dtype: tor
         assert torch.equal(a, b), f"{name}: expert-major differs from grouped GEMM"
     if (counts == 0).any():
         assert torch.equal(results[1][2][counts == 0], torch.zeros_like(w13[counts == 0]))
+
+
+def test_expert_mlp_custom_ops_pass_opcheck() -> None:
+    # Schema, fake (meta) kernel, autograd registration and AOT tracing of the opaque CPU ops.
+    x, topi, _, w13, w2 = _inputs(*SHAPES[1])
+    counts = expert_counts(topi, SHAPES[1][1])
+    xs = x.detach().index_select(0, torch.argsort(topi.reshape(-1), stable=True) // SHAPES[1][2]).requires_grad_(True)
+    torch.library.opcheck(expert_mlp, (xs, w13, w2, torch.cumsum(counts, 0)))
 
 
 def test_single_row_groups_within_rounding() -> None:
