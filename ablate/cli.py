@@ -57,7 +57,7 @@ def _campaign_files(paths: list[Path]) -> list[Path]:
 def validate(paths: list[Path] = typer.Argument(None, help="Campaign files (default: search_spaces/*.yaml).")) -> None:
     """Type-check campaigns, the defaults and the promotion policies; expand every planned arm."""
     from ablate.config.load import load_defaults, load_sweep
-    from ablate.sweep.plan import plan_blocks
+    from ablate.sweep.plan import plan_sweep
 
     failures = 0
     files = _campaign_files(list(paths or []))
@@ -65,9 +65,13 @@ def validate(paths: list[Path] = typer.Argument(None, help="Campaign files (defa
         _fail("no campaign files found")
     for path in files:
         try:
-            sweep, _ = load_sweep(path)
-            blocks = plan_blocks(sweep, sweep_id="validate")
+            sweep, defaults = load_sweep(path)
+            plan = plan_sweep(sweep, sweep_id="validate", defaults=defaults)
+            blocks = plan.blocks
             console.print(f"[green]ok[/]   {path}: {len(blocks)} blocks, {2 * len(blocks)} arms", highlight=False)
+            for what, why in plan.skipped:
+                # A value promoted since the campaign was written is skipped, not an error: say so, once, here.
+                console.print(f"     skip {what}: {why}", markup=False, highlight=False)
         except ConfigError as exc:
             failures += 1
             err.print(f"[red]FAIL[/] {path}: {exc}", highlight=False)
@@ -126,7 +130,11 @@ def sweep(
 
 def _load_source(source: Optional[Path], tracking_uri: Optional[str], experiment: str,
                  sweep_name: Optional[list[str]]) -> tuple[list, list, dict]:
-    """Receipts from a directory/JSONL (when given) or from MLflow, plus rejects and MLflow run links."""
+    """Receipts from a directory/JSONL (when given) or from MLflow, plus rejects and MLflow run links.
+
+    Every file, spool line or run that could not be used is printed with its reason (stderr), whichever command
+    asked: a receipt never disappears from evidence without a word.
+    """
     if source is not None:
         from ablate.receipts.store import load_receipts
 
@@ -136,10 +144,17 @@ def _load_source(source: Optional[Path], tracking_uri: Optional[str], experiment
         from ablate.tracking.mlflow_store import load_receipts_from_mlflow
 
         receipts, rejected, links = load_receipts_from_mlflow(default_tracking_uri(tracking_uri), experiment)
+    _print_rejected(rejected)
     if sweep_name:
         keep = set(sweep_name)
         receipts = [r for r in receipts if r.identity.campaign in keep or r.identity.sweep_id in keep]
     return receipts, rejected, links
+
+
+def _print_rejected(rejected: list[tuple[str, str]]) -> None:
+    for origin, reason in rejected:
+        # markup=False: a reason quotes file contents and paths, which may hold "[...]"; one line per reject.
+        err.print(f"rejected {origin}: {reason}", markup=False, highlight=False, soft_wrap=True)
 
 
 @receipts_app.command("list")
@@ -161,8 +176,6 @@ def receipts_list(
                       ident.status.value, f"{tps:.1f}" if tps else "-", f"{r.time.goodput_fraction:.1%}",
                       ",".join(sorted(r.codes())) or "-")
     console.print(table)
-    for origin, reason in rejected:
-        err.print(f"[yellow]rejected[/] {origin}: {reason}", highlight=False)
 
 
 @receipts_app.command("show")
@@ -185,11 +198,26 @@ def receipts_sync(
     sweep_dir: Path = typer.Argument(..., help="A sweep directory (its receipts/ and spool.jsonl are replayed)."),
     tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri"),
 ) -> None:
-    """Bring MLflow to exactly the set of receipts on disk (idempotent by receipt id)."""
+    """Bring MLflow to exactly the set of receipts on disk (idempotent by receipt id); every file that could not
+    be read as a valid receipt is listed with the reason."""
+    from rich.markup import escape
+
+    from ablate.redact import redact_text
     from ablate.tracking.mlflow_store import sync
 
-    result = sync(sweep_dir, default_tracking_uri(tracking_uri))
-    console.print(result)
+    if not sweep_dir.exists():
+        _fail(escape(f"{sweep_dir}: no such sweep directory or receipt file"))
+    uri = default_tracking_uri(tracking_uri)
+    try:
+        result = sync(sweep_dir, uri)
+    except Exception as exc:  # noqa: BLE001 - store unreachable: a one-line reason, never a traceback with the URI
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        _fail(escape(redact_text(f"MLflow at {redact_uri(uri)} failed ({type(exc).__name__}: {first}); the "
+                                 f"receipts on disk are untouched, run the sync again")), code=1)
+    summary, *lines = str(result).splitlines()
+    console.print(summary, markup=False, highlight=False, soft_wrap=True)
+    for line in lines:
+        err.print(line.strip(), markup=False, highlight=False, soft_wrap=True)
 
 
 # --- promote ---
@@ -203,34 +231,62 @@ def promote(
     sweep_name: Optional[list[str]] = typer.Option(None, "--sweep", help="Only these campaigns / sweep ids."),
     policy: Path = typer.Option(SEARCH_SPACES / "policies" / "default.yaml", "--policy"),
     defaults: Path = typer.Option(SEARCH_SPACES / "defaults.yaml", "--defaults"),
-    out: Path = typer.Option(Path("reports"), "--out", help="Directory for the Markdown and JSON report."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Directory for the Markdown and JSON report (default "
+                                                           "reports/; with --branch the report is committed under "
+                                                           "reports/promotions/ instead)."),
     write: bool = typer.Option(False, "--write", help="Update the defaults file in place with the evidence."),
     branch: Optional[str] = typer.Option(None, "--branch", help="Commit defaults + report on a new git branch."),
     open_pr: bool = typer.Option(False, "--open-pr", help="Open the PR with gh (or print the command)."),
 ) -> None:
     """Apply the promotion rule to the receipts and write a PR-ready report."""
     from ablate import promote as promotion
+    from ablate.promote.defaults_writer import num_promoted
+    from ablate.promote.git_pr import REPORT_DIR
 
     receipts, rejected, links = _load_source(source, tracking_uri, experiment, sweep_name)
     if not receipts:
         _fail(f"no valid receipts found in {source or redact_uri(default_tracking_uri(tracking_uri))}"
               + (f" ({len(rejected)} rejected: {rejected[0][1]})" if rejected else ""))
+    from ablate.tracking.mlflow_store import not_run_from_dir, not_run_from_mlflow
+
+    sweeps = {r.identity.sweep_id for r in receipts}
+    not_run = (not_run_from_dir(source) if source is not None else
+               not_run_from_mlflow(default_tracking_uri(tracking_uri), experiment))
     try:
         result = promotion.promote(receipts, policy_path=policy, defaults_path=defaults, rejected=rejected,
-                                   run_links=links)
+                                   run_links=links, not_run=[n for n in not_run if n["sweep_id"] in sweeps])
     except ConfigError as exc:
         _fail(str(exc))
-    out.mkdir(parents=True, exist_ok=True)
-    md_path = out / f"{result.report_id}.md"
-    md_path.write_text(result.markdown)
-    (out / f"{result.report_id}.json").write_text(result.to_json())
+    if not branch:
+        out = out if out is not None else Path("reports")
+        out.mkdir(parents=True, exist_ok=True)
+        plots = result.write_plots(out / result.report_id, relative_to=out)
+        if source is None and plots:
+            from ablate.tracking.mlflow_store import log_promotion_plots
+
+            result.plot_locations = log_promotion_plots(default_tracking_uri(tracking_uri), experiment,
+                                                        {r.identity.sweep_id for r in receipts}, result.report_id,
+                                                        plots)
     print(result.markdown)  # raw: it is the PR body, and rich would re-wrap its tables
-    console.print(f"\nreport: {md_path}", highlight=False)
+    if branch and out is not None:
+        err.print(f"note: --out {out} is not used with --branch: the report is committed under "
+                  f"{REPORT_DIR}/", markup=False, highlight=False)
+    if not branch:
+        # With --branch the committed copy under reports/promotions/ is the report: a second copy here would
+        # be an untracked duplicate left beside it.
+        assert out is not None
+        md_path = out / f"{result.report_id}.md"
+        md_path.write_text(result.markdown)
+        (out / f"{result.report_id}.json").write_text(result.to_json())
+        console.print(f"\nreport: {md_path}", highlight=False)
     if write or branch:
-        changed = promotion.write_defaults(result, defaults)
-        console.print(f"defaults: {len(changed)} value(s) promoted in {defaults}", highlight=False)
+        edits = promotion.write_defaults(result, defaults)
+        # Count promoted values, not edit lines: one flip also appends its evidence record.
+        console.print(f"defaults: {num_promoted(edits)} value(s) promoted ({len(edits)} edit(s)) in {defaults}",
+                      highlight=False)
     if branch:
         outcome = promotion.make_branch(result, branch, Path.cwd(), open_pr=open_pr)
+        console.print(f"\nreport: {outcome.report} (committed)", highlight=False)
         console.print(f"branch {branch}: commit {outcome.commit[:10]} ({', '.join(outcome.files)})", highlight=False)
         if outcome.pr_opened:
             console.print(outcome.pr_output, markup=False, highlight=False)

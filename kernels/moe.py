@@ -16,7 +16,8 @@ Backends (registered as op ``moe``; the feature ``moe_dispatch`` requests one):
 - ``jagged_loop``: per-expert ``mm`` loop over ``counts.tolist()``; the recorded fallback when grouped GEMM is
   unavailable or misaligned (host sync, graph break under compile).
 - ``moe_dropless_padded_ref``: padded with C = max(count) (one ``.item()``: compile-unfriendly). The parity oracle:
-  jagged equals it exactly in fp32 because both add each token's expert outputs in the same (expert) order.
+  jagged equals it to fp32 rounding, because both add each token's expert outputs in the same (expert) order; not
+  bit for bit, since a padded bmm and per-expert mm are different GEMM call shapes that BLAS may block differently.
 
 All token counts use static shapes (``scatter_add`` of ones, never ``bincount`` / ``.tolist()`` in the compiled paths).
 
@@ -177,7 +178,7 @@ def expert_mlp(xs_RD: Tensor, w13_EDG: Tensor, w2_EFD: Tensor, offs_E: Tensor) -
 
     Expert-major: each expert's up GEMM, SwiGLU and down GEMM run back to back while its ~R/E rows are in cache,
     instead of three passes over all R rows (a (R, 2F) fp32 pre-activation is 32 MB at the benchmark shape). Same
-    per-row GEMMs and SwiGLU ops as the stage-by-stage path, so the result is bit-identical. CPU has no grouped GEMM
+    per-row GEMMs and SwiGLU ops as the stage-by-stage path, so equal to rounding. CPU has no grouped GEMM
     kernel (``torch._grouped_mm`` there is this same per-group loop without the fusion). Opaque to compile, so the
     host read of ``offs_E`` is no graph break. ``h_RG`` is an internal output kept for the backward: a gradient
     flowing into it is ignored, so callers must not use it.
@@ -256,7 +257,7 @@ def experts_grouped_gemm(xs_RD: Tensor, w13_EDG: Tensor, w2_EFD: Tensor, counts_
 
 
 def experts_expert_major(xs_RD: Tensor, w13_EDG: Tensor, w2_EFD: Tensor, counts_E: Tensor) -> Tensor:
-    """One expert at a time (the CPU path): bit-identical to ``experts_grouped_gemm`` in fp32."""
+    """One expert at a time (the CPU path): equal to ``experts_grouped_gemm`` to rounding (same per-row math)."""
     return expert_mlp(xs_RD, w13_EDG, w2_EFD, torch.cumsum(counts_E, 0))[0]
 
 

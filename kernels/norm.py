@@ -10,7 +10,9 @@ Backends (op ``add_rmsnorm``; the feature ``fused_residual`` requests ``eager`` 
   cast back, then multiply by the weight).
 - ``compiled``: the same function through Inductor, which fuses add + reduction + scale into one pass (and its
   backward); needs a C++ compiler on CPU. Inside an already compiled region it is the reference itself, because the
-  enclosing graph fuses it anyway and a nested compile would only add a guard.
+  enclosing graph fuses it anyway and a nested compile would only add a guard; so a dispatcher whose compile
+  posture is regional or whole records it as ``eager`` and hands out the reference (``fused_residual: on`` is then
+  the baseline's code: inert, and the receipt says so instead of claiming ``compiled``).
 - ``triton``: ``kernels.triton_add_rmsnorm`` (a ``torch.library.custom_op`` with fake and autograd), CUDA only;
   imported lazily so CPU never imports Triton. Tested on CPU under ``TRITON_INTERPRET=1``.
 
@@ -80,7 +82,9 @@ register(OpSpec(
     ref=add_rmsnorm_ref,
     impls={
         "eager": Impl(add_rmsnorm_ref, always("separate add and RMSNorm ops (eager reference)")),
-        "compiled": Impl(add_rmsnorm_compiled, _eligible_compiled, fallback="eager"),
+        "compiled": Impl(add_rmsnorm_compiled, _eligible_compiled, fallback="eager", traced_as=(
+            "eager", "inside a compiled region the enclosing graph already fuses add + RMSNorm; the op runs as its "
+                     "reference")),
         "triton": Impl(None, _eligible_triton, fallback="compiled", load=_load_triton),
     },
 ))

@@ -14,13 +14,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 def tiny_smoke(directory: Path, steps: int = 4, name: str = "smoke", lane: dict[str, dict[str, Any]] | None = None,
                **overrides: Any) -> Path:
-    """The smoke campaign (search_spaces/smoke.yaml) with a tiny step budget; ``lane`` sections are merged into
-    the lane (``{"engine": {"workers": 2}}``), other keyword arguments replace top-level keys."""
+    """A tiny version of the smoke campaign (search_spaces/smoke.yaml): its defaults and resources, a small AEMR
+    lane, two features with one block each and one A/A block, and a tiny step budget; ``lane`` sections are merged
+    into the lane (``{"engine": {"workers": 2}}``), other keyword arguments replace top-level keys."""
     yaml = YAML()
     data = yaml.load((REPO / "search_spaces" / "smoke.yaml").read_text())
     data["name"] = name
-    data["lane"]["budget"]["steps"] = steps
-    data["lane"]["budget"]["min_steady_steps"] = 2
+    data["lane"] = {"model": {"pattern": "AEMR", "d_model": 64, "n_heads": 4, "n_experts": 4, "top_k": 2,
+                              "d_expert": 64, "ssm_chunk": 16},
+                    "batch": {"micro_batch": 2, "seq_len": 64},
+                    "budget": {"steps": steps, "family_sample_steps": 2, "min_steady_steps": 2},
+                    "compile": {"warmup_steps": 1}}
+    data["features"] = {"moe_dispatch": ["jagged"], "mamba_scan": ["chunked"]}
+    data["blocks"], data["aa_blocks"] = 1, 1
     for section, values in (lane or {}).items():
         data["lane"].setdefault(section, {}).update(values)
     data.update(overrides)

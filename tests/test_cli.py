@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SMOKE_RECEIPTS = REPO / "tests" / "promote" / "assets" / "smoke_receipts"
+SMOKE_RECEIPTS = REPO / "tests" / "promote" / "assets" / "smoke_run" / "receipts"
 
 
 def ablate(*args: str, cwd: Path = REPO, timeout: int = 180) -> subprocess.CompletedProcess[str]:
@@ -105,9 +105,9 @@ def test_promote_refuses_bad_receipts_by_name(tmp_path: Path) -> None:
 
 
 def test_promote_with_only_bad_receipts_fails_clearly(tmp_path: Path) -> None:
-    (tmp_path / "r.json").write_text(json.dumps({"schema_version": "2.0.0", "identity": {}}))
+    (tmp_path / "r.json").write_text(json.dumps({"schema_version": "3.0.0", "identity": {}}))
     out = ablate("promote", "--source", str(tmp_path), "--out", str(tmp_path / "reports"))
-    assert out.returncode == 2 and "no valid receipts" in out.stderr and "unknown major 2" in out.stderr
+    assert out.returncode == 2 and "no valid receipts" in out.stderr and "unknown major 3" in out.stderr
 
 
 def test_doctor_reports_hardware_and_versions(tmp_path: Path) -> None:
@@ -131,3 +131,37 @@ def test_gpu_campaign_on_a_gpu_less_cluster_fails_before_any_trial(tmp_path: Pat
     assert out.returncode == 2, out.stdout + out.stderr
     assert "lane.hardware.device: got 'cuda'" in out.stderr and "no GPUs" in out.stderr
     assert not list((tmp_path / "ablate_runs").rglob("*.json")), "no trial ran, no receipt was written"
+
+
+def test_validate_passes_on_the_promotion_branch_and_names_what_it_skips(tmp_path: Path) -> None:
+    # The repository as `promote --write --branch` leaves it after mamba_scan=chunked was promoted globally:
+    # every campaign still testing chunked must validate (skipped with a notice), or the PR fails its own CI.
+    from types import SimpleNamespace
+
+    from ablate.config.lane_shape import lane_shape
+    from ablate.config.load import flatten, lane_to_dict, load_defaults, load_sweep
+    from ablate.promote.analysis import PROMOTE, FeatureVerdict
+    from ablate.promote.defaults_writer import plan_changes, render_defaults
+    from ablate.promote.policy import load_policy
+
+    spaces = tmp_path / "search_spaces"
+    shutil.copytree(REPO / "search_spaces", spaces)
+    verdicts = [FeatureVerdict(feature="mamba_scan", value="chunked", baseline_value="sequential", kind="speed",
+                               lane_key=f"lane-{device}", software_fingerprint="sw-1", verdict=PROMOTE,
+                               lane_shape=lane_shape(flatten(lane_to_dict(load_sweep(spaces / name)[0].lane))),
+                               device_class=device, speedup=1.2, ci95=(1.1, 1.3), n_blocks=12, n_hosts=3)
+                for device, name in (("cpu", "smoke.yaml"), ("cuda", "nam56r_gpu.yaml"))]
+    defaults = spaces / "defaults.yaml"
+    changes = plan_changes(verdicts, load_defaults(defaults), load_policy(spaces / "policies" / "default.yaml"),
+                           report_id="promote-cli-1", campaign="c", date="2026-03-09")
+    assert [(c.feature, c.scope) for c in changes] == [("mamba_scan", "global")]
+    text, _ = render_defaults(defaults.read_text(), SimpleNamespace(changes=changes, revalidations=[],
+                                                                    report_id="promote-cli-1", date="2026-03-09"))
+    defaults.write_text(text)
+    out = ablate("validate", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "FAIL" not in out.stdout + out.stderr
+    for name in ("smoke.yaml", "nam56r_gpu.yaml"):
+        assert f"ok   search_spaces/{name}" in out.stdout
+    assert out.stdout.count("skip mamba_scan=chunked: already this lane's default (global default since report "
+                            "promote-cli-1)") == 2, out.stdout

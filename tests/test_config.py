@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 import pytest
 
+from ablate.config import load
 from ablate.config.load import load_sweep, structured, with_feature
 from ablate.config.schema import ConfigError, LaneConfig, MoEDispatch, SweepConfig
 
@@ -69,7 +72,6 @@ def test_explicit_lane_value_wins_over_defaults(tmp_path: Path) -> None:
         ("{teleport: [on]}", "features.teleport: got 'teleport'; allowed: one of "),
         ("{moe_dispatch: [warp]}", "features.moe_dispatch: got 'warp'; allowed: one of padded, jagged"),
         ("{moe_dispatch: jagged}", "a non-empty list of candidate values"),
-        ("{bucket_cap_mb: [100]}", "inert: communication buckets cannot act with one worker"),
     ],
 )
 def test_bad_campaign_features(tmp_path: Path, features: str, fragment: str) -> None:
@@ -79,11 +81,23 @@ def test_bad_campaign_features(tmp_path: Path, features: str, fragment: str) -> 
     assert fragment in str(info.value)
 
 
-def test_inert_moe_toggle_without_e_blocks(tmp_path: Path) -> None:
-    path = _write(tmp_path, "lane: {model: {pattern: AM}}\nfeatures: {moe_dispatch: [jagged]}\n")
-    with pytest.raises(ConfigError) as info:
-        load_sweep(path)
-    assert "no E (MoE) blocks" in str(info.value)
+@pytest.mark.parametrize(("features", "fragment"), [
+    ("{moe_dispatch: [jagged]}", "no E (MoE) blocks"),
+    ("{bucket_cap_mb: [100]}", "communication buckets cannot act with one worker"),
+])
+def test_an_inert_toggle_is_refused_before_any_arm_runs(tmp_path: Path, features: str, fragment: str) -> None:
+    from ablate.sweep.plan import plan_sweep
+
+    # Refused by the plan (with the reason, shown by validate, the sweep and the promotion report), not typed away:
+    # the campaign still runs its other blocks; with nothing else to run it fails before any trial.
+    path = _write(tmp_path, f"lane: {{model: {{pattern: AM}}}}\nfeatures: {features}\n")
+    sweep, _ = load_sweep(path)
+    plan = plan_sweep(sweep, "t")
+    assert [b.feature for b in plan.blocks] == [None]  # only the A/A block
+    assert len(plan.skipped) == 1 and "refused, inert" in plan.skipped[0][1] and fragment in plan.skipped[0][1]
+    bare = _write(tmp_path, f"lane: {{model: {{pattern: AM}}}}\nfeatures: {features}\naa_blocks: 0\n")
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        plan_sweep(load_sweep(bare)[0], "t")
 
 
 def test_malformed_yaml_names_file_and_line(tmp_path: Path) -> None:
@@ -107,3 +121,109 @@ def test_tax_cannot_default_on(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_sweep(path)
     assert "features.stp.value" in str(info.value) and "taxes stay opt-in" in str(info.value)
+
+
+# --- lane shapes and lane overrides (defaults.yaml `lane_overrides`) ---
+
+
+def _flat(**changes: object) -> dict:
+    flat = load.flatten(load.lane_to_dict(LaneConfig()))
+    flat.update(changes)
+    return flat
+
+
+def test_lane_shape_ignores_features_and_seeds_but_not_the_horizon() -> None:
+    from ablate.config.lane_shape import REPLICATION_KEYS, lane_shape  # new module: a missing one fails here
+
+    base = lane_shape(_flat())
+    assert base.startswith("shape-") and len(base) == len("shape-") + 12
+    assert set(REPLICATION_KEYS) == {"seed", "data.seed"}
+    # A promoted value changes the lane key but must not move the lane to another shape, nor must a seed.
+    assert lane_shape(_flat(**{"features.moe_dispatch": "jagged", "compile.posture": "regional",
+                               "engine.bucket_cap_mb": 100.0, "seed": 7, "data.seed": 9})) == base
+    # The horizon decides which value wins (one-time vs recurring cost): another horizon is another lane.
+    assert lane_shape(_flat(**{"budget.horizon_steps": 500})) != base
+    assert lane_shape(_flat(**{"batch.seq_len": 128})) != base
+    assert load.lane_shape_of(LaneConfig()) == base
+
+
+def _defaults_with_override(shape: str, value: str = "jagged") -> str:
+    text = Path("search_spaces/defaults.yaml").read_text()
+    override = (f"    lane_overrides:\n      - lane_shape: {shape}\n        value: {value}\n"
+                f"        report: promote-sim-1\n")
+    return text.replace("  moe_dispatch:\n", "  moe_dispatch:\n" + override, 1)
+
+
+def test_a_lane_override_is_the_baseline_of_its_lane_only(tmp_path: Path) -> None:
+    lane_a = "lane: {batch: {seq_len: 32}}\nfeatures: {mamba_scan: [chunked]}\n"
+    shape_a = load.lane_shape_of(load_sweep(_write(tmp_path, lane_a))[0].lane)
+    defaults_text = _defaults_with_override(shape_a)
+    sweep_a, defaults = load_sweep(_write(tmp_path, lane_a, defaults_text))
+    assert sweep_a.lane.features.moe_dispatch is MoEDispatch.jagged  # the lane's baseline runs its override
+    assert defaults.values["moe_dispatch"] == "padded"  # the global value stays
+    assert defaults.effective(load.flatten(load.lane_to_dict(sweep_a.lane)))["moe_dispatch"] == "jagged"
+    other = tmp_path / "other"
+    other.mkdir()
+    sweep_b, _ = load_sweep(_write(other, "lane: {batch: {seq_len: 128}}\nfeatures: {mamba_scan: [chunked]}\n",
+                                   defaults_text))
+    assert sweep_b.lane.features.moe_dispatch is MoEDispatch.padded  # another shape keeps the global value
+    # The campaign's own lane still beats an override, as it beats a global value.
+    pinned, _ = load_sweep(_write(tmp_path, "lane: {batch: {seq_len: 32}, features: {moe_dispatch: grouped_mm}}\n"
+                                            "features: {mamba_scan: [chunked]}\n", defaults_text))
+    assert pinned.lane.features.moe_dispatch is MoEDispatch.grouped_mm
+
+
+SHAPE = "shape-0123456789ab"
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "key", "value", "allowed"),
+    [
+        ("value: padded ", "value: fast ", "features.moe_dispatch.value", "'fast'",
+         "one of padded, jagged, grouped_mm"),
+        ("  moe_dispatch:\n", f"  moe_dispatch:\n    lane_overrides:\n      - {{lane_shape: {SHAPE}, value: warp}}\n",
+         "features.moe_dispatch.lane_overrides[0].value", "'warp'", "one of padded, jagged, grouped_mm"),
+        ("  moe_dispatch:\n", "  moe_dispatch:\n    lane_overrides:\n      - {lane_key: 51a8222a1d14e51a, value: "
+                              "jagged}\n",
+         "features.moe_dispatch.lane_overrides[0].lane_shape", "None", "a lane shape 'shape-<12 hex>'"),
+        ("  moe_dispatch:\n", f"  moe_dispatch:\n    lane_overrides:\n      - {{lane_shape: {SHAPE}, value: jagged}}"
+                              f"\n      - {{lane_shape: {SHAPE}, value: grouped_mm}}\n",
+         "features.moe_dispatch.lane_overrides[1].lane_shape", repr(SHAPE), "one override per lane shape"),
+        ("  moe_dispatch:\n", "  moe_dispatch:\n    lane_overrides: jagged\n",
+         "features.moe_dispatch.lane_overrides", "'jagged'", "a list of {lane_shape"),
+        ("    kind: tax\n", f"    kind: tax\n    lane_overrides:\n      - {{lane_shape: {SHAPE}, value: 'on'}}\n",
+         "features.stp.lane_overrides[0].value", "'on'", "taxes stay opt-in, in every lane"),
+    ],
+)
+def test_bad_defaults_are_refused_naming_key_value_and_allowed(tmp_path: Path, old: str, new: str, key: str,
+                                                                value: str, allowed: str) -> None:
+    text = Path("search_spaces/defaults.yaml").read_text()
+    assert old in text
+    path = tmp_path / "defaults.yaml"
+    path.write_text(text.replace(old, new, 1))
+    with pytest.raises(ConfigError) as info:
+        load.load_defaults(path)  # refused when read, not when a sweep first needs the value
+    assert str(info.value).startswith(f"{path}: {key}: got {value}; allowed: "), str(info.value)
+    assert allowed in str(info.value)
+
+
+def test_a_value_moved_into_the_defaults_is_skipped_but_a_pinned_or_reference_one_is_refused(
+        tmp_path: Path) -> None:
+    from ablate.sweep.plan import plan_sweep
+
+    # defaults.yaml moved mamba_scan off its reference (here by hand, so without an evidence record).
+    defaults = Path("search_spaces/defaults.yaml").read_text().replace("value: sequential    #",
+                                                                        "value: chunked    #")
+    sweep, loaded = load_sweep(_write(tmp_path, "features: {mamba_scan: [chunked], moe_dispatch: [jagged]}\n",
+                                      defaults))
+    skipped = plan_sweep(sweep, "v", loaded).skipped
+    assert skipped == [("mamba_scan=chunked", "already this lane's default (global default in "
+                        f"{tmp_path / 'defaults.yaml'} (the reference is 'sequential')): nothing to compare it "
+                        "against; drop it from the campaign or test another value")]
+    # Only what defaults.yaml moved is skipped: the campaign's own pinned value, or the untouched reference
+    # tested against itself, is still a mistake in the campaign.
+    for body in ("lane: {features: {mamba_scan: chunked}}\nfeatures: {mamba_scan: [chunked]}\n",
+                 "features: {moe_dispatch: [padded]}\n"):
+        with pytest.raises(ConfigError) as info:
+            load_sweep(_write(tmp_path, body, defaults))
+        assert "allowed: a value different from the baseline" in str(info.value)

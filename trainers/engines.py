@@ -13,12 +13,18 @@ must already exist when ``world_size > 1`` (Ray Train sets it up) or for DeepSpe
 
 ``bf16`` precision is autocast over fp32 master weights for both engines, so the two engines differ only in
 how they communicate and shard, not in numerics.
+
+``engine.details`` (the receipt's ``observed.engine``) is read back from the engine that was built, never copied
+from the lane: DDP's reducer (its byte cap and, once DDP rebuilt them, its real buckets) and DeepSpeed's ZeRO
+optimizer. A requested setting that cannot act in the built engine is ``None`` and named in ``inactive`` with the
+reason, so two arms whose engines ran the same code have equal records and arms whose engines differ do not.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -26,10 +32,16 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ablate.config.schema import LaneConfig
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
+
+_MIB = 2 ** 20
+ONE_WORKER = "one worker: no DistributedDataParallel wrapper and no gradient all-reduce, so no bucket exists"
+SINGLE_BUCKET = ("DDP's rebuilt buckets are one bucket holding every gradient: a cap only splits buckets, so it "
+                 "split nothing and any cap at least this large runs the same reducer")
 
 
 @dataclass
@@ -78,7 +90,10 @@ class Engine:
                  details: dict[str, Any]) -> None:
         self.lane, self.device, self.module, self.optimizer = lane, device, module, optimizer
         self.details = details
-        """Effective engine settings for the receipt (what the engine resolved, not what was asked)."""
+        """Effective engine settings for the receipt, read back from the built engine (never from the lane).
+
+        Updated in place after a step when a fact appears only during training (DDP's rebuilt buckets): a holder
+        of this dict sees the final record once the arm ends."""
         self.loss_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         """Test-only fault injection: rewrites the loss before backward (e.g. to NaN)."""
 
@@ -106,8 +121,12 @@ class Engine:
                     value = value.detach().float() / count
                     totals[key] = value if totals[key] is None else totals[key] + value
         self._optimizer_step()
+        self._observe()
         assert totals["loss"] is not None
         return StepOutput(totals["loss"], totals["lm_loss"], totals["aux_loss"], totals["stp_loss"])
+
+    def _observe(self) -> None:
+        """After a step: record engine facts that only exist once training ran (DDP's rebuilt buckets)."""
 
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
@@ -139,28 +158,31 @@ class DDPEngine(Engine):
         model = model.to(device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lane.budget.lr)
         module: nn.Module = model
-        details: dict[str, Any] = {"engine": "ddp", "world_size": world_size}
+        self._ddp: Optional[DistributedDataParallel] = None
+        self._buckets_seen = False
+        # Under whole compile Dynamo's DDPOptimizer also splits the graph by the cap (in its own parameter order),
+        # so one reducer bucket does not prove the cap idle there.
+        self._cap_splits_graph = whole_compile is not None
         if world_size > 1:
-            from torch.nn.parallel import DistributedDataParallel
-
-            module = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                             bucket_cap_mb=lane.engine.bucket_cap_mb)
-            details["bucket_cap_mb"] = lane.engine.bucket_cap_mb
-            details["backend"] = dist.get_backend()
+            module = self._ddp = DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None,
+                bucket_cap_mb=lane.engine.bucket_cap_mb)
+            details = _ddp_details(self._ddp)
         else:
             # One worker has no gradient all-reduce: no DDP wrapper, and bucket_cap_mb cannot act (INERT_TOGGLE).
-            details["bucket_cap_mb"] = None
+            details = {"engine": "ddp", "wrapper": None, "world_size": 1, "backend": None, "bucket_cap_mb": None,
+                       "bucket_cap_bytes": None, "buckets_bytes": None, "gradient_as_bucket_view": None,
+                       "static_graph": None, "find_unused_parameters": None,
+                       "inactive": {"bucket_cap_mb": ONE_WORKER}}
         if whole_compile is not None:
             module = whole_compile(module)
         super().__init__(lane, device, module, optimizer, details)
-        self._ddp = module if world_size > 1 else None
 
     def _backward(self, loss: torch.Tensor, last_micro: bool) -> None:
         scaled = loss / self.lane.batch.grad_accum
-        ddp = getattr(self.module, "_orig_mod", self.module)
-        if self._ddp is not None and not last_micro and hasattr(ddp, "no_sync"):
+        if self._ddp is not None and not last_micro:
             # Accumulation micro-batches skip the all-reduce; only the last one communicates.
-            with ddp.no_sync():
+            with self._ddp.no_sync():
                 scaled.backward()
         else:
             scaled.backward()
@@ -168,6 +190,47 @@ class DDPEngine(Engine):
     def _optimizer_step(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _observe(self) -> None:
+        # DDP starts with one bucket of every gradient (the cap is not used while find_unused_parameters is off)
+        # and rebuilds its buckets by the cap, in gradient-ready order, at the first forward after a synced
+        # backward; its logger reports the rebuilt sizes from the next synced forward on.
+        if self._ddp is None or self._buckets_seen:
+            return
+        sizes = _rebuilt_bucket_sizes(self._ddp)
+        if sizes is None:
+            return
+        self._buckets_seen = True
+        self.details["buckets_bytes"] = sizes
+        if len(sizes) == 1 and not self._cap_splits_graph:
+            self.details["bucket_cap_mb"] = self.details["bucket_cap_bytes"] = None
+            self.details["inactive"]["bucket_cap_mb"] = SINGLE_BUCKET
+
+
+def _ddp_details(ddp: DistributedDataParallel) -> dict[str, Any]:
+    """What the DDP wrapper and its reducer hold (torch 2.13: ``bucket_bytes_cap`` is the reducer's byte cap)."""
+    group = ddp.process_group
+    cap_bytes = int(ddp.bucket_bytes_cap)
+    return {"engine": "ddp", "wrapper": type(ddp).__name__, "world_size": dist.get_world_size(group),
+            "backend": dist.get_backend(group),
+            "bucket_cap_mb": cap_bytes / _MIB,
+            "bucket_cap_bytes": cap_bytes,
+            "buckets_bytes": None,
+            "gradient_as_bucket_view": bool(ddp.gradient_as_bucket_view), "static_graph": bool(ddp.static_graph),
+            "find_unused_parameters": bool(ddp.find_unused_parameters), "inactive": {}}
+
+
+def _rebuilt_bucket_sizes(ddp: DistributedDataParallel) -> Optional[list[int]]:
+    """Bytes per bucket after DDP's one-time rebuild, or None until its logger has them (private API: guarded)."""
+    try:
+        if not ddp._has_rebuilt_buckets:
+            return None
+        text = ddp._get_ddp_logging_data().get("rebuilt_bucket_sizes")
+    except Exception:  # noqa: BLE001 - a torch without these privates leaves the layout unobserved (null)
+        return None
+    if not text:
+        return None
+    return [int(size) for size in re.findall(r"\d+", str(text))]
 
 
 class DeepSpeedEngine(Engine):
@@ -197,12 +260,7 @@ class DeepSpeedEngine(Engine):
         client_optimizer = torch.optim.AdamW(model.parameters(), lr=lane.budget.lr)
         ds_engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=client_optimizer, config=config,
                                                           dist_init_required=False)
-        details = {"engine": "deepspeed", "world_size": world_size, "zero_stage": ds_engine.zero_optimization_stage(),
-                   "reduce_bucket_size": lane.engine.reduce_bucket_size,
-                   "allgather_bucket_size": lane.engine.allgather_bucket_size,
-                   "overlap_comm": bool(ds_engine.zero_overlap_comm()) if lane.engine.zero_stage > 0 else None,
-                   "optimizer": type(optimizer).__name__, "backend": dist.get_backend()}
-        super().__init__(lane, device, ds_engine, optimizer, details)
+        super().__init__(lane, device, ds_engine, optimizer, _deepspeed_details(ds_engine, optimizer))
 
     def _backward(self, loss: torch.Tensor, last_micro: bool) -> None:
         # DeepSpeed scales by gradient_accumulation_steps itself and all-reduces at the boundary.
@@ -212,6 +270,62 @@ class DeepSpeedEngine(Engine):
     def _optimizer_step(self) -> None:
         # engine.step() after every micro-batch already stepped the optimizer at the accumulation boundary.
         pass
+
+
+# Why a DeepSpeed bucket or overlap request cannot act, as read in deepspeed 0.19.8 (runtime/engine.py,
+# runtime/zero/stage_1_and_2.py, runtime/zero/stage3.py, runtime/utils.py). ablate/config/features.py states the
+# same facts statically; the texts carry no requested value, so equal engines give equal records.
+STAGE0_REDUCE = ("ZeRO stage 0 has no ZeRO optimizer: the engine all-reduces gradients in "
+                 "buffered_allreduce_fallback with its fixed MEMORY_OPT_ALLREDUCE_SIZE buffer "
+                 "(allreduce_bucket_elements), never this bucket")
+STAGE0_ALLGATHER = "ZeRO stage 0 keeps whole parameters on every rank: nothing is all-gathered"
+STAGE0_OVERLAP = "ZeRO stage 0: overlap_comm is read only by the ZeRO optimizers of stages 1-3"
+GATHER_INTO_TENSOR = ("the communication backend has all_gather_into_tensor, so ZeRO all-gathers each updated "
+                      "partition in one call (all_gather_dp_groups) and never splits it by allgather_bucket_size")
+STAGE3_ALLGATHER = ("ZeRO-3 gathers parameters by stage3_prefetch_bucket_size; allgather_bucket_size is not passed "
+                    "to its optimizer")
+SYNCHRONIZED_OVERLAP = ("the accelerator is a synchronized device (CPU): ZeRO-3 creates no side stream for "
+                        "reduction or all-gather whatever overlap_comm says, and reads it nowhere else")
+
+
+def _deepspeed_details(ds_engine: Any, optimizer: Any) -> dict[str, Any]:
+    """Stage, buckets and overlap as the built ZeRO optimizer holds them; inactive ones are None with a reason."""
+    import deepspeed.comm as ds_comm
+    from deepspeed.accelerator import get_accelerator
+
+    stage = int(ds_engine.zero_optimization_stage())
+    group = ds_engine.data_parallel_group
+    accelerator = get_accelerator()
+    inactive: dict[str, str] = {}
+    details: dict[str, Any] = {"engine": "deepspeed", "world_size": dist.get_world_size(group),
+                               "backend": dist.get_backend(group), "accelerator": accelerator.device_name(),
+                               "zero_stage": stage, "optimizer": type(optimizer).__name__, "inactive": inactive}
+    if stage == 0:
+        from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
+
+        details.update(reduce_bucket_size=None, allgather_bucket_size=None, overlap_comm=None,
+                       allreduce_bucket_elements=int(MEMORY_OPT_ALLREDUCE_SIZE))
+        inactive.update(reduce_bucket_size=STAGE0_REDUCE, allgather_bucket_size=STAGE0_ALLGATHER,
+                        overlap_comm=STAGE0_OVERLAP)
+        return details
+    details["reduce_bucket_size"] = int(optimizer.reduce_bucket_size)
+    if stage == 3:
+        details["allgather_bucket_size"] = None
+        inactive["allgather_bucket_size"] = STAGE3_ALLGATHER
+        # The stage-3 optimizer keeps no overlap flag, only the stream it chose from it.
+        if accelerator.is_synchronized_device():
+            details["overlap_comm"] = None
+            inactive["overlap_comm"] = SYNCHRONIZED_OVERLAP
+        else:
+            details["overlap_comm"] = bool(ds_engine.zero_overlap_comm())
+        return details
+    details["overlap_comm"] = bool(optimizer.overlap_comm)
+    if ds_comm.has_all_gather_into_tensor():
+        details["allgather_bucket_size"] = None
+        inactive["allgather_bucket_size"] = GATHER_INTO_TENSOR
+    else:
+        details["allgather_bucket_size"] = int(optimizer.allgather_bucket_size)
+    return details
 
 
 def build_engine(lane: LaneConfig, model: nn.Module, device: torch.device, world_size: int,

@@ -39,6 +39,8 @@ from trainers.data import build_source
 from trainers.engines import Engine, StepOutput, build_engine
 from trainers.family import FamilySampler
 from trainers.goodput import StepRecord, StepTracker
+from trainers.hostload import HostLoadProbe
+from trainers.pairing import TurnGate
 from ablate.redact import capture_env, redact_text
 from trainers.provenance import host_name, observe_hardware, software_versions
 from trainers.result import Geometry, WorkerContext, WorkerResult
@@ -162,11 +164,23 @@ def _write_partial(ctx: WorkerContext, result: WorkerResult) -> None:
 def measured_step(engine: Engine, make_batches: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]],
                   tracker: StepTracker, watch: CompileWatch, phase: str, sampler: Optional[FamilySampler] = None,
                   monitor: Optional[LossMonitor] = None, step: int = 0,
-                  world_size: int = 1) -> tuple[StepOutput, StepRecord]:
+                  world_size: int = 1, gate: Optional[TurnGate] = None) -> tuple[StepOutput, StepRecord]:
     """One optimizer step with its instruments: tracker times, compile events, family hooks when sampled, loss.
 
+    In an interleaved block the step is one turn: the wait for it is recorded and kept out of the cadence.
     The benchmark (benchmarks/bench_tracker.py) runs this same function against a bare ``engine.step`` loop.
     """
+    waited = gate.acquire() if gate is not None else 0.0
+    try:
+        return _step(engine, make_batches, tracker, watch, phase, sampler, monitor, step, world_size, waited)
+    finally:
+        if gate is not None:
+            gate.release()
+
+
+def _step(engine: Engine, make_batches: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]], tracker: StepTracker,
+          watch: CompileWatch, phase: str, sampler: Optional[FamilySampler], monitor: Optional[LossMonitor],
+          step: int, world_size: int, waited: float) -> tuple[StepOutput, StepRecord]:
     tracker.begin(phase, sampled=sampler is not None)
     micro = make_batches()
     tracker.data_done()
@@ -179,15 +193,20 @@ def measured_step(engine: Engine, make_batches: Callable[[], list[tuple[torch.Te
     if monitor is not None:
         monitor.push(step, out.loss)
     tokens = sum(t.numel() for t, _ in micro) * world_size if phase == "budget" else 0
-    record = tracker.end(tokens=tokens, compile_events=watch.events - events, compile_s=watch.seconds - seconds)
+    record = tracker.end(tokens=tokens, compile_events=watch.events - events, compile_s=watch.seconds - seconds,
+                         wait_s=waited)
     if sampler is not None:
         sampler.add_step(record.step_s)
     return out, record
 
 
-def run_worker(spec: ArmSpec, ctx: WorkerContext,
-               finalize: Optional[Callable[[WorkerResult], None]] = None) -> WorkerResult:
-    """Run one arm on this worker and return what it measured (never raises with one worker)."""
+def run_worker(spec: ArmSpec, ctx: WorkerContext, finalize: Optional[Callable[[WorkerResult], None]] = None,
+               gate: Optional[TurnGate] = None) -> WorkerResult:
+    """Run one arm on this worker and return what it measured (never raises with one worker).
+
+    ``gate``: in an interleaved block, setup and every step run as turns alternating with the partner arm.
+    """
+    gate = gate or TurnGate(None)
     result = WorkerResult(rank=ctx.rank, world_size=ctx.world_size, attempt=ctx.attempt, executor=ctx.executor,
                           pid=os.getpid(), host=host_name(), node_id=ctx.node_id, fn_start=time.time())
     lane, inject = spec.lane, spec.inject
@@ -210,8 +229,22 @@ def run_worker(spec: ArmSpec, ctx: WorkerContext,
         torch.manual_seed(lane.seed)
         st.letters = parse_pattern(lane.model.pattern)
         geometry = Geometry(lane.batch.micro_batch, lane.batch.seq_len, lane.batch.grad_accum, ctx.world_size)
+        # The data path does not depend on any feature toggle: build it before the split point below.
+        source = build_source(lane.data, lane.model.vocab_size)
+        result.data = {"fingerprint": source.fingerprint, "files": source.files, "num_tokens": source.num_tokens}
 
-        st.dispatcher = Dispatcher(device, strict=False)
+        # Dynamo's callbacks must be installed before the first compiled call; installing them imports
+        # torch._dynamo (~1.5 s on 2 CPUs) whatever the posture, so it is start-up, not any feature's cost.
+        watch = st.watch = CompileWatch()
+
+        # Executor start-up (spawn, imports, device, threads, data) ends here; what follows depends on the lane's
+        # features (model, kernels, compile posture, engine) and is the arm's one-time setup cost.
+        result.setup_wait_s = gate.acquire()
+        result.paired = gate.paired
+        result.features_at = time.time()
+        # The dispatcher must know whether ops will run inside a compiled graph: there a fused backend may be
+        # its reference, and the receipt must say what really ran (observed inertness compares these records).
+        st.dispatcher = Dispatcher(device, strict=False, compile_posture=lane.compile.posture.value)
         model = HybridLM(lane.model, lane.features, st.dispatcher)
         result.layer_counts = dict(model.layer_counts())
         result.params = _param_counts(model)
@@ -223,7 +256,6 @@ def run_worker(spec: ArmSpec, ctx: WorkerContext,
         decision = st.decision = resolve_warmup(lane.compile.warmup, device.type, posture, st.letters,
                                                 lane.compile.warmup_steps)
         result.warmup = asdict(decision)
-        watch = st.watch = CompileWatch()
         backend = str(inject.get("compile_backend", "inductor"))
         regions = list(model.blocks())
         if inject.get("graph_break") and posture != "eager":
@@ -236,17 +268,21 @@ def run_worker(spec: ArmSpec, ctx: WorkerContext,
             def whole(module: torch.nn.Module) -> torch.nn.Module:
                 return torch.compile(module, backend=backend, fullgraph=False)  # type: ignore[return-value]
         engine: Engine = build_engine(lane, model, device, ctx.world_size, whole)
-        result.engine = engine.details
+        st.engine = engine
+        result.engine = dict(engine.details)
         if "nan_at_step" in inject:
             nan_step = int(inject["nan_at_step"])
             engine.loss_hook = lambda loss: loss * float("nan") if step == nan_step else loss
-        source = build_source(lane.data, lane.model.vocab_size)
-        result.data = {"fingerprint": source.fingerprint, "files": source.files, "num_tokens": source.num_tokens}
         sampler = st.sampler = FamilySampler(regions, cuda=device.type == "cuda", whole_compiled=posture == "whole")
         monitor = st.monitor = LossMonitor(ctx.world_size, device)
         result.ready = time.time()
+        gate.release()
 
+        result.model = {"stp_head": bool(getattr(model, "stp_head", None) is not None),
+                        "compile_posture": posture, "warmup": decision.resolved, "warmup_steps": decision.steps}
         tracker = st.tracker = StepTracker(cuda=device.type == "cuda")
+        st.probe = HostLoadProbe(local_ranks=ctx.local_world_size)
+        st.probe.start()
         tracker.start()
 
         def batches(index: int, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -260,7 +296,8 @@ def run_worker(spec: ArmSpec, ctx: WorkerContext,
         if decision.steps:
             engine.set_lr(0.0)
             for _ in range(decision.steps):
-                measured_step(engine, lambda: batches(0, geometry.seq_len), tracker, watch, phase="warmup")
+                measured_step(engine, lambda: batches(0, geometry.seq_len), tracker, watch, phase="warmup",
+                              gate=gate)
             engine.set_lr(lane.budget.lr)
             engine.reset_optimizer_state()
 
@@ -281,7 +318,7 @@ def run_worker(spec: ArmSpec, ctx: WorkerContext,
                 torch._dynamo.reset()
             st.last, record = measured_step(engine, lambda: batches(step, seq_len), tracker, watch, phase="budget",
                                             sampler=sampler if step >= first_sampled else None, monitor=monitor,
-                                            step=step, world_size=ctx.world_size)
+                                            step=step, world_size=ctx.world_size, gate=gate)
             result.tokens_per_step_observed.append(record.tokens)
             if monitor.nonfinite_step is not None:
                 break
@@ -290,6 +327,7 @@ def run_worker(spec: ArmSpec, ctx: WorkerContext,
             result.error = {"type": "NonFiniteLoss", "category": "nonfinite", "step": monitor.nonfinite_step,
                             "message": f"loss is not finite at budget step {monitor.nonfinite_step}; stopped"}
     except Exception as exc:  # noqa: BLE001 - every failure must still leave a receipt
+        gate.close()  # a failed arm must not hold its partner's turns
         category = ("oom" if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) else
                     "graph_break" if is_graph_break_error(exc) else "exception")
         result.error = {"type": type(exc).__name__, "category": category, "step": step if step >= 0 else None,
@@ -298,6 +336,7 @@ def run_worker(spec: ArmSpec, ctx: WorkerContext,
             _collect(result, st)
             _write_partial(ctx, result)
             raise
+    gate.close()
     _collect(result, st)
     if finalize is not None:
         finalize(result)
@@ -309,11 +348,13 @@ class _ArmState:
     """What the arm reached before it ended or failed; ``_collect`` reads whatever is set."""
 
     tracker: Optional[StepTracker] = None
+    probe: Optional[HostLoadProbe] = None
     watch: Optional[CompileWatch] = None
     decision: Optional[WarmupDecision] = None
     sampler: Optional[FamilySampler] = None
     monitor: Optional[LossMonitor] = None
     dispatcher: Any = None
+    engine: Optional[Engine] = None
     last: Optional[StepOutput] = None
     letters: str = ""
     posture: str = ""
@@ -323,12 +364,16 @@ def _collect(result: WorkerResult, st: _ArmState) -> None:
     """Fill the measured fields from whatever was reached (a failed arm keeps its partial measurements)."""
     if st.tracker is not None and st.decision is not None:
         summary = st.tracker.finish(st.decision.resolved)
+        result.done = time.time()
+        if st.probe is not None:
+            result.host_load = st.probe.stop()
         result.loop = summary.to_dict()
         result.first_step_end = st.tracker.first_step_end
         if st.watch is not None:
             steady_events = sum(s.compile_events for s in summary.steps if s.label == "recompile")
             result.compile = st.watch.record(st.posture, st.decision, steady_events)
-    result.done = time.time()
+    else:
+        result.done = time.time()
     if st.watch is not None:
         st.watch.close()
     if st.monitor is not None:
@@ -347,6 +392,9 @@ def _collect(result: WorkerResult, st: _ArmState) -> None:
         result.family_method = st.sampler.method
     if st.dispatcher is not None:
         result.backends = st.dispatcher.table()
+    if st.engine is not None:
+        # Read at the end: some settings (DDP's rebuilt bucket layout) are only known after steps ran.
+        result.engine = dict(st.engine.details)
     if result.device is not None:
         result.memory = _memory(torch.device(result.device))
         if result.rank == 0:

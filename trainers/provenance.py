@@ -1,8 +1,14 @@
 """Where and with what an arm ran: environment (allowlisted and redacted), software, git, host and hardware.
 
-How to use: ``software_versions()`` + ``software_fingerprint()``;
-``git_state(repo_root)``; ``observe_hardware(device)`` for ``observed.hardware``. Nothing here raises on a
-missing package, driver or repository: the field is written as ``None`` (JSON null), never invented.
+How to use: ``software_versions()`` + ``software_fingerprint()``; ``git_state(repo_root)``;
+``code_fingerprint(repo_root)`` for the project's own code that runs in an arm; ``file_sha256(path)`` for the
+campaign and defaults files as used; ``observe_hardware(device)`` for ``observed.hardware`` and
+``hardware_fingerprint(hardware, software)`` over what in it decides speed. Nothing here raises on a missing
+package, driver or repository: the field is written as ``None`` (JSON null), never invented.
+
+The three fingerprints split evidence that must not be pooled: two arms are comparable only when the same code
+(``code_fingerprint``) ran with the same packages (``software_fingerprint``) on the same kind of machine
+(``hardware_fingerprint``). Each is 16 hex digits of a SHA-256.
 
 Secrets: the environment passes an allowlist first (only names that describe the runtime: CUDA_*, NCCL_*,
 OMP_NUM_THREADS, TORCH_*, ...), and then a redaction step, so a secret that slips through the allowlist
@@ -24,18 +30,44 @@ from typing import Any, Mapping, Optional
 
 SOFTWARE_DISTRIBUTIONS: tuple[str, ...] = (
     "torch", "ray", "deepspeed", "numpy", "pydantic", "omegaconf", "mlflow", "nvidia-ml-py", "triton",
-    "mamba-ssm", "causal-conv1d", "flash-attn", "psutil",
+    "mamba-ssm", "causal-conv1d", "flash-attn", "flash-linear-attention", "psutil", "kernels",
 )
+"""Always recorded (``None`` when absent). ``kernels`` is Hugging Face's package: installed, it can shadow this
+repository's ``kernels/`` (DESIGN §10), so its presence alone changes what runs."""
+SOFTWARE_PREFIXES: tuple[str, ...] = ("nvidia-",)
+"""Every installed distribution with one of these prefixes is recorded too: the CUDA libraries pip installs next
+to torch (``nvidia-cublas-cu12``, ``nvidia-cudnn-cu12``, ``nvidia-nccl-cu12``, cu13 variants, ...) can be
+upgraded on their own and decide GEMM, attention and collective speed."""
+ROOT = Path(__file__).resolve().parent.parent
+CODE_PACKAGES: tuple[str, ...] = ("kernels", "trainers")
+"""The project's own code that runs inside an arm (``code_fingerprint``)."""
+_TORCH_STACK = ("torch.cuda", "torch.git", "cudnn", "nccl")
+
+
+def _prefixed_distributions() -> dict[str, Optional[str]]:
+    found: dict[str, Optional[str]] = {}
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower()
+        if name.startswith(SOFTWARE_PREFIXES):
+            found[name] = dist.version
+    return found
 
 
 def software_versions() -> dict[str, Optional[str]]:
-    """Versions of the packages that decide speed; importlib.metadata so nothing heavy is imported."""
+    """Versions of the packages that decide speed; importlib.metadata so nothing heavy is imported.
+
+    Keys: ``python``, every name in ``SOFTWARE_DISTRIBUTIONS``, every installed ``nvidia-*`` distribution, and
+    what torch was built with and loads: ``torch.cuda``, ``torch.git``, ``cudnn``, ``nccl`` (always present,
+    ``None`` when unknown, so the key set never depends on which probe failed).
+    """
     versions: dict[str, Optional[str]] = {"python": platform.python_version()}
     for dist in SOFTWARE_DISTRIBUTIONS:
         try:
             versions[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             versions[dist] = None
+    versions.update({name: version for name, version in _prefixed_distributions().items() if name not in versions})
+    versions.update(dict.fromkeys(_TORCH_STACK))
     try:
         import torch
 
@@ -47,26 +79,139 @@ def software_versions() -> dict[str, Optional[str]]:
         versions["nccl"] = ".".join(str(part) for part in nccl) if isinstance(nccl, tuple) else (
             str(nccl) if nccl else None)
     except Exception:  # noqa: BLE001 - a broken CUDA install must not cost the receipt
-        versions.setdefault("torch.cuda", None)
+        pass
     return versions
 
 
+def _fingerprint(payload: Any) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def software_fingerprint(versions: Mapping[str, Optional[str]]) -> str:
-    return hashlib.sha256(json.dumps(dict(versions), sort_keys=True).encode()).hexdigest()[:16]
+    """Hash of *every* entry of ``versions`` (``software_versions()``): nothing is dropped, since any of them
+    (torch build, CUDA/cuDNN/NCCL, triton, the nvidia-* wheels, the kernel packages) can change speed. A package
+    that is absent (``None``) hashes differently from one that is installed."""
+    return _fingerprint(dict(versions))
+
+
+def evidence_fingerprint(versions: Mapping[str, Optional[str]], code: Optional[str], hardware: Optional[str]) -> str:
+    """What decides speed, in one key: packages, the project's own arm code and the hardware. Evidence pools only
+    under one value; a change restarts a lane's round count and marks earlier promotions for revalidation."""
+    return _fingerprint({"packages": dict(versions), "code": code, "hardware": hardware})
+
+
+def file_sha256(path: str | Path) -> str:
+    """Full SHA-256 hex digest of a file's bytes (the campaign or defaults file exactly as a sweep read it).
+    Raises ``FileNotFoundError`` / ``OSError``: a file that was used must exist."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def git_state(repo_root: Optional[Path] = None) -> tuple[Optional[str], Optional[bool]]:
-    """(HEAD sha, dirty) of the repository holding this code; (None, None) outside a repository."""
-    root = repo_root or Path(__file__).resolve().parent.parent
+    """(HEAD sha, dirty) of the repository holding this code; (None, None) outside a repository.
+
+    Dirty means anything ``git status`` shows: modified or staged tracked files *and* untracked files that
+    .gitignore does not exclude (a campaign file not yet added is part of what ran, and HEAD cannot rebuild it).
+    """
+    root = repo_root or ROOT
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=normal"], cwd=root,
                                 capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None, None
     head = sha.stdout.strip() if sha.returncode == 0 and sha.stdout.strip() else None
     dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
     return head, dirty
+
+
+def _git_paths(root: Path, packages: tuple[str, ...], *args: str) -> Optional[list[str]]:
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", *args, "--", *packages], cwd=root, capture_output=True,
+                             timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return [p for p in out.stdout.decode("utf-8", "surrogateescape").split("\0") if p]
+
+
+def _code_paths(root: Path, packages: tuple[str, ...]) -> list[str]:
+    """Relative paths of the code under ``packages``: git's tracked files plus untracked, not ignored ``*.py``
+    (importable although never committed); without git (a ``ray job submit`` working dir has no .git), every
+    ``*.py`` outside ``__pycache__``, which is the same set while all tracked files there are Python."""
+    tracked = _git_paths(root, packages, "--cached")
+    untracked = _git_paths(root, packages, "--others", "--exclude-standard")
+    if tracked is not None and untracked is not None and (tracked or untracked):
+        return sorted(set(tracked) | {p for p in untracked if p.endswith(".py")})
+    paths = []
+    for package in packages:
+        for path in (root / package).rglob("*.py"):
+            relative = path.relative_to(root)
+            if "__pycache__" not in relative.parts:
+                paths.append(relative.as_posix())
+    return sorted(paths)
+
+
+def code_fingerprint(repo_root: Optional[Path] = None, packages: tuple[str, ...] = CODE_PACKAGES) -> str:
+    """Hash of the working-tree content of the project's code that runs in an arm (``kernels/``, ``trainers/``).
+
+    Content, not HEAD: an uncommitted edit, or a new untracked module next to the others, changes it; a deleted
+    tracked file is hashed as deleted. Cost: two ``git ls-files`` and reading ~30 files (~250 KB), a few ms.
+    Raises ``ValueError`` when none of ``packages`` exists under ``repo_root`` (a wrong root, not a missing fact).
+    """
+    root = Path(repo_root or ROOT)
+    if not any((root / package).is_dir() for package in packages):
+        raise ValueError(f"code_fingerprint: none of {list(packages)} is a directory under {root}")
+    digest = hashlib.sha256()
+    for relative in _code_paths(root, packages):
+        try:
+            content = hashlib.sha256((root / relative).read_bytes()).hexdigest()
+        except OSError:
+            content = "<unreadable or deleted>"
+        digest.update(f"{relative}\0{content}\n".encode("utf-8", "surrogateescape"))
+    return digest.hexdigest()[:16]
+
+
+_GPU_SPEED_KEYS = ("name", "memory_total_bytes", "power_limit_w")
+"""Per GPU: the model, its memory (SKU, MIG slice) and the enforced power cap (an admin setting that bounds
+clocks). Clocks, temperature, power draw, memory used and throttle reasons are readings of the moment, left out;
+index and UUID identify one physical card, not what it can do."""
+_CPU_SPEED_KEYS = ("cpu_model", "machine", "logical_cpus", "cpus_in_affinity", "torch_threads")
+
+
+def hardware_fingerprint(hardware: Optional[Mapping[str, Any]],
+                         software: Optional[Mapping[str, Optional[str]]] = None) -> str:
+    """Hash of what in ``observe_hardware()``'s record decides speed: device kind, GPU models and counts, driver
+    and CUDA driver versions, the CUDA/cuDNN/NCCL versions torch uses (``torch.cuda``, ``cudnn``, ``nccl`` from
+    ``software``), and the CPU (model, architecture, cores and threads).
+
+    ``software`` defaults to this process's ``software_versions()``; pass the receipt's own ``software`` when
+    fingerprinting a record observed elsewhere. Missing keys, ``None`` and malformed entries are tolerated (they
+    hash as absent), so a CPU record, an NVML record and a torch-only record all work.
+    """
+    hw: Mapping[str, Any] = hardware if isinstance(hardware, Mapping) else {}
+    if software is None:
+        software = software_versions()
+    gpus_raw = hw.get("gpus")
+    gpus = [g for g in gpus_raw if isinstance(g, Mapping)] if isinstance(gpus_raw, list) else []
+    cpu = hw.get("cpu") if isinstance(hw.get("cpu"), Mapping) else (hw if hw.get("kind") == "cpu" else {})
+    payload = {
+        "kind": hw.get("kind"),
+        "gpus": sorted((json.dumps({k: g.get(k) for k in _GPU_SPEED_KEYS}, sort_keys=True, default=str)
+                        for g in gpus)),
+        "gpus_observed": len(gpus),
+        "count": hw.get("count"),
+        "visible_count": hw.get("visible_count"),
+        "driver": hw.get("driver"),
+        "cuda_driver": hw.get("cuda_driver"),
+        "cpu": {k: cpu.get(k) for k in _CPU_SPEED_KEYS},
+        "cuda_stack": {k: software.get(k) for k in ("torch.cuda", "cudnn", "nccl")},
+    }
+    return _fingerprint(payload)
 
 
 def host_name() -> str:

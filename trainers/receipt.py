@@ -17,12 +17,14 @@ from typing import Any, Optional
 
 from ablate.config.features import FEATURES
 from ablate.config.load import flatten, lane_to_dict
-from ablate.receipts.schema import (FAMILIES, ArmRole, BackendRecord, Code, CompileRecord, Disqualifier, ErrorInfo,
-                                    Identity, Memory, Observed, Quality, Receipt, Requested, Severity, Status,
-                                    StepStats, Throughput, TimeAccounting)
+from ablate.receipts.derive import project
+from ablate.receipts.schema import (FAMILIES, TIME_TOLERANCE_FLOOR_S, UNATTRIBUTED_LIMIT, ArmRole, BackendRecord,
+                                    Code, CompileRecord, Disqualifier, ErrorInfo, HostLoad, Identity, Memory, Observed,
+                                    Projection, Quality, Receipt, Requested, Severity, Status, StepStats, Throughput,
+                                    TimeAccounting)
 from trainers.goodput import Accounting, LoopSummary, account_time, step_statistics
 from ablate.redact import capture_env, redact_text
-from trainers.provenance import software_fingerprint, software_versions
+from trainers.provenance import evidence_fingerprint, hardware_fingerprint, software_versions
 from trainers.result import Geometry, WorkerResult
 from trainers.spec import ArmSpec
 
@@ -54,6 +56,7 @@ class LaunchInfo:
     host: str = ""
     node_id: Optional[str] = None
     software: dict[str, Optional[str]] = field(default_factory=dict)
+    code_fingerprint: Optional[str] = None
 
 
 def config_hash(spec: ArmSpec) -> str:
@@ -85,18 +88,23 @@ def _time(spec: ArmSpec, result: Optional[WorkerResult], launch: LaunchInfo) -> 
     wall = launch.end - spec.scheduled_at
     queue_wait = launch.run_start - spec.scheduled_at
     if result is None:
-        return account_time(wall, queue_wait, 0.0, None, restart_s=launch.end - launch.run_start)
+        return account_time(wall, queue_wait, 0.0, 0.0, None, restart_s=launch.end - launch.run_start)
     attempt_start = launch.run_start
     if launch.restarts:
-        # Time before the attempt that produced the result was lost to failed attempts (restart, in other).
+        # Time before the attempt that produced the result was lost to failed attempts (restart).
         # Ray Train restarts inside fit(): the surviving attempt began when its train function did.
         attempt_start = launch.attempt_start if launch.attempt_start is not None else result.fn_start
-    setup_end = result.ready or result.done or launch.end
-    loop = result.loop_summary
     done = result.done or launch.end
+    # Executor start-up ends where the lane's features are first read; setup ends when the engine is built. An
+    # arm that failed earlier bills what it reached to the last stage it entered.
+    features_at = result.features_at or done
+    ready = result.ready or done
     teardown = max(0.0, launch.end - done - launch.extra_checkpoint_s)
-    return account_time(wall, queue_wait, setup_end - attempt_start, loop, restart_s=attempt_start - launch.run_start,
-                        teardown_s=teardown, extra_checkpoint_s=launch.extra_checkpoint_s)
+    # The wait for the setup turn (interleaved blocks) lies just before features_at: it is not start-up.
+    startup = features_at - attempt_start - result.setup_wait_s
+    return account_time(wall, queue_wait, startup, ready - features_at, result.loop_summary,
+                        restart_s=attempt_start - launch.run_start, teardown_s=teardown,
+                        extra_checkpoint_s=launch.extra_checkpoint_s, setup_wait_s=result.setup_wait_s)
 
 
 def _disqualifiers(spec: ArmSpec, result: Optional[WorkerResult], launch: LaunchInfo, accounting: Accounting,
@@ -139,14 +147,34 @@ def _disqualifiers(spec: ArmSpec, result: Optional[WorkerResult], launch: Launch
         add(Code.RECOMPILE_IN_STEADY_STATE, f"{compile_record.recompiles_in_steady_state} compile event(s) after "
                                             "warmup; reasons: " + "; ".join(compile_record.recompile_reasons[-3:]))
     if spec.feature is not None and spec.feature in FEATURES:
-        reason = FEATURES[spec.feature].inert_reason(lane)
+        # Against the block's baseline value: for the baseline arm itself only baseline-independent rules fire.
+        reason = FEATURES[spec.feature].inert_reason(lane, spec.baseline_value)
+        inactive = ((result.engine if result is not None else None) or {}).get("inactive") or {}
+        if reason is None and spec.arm == "candidate" and spec.feature in inactive:
+            # Observed: the running engine reports the setting under test has no effect in it.
+            reason = f"the running engine does not use it: {inactive[spec.feature]}"
         if reason:
             add(Code.INERT_TOGGLE, f"{spec.feature}: {reason}")
     if error is None and steady < lane.budget.min_steady_steps:   # a failed arm's cause is its failure
         add(Code.INSUFFICIENT_STEADY_STEPS, f"{steady} steady steps < lane.budget.min_steady_steps "
                                             f"({lane.budget.min_steady_steps})")
-    if accounting.violation:
-        add(Code.TIME_ACCOUNTING_VIOLATION, accounting.violation)
+    violation = accounting.violation
+    limit = max(UNATTRIBUTED_LIMIT * accounting.wall_s, TIME_TOLERANCE_FLOOR_S)
+    unattributed = accounting.badput_s.get("unattributed", 0.0)
+    if violation is None and error is None and unattributed > limit:
+        violation = (f"{unattributed:.3f}s ({unattributed / max(accounting.wall_s, 1e-9):.1%} of wall) is not "
+                     f"explained by any measured part (limit {UNATTRIBUTED_LIMIT:.0%})")
+    if violation:
+        add(Code.TIME_ACCOUNTING_VIOLATION, violation)
+    host = (result.host_load if result is not None else None) or {}
+    if host.get("niceness") is not None and host["niceness"] > 0:
+        add(Code.LOW_PRIORITY, f"the arm ran at niceness {host['niceness']} (inherited "
+                               f"{host.get('niceness_inherited')}) and could not reset it: any other process on the "
+                               "node pre-empts it. Start Ray with RAY_worker_niceness=0 (ablate does for local "
+                               "runtimes; cluster.yaml does on every node) or grant the workers CAP_SYS_NICE")
+    if host.get("contended"):
+        found.append(Disqualifier(code=Code.HOST_CONTENDED, severity=Severity.warn,
+                                  detail=redact_text(str(host.get("detail", "")))[:500]))
     return found
 
 
@@ -172,7 +200,21 @@ def _steps(spec: ArmSpec, result: Optional[WorkerResult], loop: Optional[LoopSum
                                            if result.first_step_end is not None else None),
                      first_step_s=loop.steps[0].step_s if loop.steps else None,
                      series=[s.step_s for s in budget],
-                     loss_series=[v if math.isfinite(v) else None for v in result.losses])
+                     loss_series=[v if math.isfinite(v) else None for v in result.losses],
+                     phases=[s.phase for s in loop.steps], compile_events=[s.compile_events for s in loop.steps],
+                     sampled=[s.sampled for s in loop.steps], labels=[s.label for s in loop.steps],
+                     step_s=[s.step_s for s in loop.steps], data_s=[s.data_s for s in loop.steps],
+                     cadence_s=[s.cadence_s for s in loop.steps], phase_s=[s.phase_s for s in loop.steps],
+                     wait_s=[s.wait_s for s in loop.steps],
+                     tokens=[s.tokens for s in loop.steps], data_is_badput=loop.data_is_badput)
+
+
+def _projection(spec: ArmSpec, loop: Optional[LoopSummary], accounting: Accounting,
+                tokens_per_step: int) -> Optional[Projection]:
+    if loop is None:
+        return None
+    proj = project(accounting.badput_s["setup"], loop.views(), spec.lane.budget.horizon_steps, tokens_per_step)
+    return proj if proj.projected_s is not None else None
 
 
 def build_receipt(spec: ArmSpec, result: Optional[WorkerResult], launch: LaunchInfo) -> Receipt:
@@ -208,11 +250,13 @@ def build_receipt(spec: ArmSpec, result: Optional[WorkerResult], launch: LaunchI
     hardware = (result.hardware if result is not None else None) or {}
     peak = peak_flops(hardware, lane.precision.value)
     steady_tps = sum(s.tokens for s in steady_steps) / steady_time if steady_time > 0 else None
+    projection = _projection(spec, loop, accounting, geometry.tokens_per_step)
     mfu = None
     if peak and steady_tps and flops.get("total") and not flops.get("coverage_missing"):
         mfu = flops["total"] * steady_tps / (peak * geometry.world_size)
     observed_tokens = next((t for t in (result.tokens_per_step_observed if result else [])
                             if t != geometry.tokens_per_step), geometry.tokens_per_step if result else None)
+    hw_fingerprint = hardware_fingerprint(hardware, software) if hardware else None
     counts = (result.layer_counts if result is not None and result.layer_counts else
               {family: _letters(spec).count(family) for family in FAMILIES})
     params = (result.params if result is not None else None) or {}
@@ -222,12 +266,16 @@ def build_receipt(spec: ArmSpec, result: Optional[WorkerResult], launch: LaunchI
             receipt_id=spec.receipt_id, sweep_id=spec.sweep_id, campaign=spec.campaign, block_id=spec.block_id,
             arm=ArmRole(spec.arm), arm_index=spec.arm_index, order=spec.order, feature=spec.feature,
             feature_value=spec.feature_value, baseline_value=spec.baseline_value, kind=spec.kind,
-            lane_key=spec.lane_key, config_hash=config_hash(spec), software_fingerprint=software_fingerprint(software),
+            lane_key=spec.lane_key, config_hash=config_hash(spec),
+            software_fingerprint=evidence_fingerprint(software, launch.code_fingerprint, hw_fingerprint),
+            code_fingerprint=launch.code_fingerprint, hardware_fingerprint=hw_fingerprint,
             attempt=spec.attempt + launch.restarts, status=status,
             host=result.host if result is not None else launch.host,
             node_id=(result.node_id if result is not None else None) or launch.node_id,
-            pid=result.pid if result is not None else None, executor=launch.executor, git_sha=launch.git_sha,
-            git_dirty=launch.git_dirty, created_at=dt.datetime.now(dt.timezone.utc).isoformat(), software=software),
+            pid=result.pid if result is not None else None, executor=launch.executor,
+            pairing="interleaved" if result is not None and result.paired else "sequential", git_sha=launch.git_sha,
+            git_dirty=launch.git_dirty, created_at=dt.datetime.now(dt.timezone.utc).isoformat(), software=software,
+            campaign_sha256=spec.campaign_sha256, defaults_sha256=spec.defaults_sha256),
         requested=Requested(
             lane=flatten(lane_to_dict(lane)), pattern=lane.model.pattern, layer_counts=counts,
             params_total=params.get("total"), params_active=params.get("active"),
@@ -235,12 +283,16 @@ def build_receipt(spec: ArmSpec, result: Optional[WorkerResult], launch: LaunchI
             device=lane.hardware.device.value),
         observed=Observed(hardware=hardware, backends=[BackendRecord(**b) for b in (result.backends if result else [])],
                           compile=compile_record, tokens_per_step=observed_tokens,
-                          engine=(result.engine if result is not None else None) or {}),
+                          engine=(result.engine if result is not None else None) or {},
+                          model=(result.model if result is not None else None) or {}),
         time=TimeAccounting(wall_s=accounting.wall_s, goodput_s=accounting.goodput_s, badput_s=accounting.badput_s,
-                            goodput_fraction=accounting.goodput_fraction, detail=accounting.detail),
+                            goodput_fraction=accounting.goodput_fraction, clock=spec.clock),
         steps=steps,
-        throughput=Throughput(tokens=tokens, wall_tokens_per_s=tokens / accounting.wall_s if accounting.wall_s > 0
-                              else None, steady_tokens_per_s=steady_tps, flops_per_token=flops.get("total"),
+        projection=projection,
+        host_load=HostLoad(**((result.host_load if result is not None else None) or {})),
+        throughput=Throughput(tokens=tokens, wall_tokens_per_s=tokens / accounting.wall_s
+                              if accounting.wall_s > 0 and budget_steps else None,
+                              steady_tokens_per_s=steady_tps, flops_per_token=flops.get("total"),
                               flops_coverage_missing=list(flops.get("coverage_missing") or []), mfu=mfu,
                               peak_flops=peak),
         memory=Memory(**((result.memory if result is not None and result.memory else None) or {"kind": "unknown"})),

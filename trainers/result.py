@@ -59,8 +59,16 @@ class WorkerResult:
     host: str
     node_id: Optional[str]
     fn_start: float
+    features_at: Optional[float] = None
+    """When the lane's features were first read (model construction began): executor start-up ends here."""
+    setup_wait_s: float = 0.0
+    """Interleaved blocks: time waited for the setup turn (the partner's setup ran meanwhile)."""
+    paired: bool = False
+    """Whether the arm really ran interleaved with its partner (a coordinator granted its turns)."""
     ready: Optional[float] = None
+    """Model, kernels, compile wrapping and engine built: feature-dependent setup ends here."""
     done: Optional[float] = None
+    """The measured loop ended (what follows is collection and teardown)."""
     first_step_end: Optional[float] = None
     device: Optional[str] = None
     warmup: Optional[dict[str, Any]] = None
@@ -78,6 +86,8 @@ class WorkerResult:
     family_share: dict[str, Optional[float]] = field(default_factory=dict)
     family_method: Optional[str] = None
     engine: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
+    host_load: dict[str, Any] = field(default_factory=dict)
     software: dict[str, Optional[str]] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)

@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
@@ -35,16 +36,18 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ablate.receipts.schema import Receipt
-from ablate.receipts.store import write_receipt
+from ablate.receipts.store import ARM_SCRATCH_DIR, write_receipt
 from ablate.redact import redact_text
-from trainers.provenance import git_state, host_name, software_versions
+from trainers.provenance import code_fingerprint, git_state, host_name, software_versions
+from trainers.pairing import ENV_CPUS as PAIR_CPUS_ENV, ENV_FD as TURN_FD_ENV, TurnCoordinator, cpu_slot
 from trainers.receipt import LaunchInfo, build_receipt
 from trainers.result import WorkerResult
 from trainers.spec import ArmSpec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-WORK_DIR = ".work"
-"""Scratch under receipt_dir (spec, results, attempt markers, local Train storage); removed after the receipt."""
+WORK_DIR = ARM_SCRATCH_DIR
+"""Scratch under receipt_dir (spec, results, attempt markers, local Train storage); removed after the receipt.
+The receipt store knows the name, so a leftover scratch dir of an arm that never wrote a receipt is listed."""
 
 
 def _pythonpath() -> str:
@@ -59,11 +62,37 @@ def _tail(path: Path, limit: int = 3000) -> str:
         return ""
 
 
+def _private_caches(work: Path) -> dict[str, str]:
+    """Compile caches of this arm alone, empty at its start: every arm pays its compile cold, as the first run of a
+    job on a fresh node does. A cache shared on the node would bill the first arm's compile to it and hand the
+    next arms a warm start, so one-time costs would depend on the order blocks happened to run in."""
+    return {"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache"), "TRITON_CACHE_DIR": str(work / "triton-cache")}
+
+
+def _worker_command(spec_path: Path, result_path: Path, attempt: int) -> list[str]:
+    return [sys.executable, "-m", "trainers.worker", str(spec_path), str(result_path), str(attempt)]
+
+
+def _worker_outcome(spec: ArmSpec, launch: LaunchInfo, result_path: Path, log_path: Path, code: Optional[int],
+                    attempt: int, timeout_s: Optional[float]) -> Optional[WorkerResult]:
+    """The worker's result, or None with ``launch.failure`` saying how the process ended without one."""
+    if result_path.exists():
+        launch.failure = None
+        return WorkerResult.from_json(result_path.read_text())
+    how = f"timed out after {timeout_s}s" if code is None else (
+        f"killed by signal {-code}" if code < 0 else f"exited with status {code}")
+    launch.failure = {"type": "WorkerDied", "category": "exception",
+                      "message": f"worker process {how} before writing a result (attempt {attempt})"
+                                 f"\n{_tail(log_path)}"}
+    return None
+
+
 def _run_subprocess(spec: ArmSpec, work: Path, max_failures: int, timeout_s: Optional[float],
                     launch: LaunchInfo) -> Optional[WorkerResult]:
     spec_path = work / "spec.json"
     spec_path.write_text(spec.to_json())
-    env = dict(os.environ, PYTHONPATH=_pythonpath())
+    env = dict(os.environ, PYTHONPATH=_pythonpath(), **_private_caches(work))
+    result: Optional[WorkerResult] = None
     for index in range(max_failures + 1):
         result_path = work / f"result-{index}.state"
         log_path = work / f"worker-{index}.log"
@@ -71,20 +100,14 @@ def _run_subprocess(spec: ArmSpec, work: Path, max_failures: int, timeout_s: Opt
         launch.restarts = index
         with log_path.open("w") as log:
             try:
-                proc = subprocess.run([sys.executable, "-m", "trainers.worker", str(spec_path), str(result_path),
-                                       str(spec.attempt + index)], cwd=REPO_ROOT, env=env, stdout=log,
-                                      stderr=subprocess.STDOUT, timeout=timeout_s)
+                proc = subprocess.run(_worker_command(spec_path, result_path, spec.attempt + index), cwd=REPO_ROOT,
+                                      env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
                 code: Optional[int] = proc.returncode
             except subprocess.TimeoutExpired:
                 code = None
-        if result_path.exists():
-            launch.failure = None
-            return WorkerResult.from_json(result_path.read_text())
-        how = f"timed out after {timeout_s}s" if code is None else (
-            f"killed by signal {-code}" if code < 0 else f"exited with status {code}")
-        launch.failure = {"type": "WorkerDied", "category": "exception",
-                          "message": f"worker process {how} before writing a result (attempt {spec.attempt + index})"
-                                     f"\n{_tail(log_path)}"}
+        result = _worker_outcome(spec, launch, result_path, log_path, code, spec.attempt + index, timeout_s)
+        if result is not None:
+            return result
     return None
 
 
@@ -101,6 +124,9 @@ def _claim_attempt(work: Path) -> int:
 
 def _train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train worker function: one arm on this rank; rank 0 attaches the result to the final checkpoint."""
+    from trainers.hostload import reset_priority
+
+    reset_priority()
     import ray
     import ray.train
     import torch
@@ -150,7 +176,8 @@ def _run_ray_train(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchI
     lane = spec.lane
     if use_gpu is None:
         use_gpu = lane.hardware.device.value != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
-    env_vars = {"PYTHONPATH": _pythonpath()}
+    # Ray starts workers at niceness 15 by default; an arm measured at low priority is pre-empted by anything.
+    env_vars = {"PYTHONPATH": _pythonpath(), "RAY_worker_niceness": "0", **_private_caches(work)}
     if not use_gpu:
         env_vars["DS_ACCELERATOR"] = "cpu"
     scaling: dict[str, Any] = {"num_workers": lane.engine.workers, "use_gpu": use_gpu}
@@ -219,47 +246,27 @@ def _with_absolute_paths(spec: ArmSpec) -> ArmSpec:
     return dataclasses.replace(spec, lane=lane)
 
 
-def run_arm(spec: ArmSpec, *, max_failures: int = 0, node_id: Optional[str] = "current",
-            use_gpu: Optional[bool] = None, resources_per_worker: Optional[dict[str, float]] = None,
-            storage_path: Optional[str] = None, timeout_s: Optional[float] = None) -> Receipt:
-    """Run one arm and return its receipt, also written atomically to ``spec.receipt_dir``.
-
-    Args:
-        spec: the arm; ``spec.scheduled_at`` (the orchestrator's stamp) starts its wall clock.
-        max_failures: relaunches of a dead worker process / Ray Train worker-group restarts.
-        node_id: Ray node to pin a multi-worker arm to; "current" (default) = the caller's node, None = anywhere.
-        use_gpu: Ray Train ``use_gpu``; None = when the lane allows CUDA and the cluster has GPUs.
-        resources_per_worker: Ray Train ``resources_per_worker`` (e.g. ``{"CPU": 2}``).
-        storage_path: Ray Train storage (shared S3/GCS/NFS on multi-node); default a scratch dir per arm.
-        timeout_s: wall limit of a one-worker arm's process (per attempt).
-    """
-    run_start = time.time()
+def _prepare(spec: ArmSpec, executor: str, run_start: float) -> tuple[ArmSpec, Path, LaunchInfo]:
     spec = dataclasses.replace(spec, receipt_id=spec.receipt_id or uuid.uuid4().hex)
     assert spec.receipt_id is not None
     work = Path(spec.receipt_dir) / WORK_DIR / spec.receipt_id
     work.mkdir(parents=True, exist_ok=True)
     sha, dirty = git_state(REPO_ROOT)
-    worker_spec = _with_absolute_paths(spec)
-    executor = "subprocess" if spec.lane.engine.workers == 1 else "ray_train"
-    launch = LaunchInfo(executor=executor, run_start=run_start, end=run_start, git_sha=sha, git_dirty=dirty,
-                        host=host_name(), node_id=_caller_node_id())
-    result: Optional[WorkerResult] = None
     try:
-        if executor == "subprocess":
-            result = _run_subprocess(worker_spec, work, max_failures, timeout_s, launch)
-        else:
-            if node_id == "current":
-                node_id = _caller_node_id()
-            result = _run_ray_train(worker_spec, work, max_failures, launch, node_id, use_gpu,
-                                    resources_per_worker, storage_path)
-    except Exception as exc:  # noqa: BLE001 - an executor bug still ends in a failed receipt
-        launch.failure = {"type": type(exc).__name__, "category": "exception",
-                          "message": redact_text(f"{exc}\n{traceback.format_exc(limit=6)}")[-3000:]}
+        code = code_fingerprint(REPO_ROOT)
+    except (OSError, ValueError):
+        code = None  # an installed copy without kernels/ and trainers/ beside it: recorded as unknown
+    launch = LaunchInfo(executor=executor, run_start=run_start, end=run_start, git_sha=sha, git_dirty=dirty,
+                        host=host_name(), node_id=_caller_node_id(), code_fingerprint=code)
+    return spec, work, launch
+
+
+def _finish(spec: ArmSpec, work: Path, launch: LaunchInfo, result: Optional[WorkerResult]) -> Receipt:
+    """Build, write and return the receipt; scratch goes. A result we cannot read still leaves a receipt."""
     if result is None and launch.failure is None:
         launch.failure = {"type": "NoResult", "category": "exception", "message": "the worker returned no result"}
     if result is None:
         launch.software = software_versions()
-    launch.end = time.time()
     try:
         receipt = build_receipt(spec, result, launch)
     except Exception as exc:  # noqa: BLE001 - a result we cannot read is still an arm that left a receipt
@@ -274,3 +281,110 @@ def run_arm(spec: ArmSpec, *, max_failures: int = 0, node_id: Optional[str] = "c
     except OSError:
         pass
     return receipt
+
+
+def run_arm(spec: ArmSpec, *, max_failures: int = 0, node_id: Optional[str] = "current",
+            use_gpu: Optional[bool] = None, resources_per_worker: Optional[dict[str, float]] = None,
+            storage_path: Optional[str] = None, timeout_s: Optional[float] = None) -> Receipt:
+    """Run one arm and return its receipt, also written atomically to ``spec.receipt_dir``.
+
+    Args:
+        spec: the arm; ``spec.scheduled_at`` (the orchestrator's stamp) starts its wall clock.
+        max_failures: relaunches of a dead worker process / Ray Train worker-group restarts.
+        node_id: Ray node to pin a multi-worker arm to; "current" (default) = the caller's node, None = anywhere.
+        use_gpu: Ray Train ``use_gpu``; None = when the lane allows CUDA and the cluster has GPUs.
+        resources_per_worker: Ray Train ``resources_per_worker`` (e.g. ``{"CPU": 2}``).
+        storage_path: Ray Train storage (shared S3/GCS/NFS on multi-node); default a scratch dir per arm.
+        timeout_s: wall limit of a one-worker arm's process (per attempt).
+    """
+    executor = "subprocess" if spec.lane.engine.workers == 1 else "ray_train"
+    spec, work, launch = _prepare(spec, executor, time.time())
+    worker_spec = _with_absolute_paths(spec)
+    result: Optional[WorkerResult] = None
+    try:
+        if executor == "subprocess":
+            result = _run_subprocess(worker_spec, work, max_failures, timeout_s, launch)
+        else:
+            if node_id == "current":
+                node_id = _caller_node_id()
+            result = _run_ray_train(worker_spec, work, max_failures, launch, node_id, use_gpu,
+                                    resources_per_worker, storage_path)
+    except Exception as exc:  # noqa: BLE001 - an executor bug still ends in a failed receipt
+        launch.failure = {"type": type(exc).__name__, "category": "exception",
+                          "message": redact_text(f"{exc}\n{traceback.format_exc(limit=6)}")[-3000:]}
+    launch.end = time.time()
+    return _finish(spec, work, launch, result)
+
+
+def can_interleave(specs: tuple[ArmSpec, ArmSpec], node_has_gpu: bool) -> bool:
+    """Interleaving needs two one-worker arms that will run on CPU: a Ray Train group cannot take turns, and on
+    CUDA a turn boundary would have to synchronise the device every step (the receipt design syncs at phase
+    boundaries only). ``device: auto`` runs on CPU where the cluster has no GPU."""
+    def on_cpu(spec: ArmSpec) -> bool:
+        device = spec.lane.hardware.device.value
+        return device == "cpu" or (device == "auto" and not node_has_gpu)
+
+    return all(s.lane.engine.workers == 1 and on_cpu(s) for s in specs)
+
+
+def run_pair(specs: tuple[ArmSpec, ArmSpec], *, timeout_s: Optional[float] = None,
+             cpus: Optional[int] = None) -> tuple[Receipt, Receipt]:
+    """Both arms of an interleaved block, in run order: two fresh worker processes start together (start-up
+    overlaps and is never compared), then take turns for setup and every step, ``specs[0]`` first
+    (``trainers.pairing``). Each arm still gets its own process, receipt and wall clock.
+
+    No relaunch of a dead worker here: its partner's turns would no longer be interleaved, so the arm fails and
+    the sweep retries the whole block as its next attempt.
+    """
+    with cpu_slot(cpus or max(1, specs[0].lane.hardware.threads)) as slot:
+        return _run_pair(specs, timeout_s, slot)
+
+
+def _run_pair(specs: tuple[ArmSpec, ArmSpec], timeout_s: Optional[float],
+              slot: Optional[list[int]]) -> tuple[Receipt, Receipt]:
+    coordinator = TurnCoordinator(first=0)
+    run_start = time.time()
+    prepared = [_prepare(spec, "subprocess", run_start) for spec in specs]
+    procs: list[subprocess.Popen[bytes]] = []
+    paths: list[tuple[Path, Path]] = []
+    ended = [run_start, run_start]
+    try:
+        for (spec, work, launch), fd in zip(prepared, coordinator.child_fds()):
+            spec_path = work / "spec.json"
+            spec_path.write_text(_with_absolute_paths(spec).to_json())
+            result_path, log_path = work / "result-0.state", work / "worker-0.log"
+            paths.append((result_path, log_path))
+            env = dict(os.environ, PYTHONPATH=_pythonpath(), **_private_caches(work), **{TURN_FD_ENV: str(fd)})
+            if slot is not None:
+                env[PAIR_CPUS_ENV] = ",".join(str(c) for c in slot)
+            with log_path.open("w") as log:
+                procs.append(subprocess.Popen(_worker_command(spec_path, result_path, spec.attempt), cwd=REPO_ROOT,
+                                              env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(fd,)))
+        coordinator.start()
+        codes: list[Optional[int]] = [None, None]
+
+        def wait(index: int) -> None:
+            try:
+                codes[index] = procs[index].wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                procs[index].kill()
+                procs[index].wait()
+            ended[index] = time.time()
+
+        waiters = [threading.Thread(target=wait, args=(i,), daemon=True) for i in range(len(procs))]
+        for waiter in waiters:
+            waiter.start()
+        for waiter in waiters:
+            waiter.join()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        coordinator.close()
+    receipts = []
+    for index, (spec, work, launch) in enumerate(prepared):
+        launch.end = ended[index]
+        result = (_worker_outcome(spec, launch, *paths[index], codes[index], spec.attempt, timeout_s)
+                  if index < len(paths) else None)
+        receipts.append(_finish(spec, work, launch, result))
+    return receipts[0], receipts[1]

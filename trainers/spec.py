@@ -35,6 +35,11 @@ class ArmSpec:
     """Where the receipt JSON is written (atomically) before anything is reported."""
     scheduled_at: float
     """time.time() when the arm was scheduled: the start of its wall clock (queue wait is badput)."""
+    clock: str = "caller"
+    """Who stamped ``scheduled_at``: driver (the sweep driver, when it handed the block to Ray) or caller."""
+    campaign_sha256: Optional[str] = None
+    defaults_sha256: Optional[str] = None
+    """Content hashes of the campaign and defaults files as used: the receipt can name exactly what it ran."""
     attempt: int = 0
     receipt_id: Optional[str] = None
     """Stable across retries of the same arm attempt so replays stay idempotent; generated when None."""

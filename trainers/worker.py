@@ -22,14 +22,19 @@ def main(argv: list[str]) -> int:
         return 2
     spec_path, result_path = Path(argv[0]), Path(argv[1])
     attempt = int(argv[2]) if len(argv) == 3 else 0
+    # Before the heavy imports: the arm's whole life runs at normal priority when the OS lets us reset it.
+    from trainers.hostload import reset_priority
+
+    reset_priority()
     # Imports after argument parsing: a usage error should not pay for torch.
     from trainers.loop import run_worker
+    from trainers.pairing import TurnGate
     from trainers.result import WorkerContext
     from trainers.spec import ArmSpec
 
     spec = ArmSpec.from_json(spec_path.read_text())
     ctx = WorkerContext(attempt=attempt, executor="subprocess", work_dir=str(result_path.parent))
-    result = run_worker(spec, ctx)
+    result = run_worker(spec, ctx, gate=TurnGate.from_env())
     tmp = result_path.with_suffix(".tmp")
     tmp.write_text(result.to_json())
     os.replace(tmp, result_path)

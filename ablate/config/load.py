@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, TypeVar
+from typing import Any, Mapping, Optional, TypeVar
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
@@ -20,6 +21,7 @@ from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 
 from ablate.config.features import FEATURES, feature
+from ablate.config.lane_shape import lane_shape
 from ablate.config.schema import ConfigError, LaneConfig, SweepConfig
 
 T = TypeVar("T")
@@ -113,14 +115,104 @@ def _lookup(data: Any, dotted: str) -> Any:
 
 # --- defaults.yaml ---
 
+_SHAPE = re.compile(r"^shape-[0-9a-f]{12}$")
+
+
+@dataclass(frozen=True)
+class LaneOverride:
+    """A value promoted for one lane shape only: that lane's baseline runs it instead of the global value."""
+
+    lane_shape: str
+    value: Any
+    report: Optional[str] = None
+
 
 @dataclass
 class Defaults:
-    """The current defaults: feature name -> value, plus the path they came from."""
+    """The current defaults: global values, per-lane overrides, and the path they came from.
+
+    ``values`` holds the global value of every feature in the file; ``effective(flat_lane)`` is what one lane
+    runs (its override where ``lane_overrides`` has one for the lane's shape, else the global value).
+    """
 
     values: dict[str, Any]
     path: Optional[Path] = None
     raw: dict[str, Any] = field(default_factory=dict)
+    overrides: dict[str, dict[str, LaneOverride]] = field(default_factory=dict)
+    """Feature -> lane shape -> override."""
+
+    def for_shape(self, shape: str) -> dict[str, Any]:
+        """Feature -> value for the lane whose ``lane_shape`` is ``shape``."""
+        effective = dict(self.values)
+        for name, by_shape in self.overrides.items():
+            if shape in by_shape:
+                effective[name] = by_shape[shape].value
+        return effective
+
+    def effective(self, flat_lane: Mapping[str, Any]) -> dict[str, Any]:
+        """Feature -> value for this lane (``flatten(lane_to_dict(lane))`` form, as receipts record it)."""
+        return self.for_shape(lane_shape(flat_lane))
+
+    def moved_to(self, name: str, value: Any, shape: str) -> Optional[str]:
+        """Why ``value`` is the lane's default because defaults.yaml moved it there, or None when it is not.
+
+        "Moved" means a lane override, a global value other than the registry's reference, or a global value
+        with a promotion recorded in its evidence. A campaign still listing such a value (it was promoted since
+        the campaign was written) is skipped; testing the untouched reference against itself stays an error.
+        """
+        override = self.overrides.get(name, {}).get(shape)
+        if override is not None:
+            if str(override.value) != str(value):
+                return None
+            return f"lane override for {shape}" + (f" (report {override.report})" if override.report else "")
+        if name not in self.values or str(self.values[name]) != str(value):
+            return None
+        entry = (self.raw.get("features") or {}).get(name) or {}
+        reports = [str(r.get("report")) for r in entry.get("evidence") or []
+                   if isinstance(r, Mapping) and str(r.get("value")) == str(value) and r.get("scope") == "global"]
+        if reports:
+            return f"global default since report {reports[-1]}"
+        reference = FEATURES[name].get(LaneConfig())
+        if str(reference) != str(value):
+            return f"global default in {self.path or 'defaults.yaml'} (the reference is {reference!r})"
+        return None
+
+
+def _checked_value(name: str, value: Any, key: str) -> Any:
+    """A defaults value must be one the lane field accepts: the loader refuses it here, not at sweep time."""
+    try:
+        with_feature(LaneConfig(), name, value, key="features")
+    except ConfigError as exc:
+        raise ConfigError(key, value, exc.allowed) from None
+    return value
+
+
+def _lane_overrides(name: str, entry: Mapping[str, Any], key: str, kind: str) -> dict[str, LaneOverride]:
+    items = entry.get("lane_overrides")
+    if items is None:
+        return {}
+    shape_form = "a list of {lane_shape: shape-<12 hex>, value: ..., report: ...} mappings"
+    if not isinstance(items, list):
+        raise ConfigError(f"{key}.lane_overrides", items, shape_form)
+    found: dict[str, LaneOverride] = {}
+    for index, item in enumerate(items):
+        where = f"{key}.lane_overrides[{index}]"
+        if not isinstance(item, Mapping) or "value" not in item:
+            raise ConfigError(where, item, "a mapping with lane_shape and value keys")
+        shape = item.get("lane_shape")
+        if not isinstance(shape, str) or not _SHAPE.match(shape):
+            # Overrides keyed by lane_key (written before lane shapes) never applied: the key changes as soon as
+            # the override takes effect. Refuse them so nobody believes they do.
+            raise ConfigError(f"{where}.lane_shape", shape, "a lane shape 'shape-<12 hex>' "
+                                                            "(ablate.config.lane_shape.lane_shape of the lane)")
+        if shape in found:
+            raise ConfigError(f"{where}.lane_shape", shape, "one override per lane shape (this one is repeated)")
+        value = _checked_value(name, item["value"], f"{where}.value")
+        if kind == "tax" and str(value) not in ("off", "False", "false"):
+            raise ConfigError(f"{where}.value", value, "off: taxes stay opt-in, in every lane")
+        report = item.get("report")
+        found[shape] = LaneOverride(lane_shape=shape, value=value, report=None if report is None else str(report))
+    return found
 
 
 def load_defaults(path: str | Path) -> Defaults:
@@ -129,16 +221,21 @@ def load_defaults(path: str | Path) -> Defaults:
     if not isinstance(entries, dict):
         raise ConfigError(f"{path}: features", entries, "a mapping of feature name -> {value: ..., kind: ...}")
     values: dict[str, Any] = {}
+    overrides: dict[str, dict[str, LaneOverride]] = {}
     for name, entry in entries.items():
         spec = feature(str(name), key=f"{path}: features")
+        key = f"{path}: features.{name}"
         if not isinstance(entry, dict) or "value" not in entry:
-            raise ConfigError(f"{path}: features.{name}", entry, "a mapping with a 'value' key")
+            raise ConfigError(key, entry, "a mapping with a 'value' key")
         if entry.get("kind", spec.kind) != spec.kind:
-            raise ConfigError(f"{path}: features.{name}.kind", entry.get("kind"), f"{spec.kind} (from the registry)")
+            raise ConfigError(f"{key}.kind", entry.get("kind"), f"{spec.kind} (from the registry)")
         if spec.kind == "tax" and str(entry["value"]) not in ("off", "False", "false"):
-            raise ConfigError(f"{path}: features.{name}.value", entry["value"], "off: taxes stay opt-in")
-        values[str(name)] = entry["value"]
-    return Defaults(values=values, path=Path(path), raw=data)
+            raise ConfigError(f"{key}.value", entry["value"], "off: taxes stay opt-in")
+        values[str(name)] = _checked_value(str(name), entry["value"], f"{key}.value")
+        lane_overrides = _lane_overrides(str(name), entry, key, spec.kind)
+        if lane_overrides:
+            overrides[str(name)] = lane_overrides
+    return Defaults(values=values, path=Path(path), raw=data, overrides=overrides)
 
 
 # --- lanes and features ---
@@ -174,10 +271,23 @@ def with_feature(lane: LaneConfig, name: str, value: Any, key: str = "features")
         raise ConfigError(f"{key}.{name}", value, f"{exc.allowed} (for lane.{spec.path})") from None
 
 
+def flat_lane(lane: LaneConfig) -> dict[str, Any]:
+    """The lane as dotted key -> value: the form receipts record and ``lane_shape`` hashes."""
+    return flatten(lane_to_dict(lane))
+
+
+def lane_shape_of(lane: LaneConfig) -> str:
+    return lane_shape(flat_lane(lane))
+
+
 def apply_defaults(lane: LaneConfig, defaults: Defaults, explicit: dict[str, Any]) -> LaneConfig:
-    """Defaults give every feature its baseline value unless the sweep's lane sets that field explicitly."""
+    """Defaults give every feature its baseline value unless the sweep's lane sets that field explicitly.
+
+    The baseline is the lane's *effective* default: a lane override recorded for this lane's shape beats the
+    global value, so a lane-scoped promotion is what the next campaign on that lane measures against.
+    """
     flat_explicit = flatten(explicit or {})
-    for name, value in defaults.values.items():
+    for name, value in defaults.effective(flat_lane(lane)).items():
         if FEATURES[name].path not in flat_explicit:
             lane = with_feature(lane, name, value, key=f"{defaults.path}: features")
     return lane
@@ -194,12 +304,30 @@ def load_sweep(path: str | Path) -> tuple[SweepConfig, Defaults]:
     defaults = load_defaults(defaults_path)
     explicit_lane = (data or {}).get("lane") or {}
     sweep.lane = apply_defaults(sweep.lane, defaults, explicit_lane)
-    validate_features(sweep)
+    validate_features(sweep, defaults, explicit_lane)
     return sweep, defaults
 
 
-def validate_features(sweep: SweepConfig) -> None:
-    """Each tested value must be allowed, differ from the baseline, and be able to act in the lane."""
+def already_default_reason(moved: Optional[str] = None) -> str:
+    """The notice for a tested value that has become the lane's default (``Defaults.moved_to`` says how)."""
+    how = f" ({moved})" if moved else ""
+    return (f"already this lane's default{how}: nothing to compare it against; drop it from the campaign or "
+            f"test another value")
+
+
+def validate_features(sweep: SweepConfig, defaults: Optional[Defaults] = None,
+                      explicit: Optional[dict[str, Any]] = None) -> list[tuple[str, str]]:
+    """Each tested value must be allowed and differ from the baseline.
+
+    A value that is the baseline only because defaults.yaml moved it there (it was promoted after the campaign
+    was written) is skipped, not refused; otherwise a promotion would break every campaign that tested it. A
+    value that is inert in the lane (it provably runs the baseline's code here) is refused *before any arm runs*:
+    ``plan_sweep`` leaves it out and records why, so the sweep, ``ablate validate`` and the promotion report show
+    it instead of spending arms on it. Returns the default-collision skips as (what, why).
+    """
+    pinned = set(flatten(explicit or {}))
+    shape = lane_shape_of(sweep.lane)
+    skipped: list[tuple[str, str]] = []
     for name, values in sweep.features.items():
         spec = feature(name)
         if not isinstance(values, list) or not values:
@@ -208,12 +336,13 @@ def validate_features(sweep: SweepConfig) -> None:
         for value in values:
             candidate_lane = with_feature(sweep.lane, name, value)
             if spec.get(candidate_lane) == baseline:
-                raise ConfigError(f"features.{name}", value,
-                                  f"a value different from the baseline {baseline!r} (defaults + lane)")
-            inert = spec.inert_reason(candidate_lane)
-            if inert:
-                raise ConfigError(f"features.{name}", value, f"a toggle that can act in this lane; it is inert: "
-                                                             f"{inert}")
+                moved = None if defaults is None or spec.path in pinned else defaults.moved_to(name, value, shape)
+                if moved is None:
+                    raise ConfigError(f"features.{name}", value,
+                                      f"a value different from the baseline {baseline!r} (defaults + lane)")
+                skipped.append((f"{name}={value}", already_default_reason(moved)))
+                continue
+    return skipped
 
 
 def load_lane(data: dict[str, Any]) -> LaneConfig:

@@ -106,6 +106,13 @@ class Design(str, enum.Enum):
     grid = "grid"
 
 
+class BlockMode(str, enum.Enum):
+    interleaved = "interleaved"
+    """Both arms side by side in their own processes, taking turns step by step (CPU one-worker arms)."""
+    sequential = "sequential"
+    """The arms back to back, in the block's order (multi-worker and GPU arms always run this way)."""
+
+
 # --- the lane ---
 
 
@@ -241,9 +248,14 @@ class BudgetConfig:
     family_sample_steps: int = 2
     """Steady steps on which per-family time share is sampled (hooks cost a little, so only a few)."""
     min_steady_steps: int = 3
+    horizon_steps: int = 10_000
+    """Length, in optimizer steps, of the production run this lane stands for. Promotion compares arms by their
+    projected time to this horizon: one-time feature costs (setup, compile warmup) + horizon x recurring step
+    time. 10,000 steps is a short pretraining or a long fine-tuning run; set the lane's real length."""
 
     def __post_init__(self) -> None:
         _positive("lane.budget.steps", self.steps)
+        _positive("lane.budget.horizon_steps", self.horizon_steps)
         _positive("lane.budget.lr", self.lr)
         _non_negative("lane.budget.family_sample_steps", self.family_sample_steps)
         _non_negative("lane.budget.min_steady_steps", self.min_steady_steps)
@@ -322,6 +334,9 @@ class SweepConfig:
     aa_blocks: int = 1
     """Baseline-vs-baseline blocks per lane, for the noise floor."""
     design: Design = Design.one_at_a_time
+    block_mode: BlockMode = BlockMode.interleaved
+    """How a block's two arms share the node: interleaved cancels the machine's speed drift between the arms
+    (falls back to sequential where arms cannot take turns: multi-worker or CUDA arms; receipts say which ran)."""
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     max_failures: int = 1

@@ -1,9 +1,15 @@
-"""Per-test numbers: the block log ratios, their clustered bootstrap, loss deltas, failures, disqualifiers.
+"""Per-test numbers: the block log ratios at the lane's horizon, their clustered bootstrap, the trade-off
+between one-time and recurring cost, loss deltas, failures, disqualifiers.
 
 How to use: ``verdict = analyse(test, calibration, policy)`` fills every measured field of a
 ``FeatureVerdict`` (no decision yet); ``ablate.promote.rule`` then applies Holm and the clauses. The bootstrap
 resamples hosts when the test spans more than one host and blocks otherwise (the single-node case, which the
 report must call a block bootstrap).
+
+The trade-off a user reads: the steady speed-up (recurring step time only), the one-time cost delta (setup and
+compile warmup, seconds), the break-even horizon (the run length after which the feature pays for itself), and
+the speed-up as a function of the horizon with its interval band; the verdict is taken at the lane's declared
+horizon (``budget.horizon_steps``).
 """
 
 from __future__ import annotations
@@ -28,6 +34,10 @@ from ablate.promote.policy import Policy
 from ablate.promote.stats import bootstrap_hl, fisher_more_failures, hodges_lehmann, pvalue_at_most, quantile
 
 PROMOTE, HOLD, REJECT, TAX_REPORTED = "PROMOTE", "HOLD", "REJECT", "TAX-REPORTED"
+CURVE_POINTS = 25
+"""Horizons on the speed-up curve: log-spaced from 1 step to 10x the lane's horizon (plus the horizon itself)."""
+CURVE_RESAMPLES = 400
+"""Bootstrap resamples per curve point: a plotted band, not a decision."""
 
 
 @dataclass
@@ -76,6 +86,8 @@ class FeatureVerdict:
     lane_key: str
     software_fingerprint: str
     lane_shape: str = ""
+    device_class: str = ""
+    """Device type the arms observed (cpu, cuda): bounds the scope of a promotion (policy scope)."""
     """The lane without feature toggles (see ``evidence.shape_key``): links evidence across default flips."""
     verdict: str = HOLD
     reason: str = ""
@@ -120,6 +132,25 @@ class FeatureVerdict:
     within_budget: Optional[bool] = None
     memory_ratio: Optional[float] = None
     receipt_ids: list[str] = field(default_factory=list)
+    block_links: list[dict[str, Any]] = field(default_factory=list)
+    """One entry per block: block id, round, both receipt ids, its log ratio and who won (the report links them)."""
+    horizon_steps: int = 0
+    steady_speedup: Optional[float] = None
+    steady_ci95: Optional[tuple[float, float]] = None
+    one_time_delta_s: Optional[float] = None
+    """Hodges-Lehmann of candidate minus baseline one-time cost (setup + compile warmup), seconds."""
+    one_time_ci95: Optional[tuple[float, float]] = None
+    break_even: dict[str, Any] = field(default_factory=dict)
+    """{kind: immediately | after | until | never | unknown, steps: float or None, text: str}."""
+    curve: list[dict[str, float]] = field(default_factory=list)
+    """Speed-up against horizon: [{horizon, speedup, lo, hi}] with a 90% bootstrap band."""
+    bias_bound: Optional[float] = None
+    aa_interval: Optional[tuple[float, float]] = None
+    startup_flags: list[str] = field(default_factory=list)
+    """Blocks whose arms' executor start-up differ beyond the lane's usual spread (recorded, never compared)."""
+    contended_blocks: list[str] = field(default_factory=list)
+    gated_arms: list[str] = field(default_factory=list)
+    """Every candidate arm carrying a gated code, named: block, receipt id and the code's detail."""
     work: Optional[Work] = field(default=None, repr=False, compare=False)
 
     @property
@@ -186,14 +217,19 @@ def inert_reason(test: TestEvidence) -> Optional[str]:
     block = test.blocks[0]
     try:
         lane = _lane_config(json.dumps(block.lane, sort_keys=True, default=str))
-        return spec.inert_reason(_with_value(lane, spec.path.split("."), test.value))
+        return spec.inert_reason(_with_value(lane, spec.path.split("."), test.value), lane)
     except Exception:  # noqa: BLE001 - the registry check needs the model's pattern parser; fall back to facts
         if spec.family and block.layer_counts.get(spec.family, 0) == 0:
             return f"the lane's layer counts {block.layer_counts} have no {spec.family} blocks"
         return None
 
 
-def _amdahl(test: TestEvidence) -> dict[str, Any]:
+def _amdahl(test: TestEvidence, steady_speedup: Optional[float]) -> dict[str, Any]:
+    """The most a feature touching one family could gain per step (Amdahl), from the sampled family share.
+
+    A bound that the measured steady speed-up exceeds is wrong (the share was under-measured), so it is never
+    printed as a bound; the report says the share was under-measured instead.
+    """
     spec = FEATURES.get(test.feature)
     family = spec.family if spec else None
     if family is None:
@@ -204,8 +240,50 @@ def _amdahl(test: TestEvidence) -> dict[str, Any]:
         return {"family": family, "share": None, "bound": None, "note": "no family time share recorded"}
     share = float(np.median(shares))
     bound = math.inf if share >= 1.0 else 1.0 / (1.0 - share)
+    if steady_speedup is not None and math.isfinite(bound) and steady_speedup > bound:
+        return {"family": family, "share": share, "bound": None,
+                "note": f"measured steady speed-up {steady_speedup:.3f}x exceeds 1/(1 - {share:.0%}) = {bound:.3f}x: "
+                        f"the sampled {family} share is under-measured, so no bound is shown"}
     return {"family": family, "share": share, "bound": bound,
-            "note": f"the most a feature touching only {family} blocks can gain here"}
+            "note": f"the most a feature touching only {family} blocks can gain per step here"}
+
+
+def break_even(one_time_delta_s: Optional[float], step_saving_s: Optional[float]) -> dict[str, Any]:
+    """When the candidate's projected time drops below the baseline's: one_c + H r_c < one_b + H r_b.
+
+    ``one_time_delta_s`` = one_c - one_b (seconds), ``step_saving_s`` = r_b - r_c (seconds per step).
+    """
+    if one_time_delta_s is None or step_saving_s is None:
+        return {"kind": "unknown", "steps": None, "text": "unknown (no paired one-time and step times)"}
+    if step_saving_s > 0:
+        if one_time_delta_s <= 0:
+            return {"kind": "immediately", "steps": 0.0,
+                    "text": "immediately (no extra one-time cost, faster every step)"}
+        steps = one_time_delta_s / step_saving_s
+        return {"kind": "after", "steps": steps, "text": f"after {steps:,.0f} steps"}
+    if one_time_delta_s < 0:
+        if step_saving_s == 0:
+            return {"kind": "immediately", "steps": 0.0, "text": "immediately (cheaper to start, same per step)"}
+        steps = one_time_delta_s / step_saving_s
+        return {"kind": "until", "steps": steps,
+                "text": f"only for runs shorter than {steps:,.0f} steps (cheaper to start, slower per step)"}
+    return {"kind": "never", "steps": None, "text": "never (no cheaper start and no faster step)"}
+
+
+def _curve(rows: list[tuple[Block, float]], horizon: int, policy: Policy, clusters: Optional[np.ndarray],
+           rng: np.random.Generator) -> list[dict[str, float]]:
+    if not rows or horizon <= 0:
+        return []
+    grid = sorted({int(round(h)) for h in np.geomspace(1, 10 * horizon, CURVE_POINTS)} | {horizon})
+    out = []
+    for h in grid:
+        d = np.asarray([b.log_ratio(policy.failures.failed_log_ratio, h) for b, _ in rows], dtype=float)
+        if not np.all(np.isfinite(d)):
+            continue
+        theta = bootstrap_hl(d, clusters, CURVE_RESAMPLES, rng)
+        out.append({"horizon": float(h), "speedup": math.exp(hodges_lehmann(d)),
+                    "lo": math.exp(quantile(theta, 0.05)), "hi": math.exp(quantile(theta, 0.95))})
+    return out
 
 
 def _throughput(blocks: list[Block]) -> dict[str, Any]:
@@ -247,8 +325,10 @@ def _counter_violations(blocks: list[Block], policy: Policy) -> list[str]:
     return found
 
 
-def analyse(test: TestEvidence, calibration: Calibration, policy: Policy) -> FeatureVerdict:
+def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
+            startup_flags: Optional[dict[str, str]] = None) -> FeatureVerdict:
     """Measure one test; the decision (Holm, clauses, verdict) is made later in ``rule``."""
+    startup_flags = startup_flags or {}
     verdict = FeatureVerdict(feature=test.feature, value=test.value, baseline_value=test.baseline_value,
                              kind=test.kind, lane_key=test.lane_key, software_fingerprint=test.software_fingerprint)
     blocks = test.blocks
@@ -268,8 +348,18 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy) -> Fea
     verdict.disqualifiers = _disqualifiers(blocks)
     verdict.gated_disqualifiers = dict(sorted(Counter(c for b in blocks for c in b.candidate.gated_codes).items()))
     verdict.counter_violations = _counter_violations(blocks, policy)
-    verdict.amdahl = _amdahl(test)
     verdict.throughput = _throughput(blocks)
+    verdict.device_class = Counter(b.device_class for b in blocks).most_common(1)[0][0] if blocks else ""
+    verdict.horizon_steps = blocks[0].horizon_steps if blocks else 0
+    verdict.bias_bound = calibration.bias_bound
+    if calibration.aa_interval_log is not None:
+        verdict.aa_interval = (math.exp(calibration.aa_interval_log[0]), math.exp(calibration.aa_interval_log[1]))
+    verdict.startup_flags = [f"{b.block_id}: {startup_flags[b.block_id]}" for b in blocks
+                             if b.block_id in startup_flags]
+    verdict.contended_blocks = [b.block_id for b in blocks if b.baseline.contended or b.candidate.contended]
+    verdict.gated_arms = [f"{b.block_id} candidate {b.candidate.receipt_id[:8]}: "
+                          + "; ".join(b.candidate.gate_details or b.candidate.gated_codes)
+                          for b in blocks if b.candidate.gated_codes]
     verdict.inert_reason = inert_reason(test) if test.kind == "speed" else None
     # A gated candidate arm measured something other than the feature; it is counted above, never as a ratio.
     usable = [b for b in blocks if not b.candidate.gated_codes]
@@ -311,6 +401,31 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy) -> Fea
                                  candidate_failures=sum(b.candidate.failed for b in blocks if b.host == h))
                          for h, v in sorted(per_host.items())]
         verdict.min_host_median = min(r.median_speedup for r in verdict.hosts if r.median_speedup is not None)
+    verdict.block_links = [{"block": b.block_id, "round": b.round_id, "baseline": b.baseline.receipt_id,
+                            "candidate": b.candidate.receipt_id, "log_ratio": r,
+                            "winner": "candidate" if r > 0 else "baseline" if r < 0 else "tie"} for b, r in rows]
+    steady = np.asarray([x for x in (b.steady_log_ratio() for b, _ in rows) if x is not None], dtype=float)
+    if steady.size:
+        steady_theta = bootstrap_hl(steady, None if clusters is None else np.asarray(
+            [b.host for b, _ in rows if b.steady_log_ratio() is not None], dtype=object),
+            policy.bootstrap.loss_resamples, rng)
+        verdict.steady_speedup = _ratio(hodges_lehmann(steady))
+        verdict.steady_ci95 = (math.exp(quantile(steady_theta, 0.025)), math.exp(quantile(steady_theta, 0.975)))
+    deltas = [(b.one_time_delta(), b) for b, _ in rows]
+    deltas = [(x, b) for x, b in deltas if x is not None]
+    if deltas:
+        one = np.asarray([x for x, _ in deltas], dtype=float)
+        one_theta = bootstrap_hl(one, None, policy.bootstrap.loss_resamples, rng)
+        verdict.one_time_delta_s = hodges_lehmann(one)
+        verdict.one_time_ci95 = (quantile(one_theta, 0.025), quantile(one_theta, 0.975))
+        savings = np.asarray([b.baseline.recurring_step_s - b.candidate.recurring_step_s for _, b in deltas
+                              if b.baseline.recurring_step_s and b.candidate.recurring_step_s], dtype=float)
+        verdict.break_even = break_even(verdict.one_time_delta_s,
+                                        hodges_lehmann(savings) if savings.size else None)
+    else:
+        verdict.break_even = break_even(None, None)
+    verdict.amdahl = _amdahl(test, verdict.steady_speedup)
+    verdict.curve = _curve(rows, verdict.horizon_steps, policy, clusters, rng)
     if loss.size:
         loss_theta = bootstrap_hl(loss, loss_hosts if len(set(loss_hosts.tolist())) > 1 else None,
                                   policy.bootstrap.loss_resamples, rng)

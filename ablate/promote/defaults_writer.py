@@ -4,9 +4,14 @@ How to use: ``plan_changes(...)`` and ``find_revalidations(...)`` are pure and r
 result carries them, so the report shows exactly what ``write_defaults(result, path)`` will write. The edit
 uses ruamel.yaml's round-trip mode, so comments, key order and quoting of untouched lines survive; each promoted
 value gets an evidence record (report id, speedup and interval, blocks, hosts, lane key, software fingerprint,
-date) and the conditions under which it must be revalidated. A value is flipped globally only when every lane
-that measured the feature promoted the same value and none rejected it; otherwise the file records a lane-scoped
-override and leaves the global value alone.
+date) and the conditions under which it must be revalidated.
+
+Scope (promotion-rule §5.5 "Global promotion", policy ``scope``): a value is flipped globally only when every
+lane that measured the feature promoted the same value, none rejected it, and a promoting lane exists for every
+device class in ``scope.global_device_classes`` (evidence from CPU lanes alone never changes what GPU lanes run).
+Otherwise each promoting lane *shape* gets a lane override (``lane_overrides`` under the feature, keyed by
+``ablate.config.lane_shape.lane_shape``), which ``load_defaults`` turns into that lane's baseline; a second
+promotion on the same shape updates its entry instead of adding one.
 """
 
 from __future__ import annotations
@@ -22,8 +27,11 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
 
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
+from ruamel.yaml.error import CommentMark
 from ruamel.yaml.scalarstring import SingleQuotedScalarString
+from ruamel.yaml.tokens import CommentToken
 
+from ablate.config.load import Defaults
 from ablate.promote.analysis import PROMOTE, REJECT, FeatureVerdict
 from ablate.promote.evidence import LaneState
 from ablate.promote.policy import Policy
@@ -45,6 +53,30 @@ class DefaultsChange:
     """``global`` (the value flips) or ``lane`` (a lane override is recorded; the global value stays)."""
     lanes: list[str]
     evidence: list[dict[str, Any]] = field(default_factory=list)
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Lane scope: lane shape -> the value its override takes (one per shape). Empty for a global flip."""
+    not_global: list[str] = field(default_factory=list)
+    """Lane scope: why the value did not flip globally (each failing condition), for the report."""
+
+
+class Edit(str):
+    """One line of ``apply_to_document``'s edit list; ``kind`` says what it is, so callers count without parsing.
+
+    kinds: ``value`` (a global value flipped), ``override`` (a lane override added or updated), ``evidence``,
+    ``revalidate``.
+    """
+
+    kind: str
+
+    def __new__(cls, text: str, kind: str) -> "Edit":
+        edit = super().__new__(cls, text)
+        edit.kind = kind
+        return edit
+
+
+def num_promoted(edits: Iterable[str]) -> int:
+    """Promoted values among ``edits``: flipped global values plus added or updated lane overrides."""
+    return sum(1 for e in edits if getattr(e, "kind", None) in ("value", "override"))
 
 
 @dataclass
@@ -65,7 +97,8 @@ def evidence_record(v: FeatureVerdict, *, report_id: str, campaign: str, date: s
                     scope: str) -> dict[str, Any]:
     return {
         "report": report_id, "campaign": campaign, "value": v.value, "previous": v.baseline_value, "scope": scope,
-        "lane_key": v.lane_key, "lane_shape": v.lane_shape, "software_fingerprint": v.software_fingerprint,
+        "lane_key": v.lane_key, "lane_shape": v.lane_shape, "device_class": v.device_class,
+        "software_fingerprint": v.software_fingerprint,
         "speedup": _round(v.speedup), "ci95": [_round(x) for x in (v.ci95 or (None, None))],
         "lower_bound_holm": _round(v.lower_adj), "blocks": v.n_blocks, "hosts": v.n_hosts,
         "rounds": [r.round_id for r in v.rounds if r.counted], "bootstrap": v.bootstrap_unit,
@@ -73,8 +106,34 @@ def evidence_record(v: FeatureVerdict, *, report_id: str, campaign: str, date: s
     }
 
 
-def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Mapping[str, Any], policy: Policy, *,
+def _global_values(defaults: Defaults | Mapping[str, Any]) -> Mapping[str, Any]:
+    return defaults.values if isinstance(defaults, Defaults) else defaults
+
+
+def _shape_overrides(tests: list[FeatureVerdict], promoted: list[FeatureVerdict]) -> tuple[dict[str, Any],
+                                                                                           list[str]]:
+    """Lane shape -> override value, for shapes whose promoting lanes agree and where no lane rejected it.
+
+    A shape ignores feature values, so the lanes of one grid campaign (contexts) share it: one override covers
+    them all, and is written only when they do not contradict each other.
+    """
+    overrides: dict[str, Any] = {}
+    conflicts: list[str] = []
+    for shape in sorted({v.lane_shape for v in promoted}):
+        values = {str(v.value): v.value for v in promoted if v.lane_shape == shape}
+        rejected = any(v.verdict == REJECT and v.lane_shape == shape and str(v.value) in values for v in tests)
+        if len(values) > 1 or rejected:
+            conflicts.append(f"no override for {shape}: its lanes " + ("promoted different values" if
+                                                                       len(values) > 1 else "also rejected it"))
+            continue
+        overrides[shape] = next(iter(values.values()))
+    return overrides, conflicts
+
+
+def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mapping[str, Any], policy: Policy, *,
                  report_id: str, campaign: str, date: str) -> list[DefaultsChange]:
+    """One change per promoted feature: a global flip, or lane overrides (see the module docstring)."""
+    globals_ = _global_values(defaults)
     by_feature: dict[str, list[FeatureVerdict]] = defaultdict(list)
     for v in verdicts:
         if v.kind == "speed":
@@ -84,17 +143,33 @@ def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Mapping[str, Any]
         promoted = [v for v in tests if v.verdict == PROMOTE]
         if not promoted:
             continue
-        measured_lanes = {v.lane_key for v in tests}
         values = {str(v.value) for v in promoted}
-        rejected_value = any(v.verdict == REJECT and str(v.value) in values for v in tests)
-        every_lane = {v.lane_key for v in promoted} == measured_lanes
-        flip = len(values) == 1 and not rejected_value and (every_lane or not policy.scope.global_requires_all_lanes)
+        not_global = []
+        if len(values) > 1:
+            not_global.append(f"lanes promoted different values ({', '.join(sorted(values))})")
+        if any(v.verdict == REJECT and str(v.value) in values for v in tests):
+            not_global.append("rejected in another lane")
+        if policy.scope.global_requires_all_lanes and {v.lane_key for v in promoted} != {v.lane_key for v in tests}:
+            not_global.append("not every measured lane promoted it")
+        # With one lane measured "every lane" holds trivially: the device classes are what stop a 1-thread CPU
+        # lane from deciding what GPU campaigns run.
+        classes = {v.device_class for v in promoted}
+        missing = [c for c in policy.scope.global_device_classes if c not in classes]
+        if missing:
+            not_global.append(f"no promoting lane on {', '.join(missing)} (policy scope.global_device_classes; "
+                              f"promoted on: {', '.join(sorted(c or 'unknown' for c in classes))})")
+        flip = not not_global
         scope = "global" if flip else "lane"
+        overrides: dict[str, Any] = {}
+        if not flip:
+            overrides, conflicts = _shape_overrides(tests, promoted)
+            not_global += conflicts
         changes.append(DefaultsChange(
-            feature=feature, old=defaults.get(feature, promoted[0].baseline_value),
+            feature=feature, old=globals_.get(feature, promoted[0].baseline_value),
             new=promoted[0].value if flip else None, scope=scope, lanes=sorted(v.lane_key for v in promoted),
             evidence=[evidence_record(v, report_id=report_id, campaign=campaign, date=date, policy=policy,
-                                      scope=scope) for v in promoted]))
+                                      scope=scope) for v in promoted],
+            overrides=overrides, not_global=not_global))
     return changes
 
 
@@ -162,8 +237,36 @@ def _block_seq(entry: CommentedMap, key: str) -> CommentedSeq:
     return seq
 
 
+def _replace_value_comment(entry: CommentedMap, text: str) -> Optional[str]:
+    """Put ``text`` as the comment of the entry's ``value:`` line; returns the comment it replaces.
+
+    The old comment described the old value (``# reference SSD recurrence``): left on the line it would now
+    mislabel the promoted one. Its column is kept so the file stays aligned, and any full-line comments that
+    ruamel stores in the same token (the lines right below) are kept too.
+    """
+    slot = entry.ca.items.get("value")
+    token = slot[2] if slot and len(slot) > 2 else None
+    old, rest, column = None, "", 25
+    if token is not None:
+        first, _, rest = token.value.partition("\n")
+        old = first.lstrip("#").strip() or None
+        column = token.column
+    entry.ca.items["value"] = [None, None, CommentToken(f"# {text}\n{rest}", CommentMark(column), None), None]
+    return old
+
+
+def _override_entry(change: DefaultsChange, shape: str, records: list[dict[str, Any]]) -> dict[str, Any]:
+    first = records[0]
+    return {"lane_shape": shape, "value": change.overrides[shape], "previous": first["previous"],
+            "report": first["report"], "date": first["date"]}
+
+
+def _overrides_by_shape(entry: CommentedMap) -> dict[str, CommentedMap]:
+    return {str(o.get("lane_shape")): o for o in entry.get("lane_overrides") or [] if isinstance(o, Mapping)}
+
+
 def apply_to_document(doc: CommentedMap, result: "PromotionResult") -> list[str]:
-    """Edit a loaded defaults document in place; returns one line per edit."""
+    """Edit a loaded defaults document in place; returns one ``Edit`` line per edit."""
     edits: list[str] = []
     features = doc.setdefault("features", CommentedMap())
     for change in result.changes:
@@ -172,32 +275,76 @@ def apply_to_document(doc: CommentedMap, result: "PromotionResult") -> list[str]
             entry = features[change.feature] = _node({"value": change.old, "kind": "speed", "evidence": []})
         # Writing the same report twice (--write then --branch) must not duplicate anything.
         known = {(r.get("report"), r.get("lane_key")) for r in entry.get("evidence") or [] if isinstance(r, Mapping)}
-        fresh = [r for r in change.evidence if (r["report"], r["lane_key"]) not in known]
+        fresh = [dict(r) for r in change.evidence if (r["report"], r["lane_key"]) not in known]
         if not fresh:
             continue
+        shapes = sorted({str(r["lane_shape"]) for r in fresh})
         if change.scope == "global":
             if str(entry.get("value")) != str(change.new):
                 entry["value"] = _node(change.new)
-                edits.append(f"features.{change.feature}.value: {change.old!r} -> {change.new!r}")
+                previous_comment = _replace_value_comment(
+                    entry, f"promoted by {result.report_id} on {result.date} (was {change.old}); evidence below")
+                if previous_comment:
+                    fresh[0]["previous_comment"] = previous_comment
+                edits.append(Edit(f"features.{change.feature}.value: {change.old!r} -> {change.new!r}", "value"))
+            # A promoting lane that had an override keeps it, and the override would beat the new global value
+            # that lane just promoted: bring it along.
+            existing = _overrides_by_shape(entry)
+            for shape in shapes:
+                override = existing.get(shape)
+                if override is not None and str(override.get("value")) != str(change.new):
+                    old = override.get("value")
+                    override.update({"value": _node(change.new), "previous": _node(old),
+                                     "report": result.report_id, "date": result.date})
+                    override.pop("revalidate", None)
+                    edits.append(Edit(f"features.{change.feature}.lane_overrides[{shape}]: {old!r} -> "
+                                      f"{change.new!r}", "override"))
         else:
-            overrides = _block_seq(entry, "lane_overrides")
-            for record in fresh:
-                overrides.append(_node({"lane_key": record["lane_key"], "value": record["value"],
-                                        "report": record["report"]}))
-                edits.append(f"features.{change.feature}.lane_overrides += {record['value']!r} on "
-                             f"{record['lane_key']}")
+            existing = _overrides_by_shape(entry)
+            for shape in shapes:
+                if shape not in change.overrides:
+                    continue  # its lanes disagreed (see change.not_global): evidence only
+                records = [r for r in fresh if r["lane_shape"] == shape]
+                new = _override_entry(change, shape, records)
+                override = existing.get(shape)
+                if override is None:
+                    overrides = _block_seq(entry, "lane_overrides")
+                    overrides.append(_node(new))
+                    existing = _overrides_by_shape(entry)
+                    edits.append(Edit(f"features.{change.feature}.lane_overrides += {new['value']!r} on {shape}",
+                                      "override"))
+                else:
+                    # A second promotion on the same lane shape replaces the value the lane runs: one entry per
+                    # shape, or load_defaults would refuse the file.
+                    old = override.get("value")
+                    override.update({"value": _node(new["value"]), "previous": _node(old),
+                                     "report": new["report"], "date": new["date"]})
+                    override.pop("revalidate", None)  # fresh evidence answers an earlier revalidation mark
+                    edits.append(Edit(f"features.{change.feature}.lane_overrides[{shape}]: {old!r} -> "
+                                      f"{new['value']!r}", "override"))
         evidence = _block_seq(entry, "evidence")
         for record in fresh:
             evidence.append(_node(record))
-            edits.append(f"features.{change.feature}.evidence += {record['report']} on {record['lane_key']}")
+            edits.append(Edit(f"features.{change.feature}.evidence += {record['report']} on {record['lane_key']}",
+                              "evidence"))
     for reval in result.revalidations:
-        for record in (features.get(reval.feature) or {}).get("evidence") or []:
+        entry = features.get(reval.feature) or {}
+        for record in entry.get("evidence") or []:
             if (record.get("lane_key") == reval.lane_key and "revalidate" not in record
                     and record.get("software_fingerprint") == reval.recorded_fingerprint):
-                record["revalidate"] = _node({"required": True, "reason": "software fingerprint changed",
-                                              "current_fingerprint": reval.current_fingerprint,
-                                              "noted_by": result.report_id, "date": result.date})
-                edits.append(f"features.{reval.feature}.evidence[{reval.lane_key}]: revalidation required")
+                mark = {"required": True, "reason": "software fingerprint changed",
+                        "current_fingerprint": reval.current_fingerprint, "noted_by": result.report_id,
+                        "date": result.date}
+                record["revalidate"] = _node(mark)
+                edits.append(Edit(f"features.{reval.feature}.evidence[{reval.lane_key}]: revalidation required",
+                                  "revalidate"))
+                # The override this evidence created is what the lane runs: it carries the mark too.
+                override = _overrides_by_shape(entry).get(str(record.get("lane_shape")))
+                if (override is not None and "revalidate" not in override
+                        and override.get("report") == record.get("report")):
+                    override["revalidate"] = _node(mark)
+                    edits.append(Edit(f"features.{reval.feature}.lane_overrides[{record.get('lane_shape')}]: "
+                                      f"revalidation required", "revalidate"))
     return edits
 
 
@@ -212,7 +359,10 @@ def render_defaults(text: str, result: "PromotionResult") -> tuple[str, list[str
 
 
 def write_defaults(result: "PromotionResult", defaults_path: str | Path) -> list[str]:
-    """Apply the result to ``defaults_path`` in place (atomic replace) and return the edits made."""
+    """Apply the result to ``defaults_path`` in place (atomic replace) and return the edits made.
+
+    ``num_promoted(edits)`` counts the promoted values among them (one flip also adds an evidence line).
+    """
     from ablate.config.load import load_defaults
 
     path = Path(defaults_path)

@@ -17,6 +17,8 @@ fingerprint, with A/A calibration; 4. measure each test (clustered bootstrap); 5
 from __future__ import annotations
 
 import hashlib
+import statistics
+from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
@@ -24,7 +26,7 @@ from typing import Any, Iterable, Mapping, Optional
 from ablate.config.load import load_defaults
 from ablate.promote.analysis import analyse
 from ablate.promote.defaults_writer import find_revalidations, plan_changes
-from ablate.promote.evidence import organise
+from ablate.promote.evidence import organise, startup_outliers
 from ablate.promote.match import Block, match_blocks
 from ablate.promote.policy import Policy, load_policy
 from ablate.promote.report import LaneSummary, PromotionResult
@@ -70,6 +72,32 @@ def _rounds(blocks: list[Block]) -> list[dict[str, Any]]:
     return sorted(info.values(), key=lambda r: (r["first_at"], r["round_id"]))
 
 
+def _unique_not_run(rows: Iterable[Mapping[str, str]]) -> list[dict[str, str]]:
+    """Each (what, why) once, with the rounds that refused it (every round of a campaign repeats its plan)."""
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in rows:
+        entry = merged.setdefault((row["what"], row["why"]), {"what": row["what"], "why": row["why"],
+                                                              "campaign": row.get("campaign", ""), "rounds": []})
+        entry["rounds"].append(row.get("sweep_id", ""))
+    return [{**e, "rounds": ", ".join(sorted(set(e["rounds"])))} for e in merged.values()]
+
+
+def _lane_facts(blocks: list[Block]) -> dict[str, Any]:
+    """What a reader needs to recognise a lane beyond its hash, and how much of each arm start-up ate."""
+    arms = [arm for b in blocks for arm in (b.baseline, b.candidate)]
+    shares = [a.startup_s / a.wall_s for a in arms if a.startup_s is not None and a.wall_s]
+    threads = sorted({a.threads for a in arms if a.threads is not None})
+    devices = Counter(b.device_class for b in blocks if b.device_class)
+    lane = blocks[-1].lane if blocks else {}
+    return {"device_class": devices.most_common(1)[0][0] if devices else "unknown",
+            "threads": threads, "world_size": int(lane.get("engine.workers") or 1),
+            "horizon_steps": blocks[-1].horizon_steps if blocks else 0,
+            "startup_share": statistics.median(shares) if shares else None,
+            "startup_s": statistics.median([a.startup_s for a in arms if a.startup_s is not None])
+            if arms else None,
+            "wall_s": statistics.median([a.wall_s for a in arms if a.wall_s]) if arms else None}
+
+
 def _git(blocks: list[Block]) -> dict[str, Any]:
     base = sorted({b.baseline.git_sha for b in blocks if b.baseline.git_sha})
     cand = sorted({b.candidate.git_sha for b in blocks if b.candidate.git_sha and not b.is_aa})
@@ -79,7 +107,8 @@ def _git(blocks: list[Block]) -> dict[str, Any]:
 
 def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str | Path | Policy,
             defaults_path: str | Path, rejected: Iterable[tuple[str, str]] = (),
-            run_links: Optional[Mapping[str, str]] = None, now: Optional[datetime] = None) -> PromotionResult:
+            run_links: Optional[Mapping[str, str]] = None, now: Optional[datetime] = None,
+            not_run: Iterable[Mapping[str, str]] = ()) -> PromotionResult:
     """Decide every feature x lane test in ``receipts`` under the policy; see the module docstring."""
     policy = policy_path if isinstance(policy_path, Policy) else load_policy(policy_path)
     now = now or datetime.now(timezone.utc)
@@ -87,20 +116,23 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     defaults = load_defaults(defaults_path)
     blocks, refusals = match_blocks(valid, policy)
     tests, calibrations, lanes = organise(blocks, policy)
-    measured = [analyse(test, calibrations[test.lane_key], policy) for test in tests]
-    family = decide_all(measured, policy, defaults.values)
+    flags = startup_outliers(blocks)
+    measured = [analyse(test, calibrations[test.lane_key], policy, flags) for test in tests]
+    family = decide_all(measured, policy, defaults)  # the Defaults: rule reads each lane's own default
     campaigns = sorted({r.identity.campaign for r in valid})
     report_id = _report_id(campaigns, valid, policy)
     date = now.date().isoformat()
-    changes = plan_changes(measured, defaults.values, policy, report_id=report_id,
+    changes = plan_changes(measured, defaults, policy, report_id=report_id,
                            campaign="+".join(campaigns), date=date)
     lane_summaries = [LaneSummary(lane_key=k, software_fingerprint=s.current_fingerprint,
                                   fingerprints=s.fingerprints, hosts=s.hosts, calibration=calibrations[k],
-                                  lane=s.lane) for k, s in sorted(lanes.items())]
+                                  lane=s.lane, **_lane_facts([b for b in blocks if b.lane_key == k]))
+                      for k, s in sorted(lanes.items())]
     for verdict in measured:
         verdict.work = None  # the arrays served the decision; keep the result light
     return PromotionResult(
         report_id=report_id, date=date, campaigns=campaigns, rounds=_rounds(blocks), policy=policy,
         git=_git(blocks), num_receipts=len(valid), verdicts=measured, holm_family=family, lanes=lane_summaries,
         changes=changes, revalidations=find_revalidations(defaults.raw, lanes), refusals=refusals,
-        rejected=list(rejected) + invalid, defaults_path=str(defaults_path), run_links=dict(run_links or {}))
+        rejected=list(rejected) + invalid, defaults_path=str(defaults_path), run_links=dict(run_links or {}),
+        not_run=_unique_not_run(not_run))

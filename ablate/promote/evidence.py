@@ -4,6 +4,11 @@ How to use: ``tests, calibrations, lanes = organise(blocks, policy)``. A test co
 feature value in one lane across rounds (sweeps). Evidence only counts under the lane's *current* software
 fingerprint (the one of its most recent block): a changed fingerprint restarts the round count, and the
 older blocks are kept aside as ``superseded`` so the report can say what was dropped and why.
+
+Calibration (departing from promotion-rule.md §5.3, see ``ThresholdPolicy``): the A/A blocks bound the lane's
+*systematic* bias — the Hodges-Lehmann of their signed log ratios and its bootstrap interval; the bias bound is
+the larger end of that interval in absolute value — and show whether the A/A interval contains 1 (calibrated).
+Their single-block spread is reported (and triggers the suspicious-win check) but is not the win threshold.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -20,7 +26,12 @@ import numpy as np
 from ablate.config.features import FEATURES
 from ablate.promote.match import Block
 from ablate.promote.policy import Policy
-from ablate.promote.stats import abs_quantile, hodges_lehmann
+from ablate.promote.stats import abs_quantile, bootstrap_hl, hodges_lehmann, quantile
+
+STARTUP_FLAG_MADS = 4.0
+"""A block whose arms' start-up log ratio lies beyond median + this many MADs of the lane's is flagged."""
+STARTUP_FLAG_FLOOR = math.log(1.25)
+"""... and never for less than a 25% difference: start-up jitter that size is ordinary on a busy node."""
 
 
 @dataclass(frozen=True)
@@ -35,26 +46,42 @@ class RoundInfo:
 
 @dataclass
 class Calibration:
-    """A lane's noise floor and loss spread from its A/A blocks under one software fingerprint."""
+    """A lane's A/A evidence under one software fingerprint: systematic bias bound, spread, loss spread."""
 
     lane_key: str
     software_fingerprint: str
     num_blocks: int
     noise_floor_log: Optional[float]
-    """The policy quantile of |log ratio| over A/A blocks (None without A/A blocks)."""
+    """The policy quantile of single-block |log ratio| over A/A blocks (the spread; None without A/A blocks)."""
     loss_spread: Optional[float]
     aa_hl_log: Optional[float]
-    first_at: Optional[str]
-    last_at: Optional[str]
+    """Hodges-Lehmann of the signed A/A log ratios: the lane's systematic bias estimate."""
+    aa_interval_log: Optional[tuple[float, float]] = None
+    """Two-sided bootstrap interval of ``aa_hl_log`` at ``threshold.bias_confidence``."""
+    bias_bound_log: Optional[float] = None
+    """max(|lo|, |hi|) of that interval: what delta adds to the policy's minimum effect."""
+    first_at: Optional[str] = None
+    last_at: Optional[str] = None
 
     @property
     def noise_floor(self) -> Optional[float]:
-        """The floor as a fraction of throughput (0.012 = 1.2%)."""
+        """The single-block A/A spread as a fraction (0.012 = 1.2%)."""
         return None if self.noise_floor_log is None else math.expm1(self.noise_floor_log)
 
+    @property
+    def bias_bound(self) -> Optional[float]:
+        return None if self.bias_bound_log is None else math.expm1(self.bias_bound_log)
+
+    @property
+    def contains_one(self) -> Optional[bool]:
+        """Whether the A/A interval contains a ratio of 1 (no detectable systematic bias)."""
+        if self.aa_interval_log is None:
+            return None
+        return self.aa_interval_log[0] <= 0.0 <= self.aa_interval_log[1]
+
     def delta(self, policy: Policy) -> float:
-        """Win threshold as a fraction: max(policy floor, A/A noise floor)."""
-        return max(policy.threshold.min_speedup, self.noise_floor or 0.0)
+        """Win threshold as a fraction: (1 + min_effect) x exp(bias bound) - 1 (min_effect when uncalibrated)."""
+        return math.expm1(math.log1p(policy.threshold.min_effect) + (self.bias_bound_log or 0.0))
 
     def epsilon(self, policy: Policy) -> float:
         """Loss non-inferiority margin: max(policy floor, A/A loss spread)."""
@@ -119,15 +146,52 @@ def _rounds(blocks: list[Block], policy: Policy) -> list[RoundInfo]:
 
 
 def _calibrate(lane_key: str, fingerprint: str, blocks: list[Block], policy: Policy) -> Calibration:
-    ratios = [r for r in (b.log_ratio(policy.failures.failed_log_ratio) for b in blocks) if r is not None]
+    rows = [(b.host, r) for b, r in ((b, b.log_ratio(policy.failures.failed_log_ratio)) for b in blocks)
+            if r is not None]
+    ratios = np.asarray([r for _, r in rows], dtype=float)
     losses = [d for d in (b.loss_delta() for b in blocks) if d is not None]
     stamps = sorted(b.created_at for b in blocks)
+    interval: Optional[tuple[float, float]] = None
+    bound: Optional[float] = None
+    if ratios.size >= 2:
+        hosts = np.asarray([h for h, _ in rows], dtype=object)
+        rng = np.random.default_rng([policy.bootstrap.seed, zlib.crc32(f"aa@{lane_key}".encode())])
+        clusters = hosts if len(set(hosts.tolist())) > 1 else None
+        theta = bootstrap_hl(ratios, clusters, policy.bootstrap.resamples, rng)
+        tail = (1.0 - policy.threshold.bias_confidence) / 2.0
+        interval = (quantile(theta, tail), quantile(theta, 1.0 - tail))
+        bound = max(abs(interval[0]), abs(interval[1]))
     return Calibration(
-        lane_key=lane_key, software_fingerprint=fingerprint, num_blocks=len(ratios),
-        noise_floor_log=abs_quantile(ratios, policy.threshold.noise_quantile) if ratios else None,
+        lane_key=lane_key, software_fingerprint=fingerprint, num_blocks=int(ratios.size),
+        noise_floor_log=abs_quantile(ratios, policy.threshold.noise_quantile) if ratios.size else None,
         loss_spread=abs_quantile(losses, policy.quality.spread_quantile) if losses else None,
-        aa_hl_log=hodges_lehmann(np.asarray(ratios)) if ratios else None,
+        aa_hl_log=hodges_lehmann(ratios) if ratios.size else None, aa_interval_log=interval, bias_bound_log=bound,
         first_at=stamps[0] if stamps else None, last_at=stamps[-1] if stamps else None)
+
+
+def startup_outliers(blocks: list[Block]) -> dict[str, str]:
+    """Blocks whose two arms' executor start-up differ beyond the lane's usual spread: block id -> why.
+
+    Start-up is excluded from the comparison because no feature can change it; a block where it differs a lot
+    anyway means either a disturbed node or a feature that does work before its toggle is read — worth a look.
+    """
+    by_lane: dict[str, list[tuple[Block, float]]] = defaultdict(list)
+    for block in blocks:
+        ratio = block.startup_log_ratio()
+        if ratio is not None:
+            by_lane[block.lane_key].append((block, ratio))
+    flagged: dict[str, str] = {}
+    for rows in by_lane.values():
+        values = np.asarray([r for _, r in rows])
+        median = float(np.median(values))
+        mad = float(np.median(np.abs(values - median)))
+        limit = max(STARTUP_FLAG_FLOOR, STARTUP_FLAG_MADS * mad)
+        for block, ratio in rows:
+            if abs(ratio - median) > limit:
+                flagged[block.block_id] = (f"start-up {block.candidate.startup_s:.2f}s vs baseline "
+                                           f"{block.baseline.startup_s:.2f}s (lane's usual spread "
+                                           f"±{math.expm1(limit):.0%})")
+    return flagged
 
 
 def _lane_states(blocks: list[Block], policy: Policy) -> dict[str, LaneState]:

@@ -2,7 +2,8 @@
 
 How to use: ``make_branch(result, "promote/moe-jagged", repo_root=".", open_pr=True)``. The branch is created
 from the current HEAD with ``git switch -c`` (the working tree stays on it afterwards); only the defaults file
-and the two report files are committed, whatever else is staged. With ``open_pr`` the branch is pushed and
+and the two report files are committed, whatever else is staged; the report under ``reports/promotions/`` is
+the only copy (``ablate promote --branch`` writes none to ``--out``). With ``open_pr`` the branch is pushed and
 ``gh pr create`` is run when ``gh`` is on PATH; otherwise the exact commands are returned (and printed by the
 CLI) so a person can run them.
 """
@@ -33,6 +34,8 @@ class BranchOutcome:
     """The push and ``gh pr create`` commands, shell-quoted."""
     pr_opened: bool = False
     pr_output: str = ""
+    report: str = ""
+    """The committed Markdown report, relative to the repository root (the only copy ``promote`` leaves)."""
 
 
 def _git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -77,10 +80,12 @@ def make_branch(result: PromotionResult, branch: str, repo_root: str | Path, ope
     report_dir.mkdir(parents=True, exist_ok=True)
     md_path = report_dir / f"{result.report_id}.md"
     json_path = report_dir / f"{result.report_id}.json"
+    # The trade-off plots sit next to the report, so its relative image links work in the pull request.
+    plots = list(result.write_plots(report_dir / result.report_id, relative_to=report_dir).values())
     md_path.write_text(result.markdown)
     json_path.write_text(result.to_json() + "\n")
 
-    files = [str(p.resolve().relative_to(repo)) for p in (md_path, json_path)]
+    files = [str(p.resolve().relative_to(repo)) for p in (*plots, md_path, json_path)]
     defaults_rel = str(defaults_path.resolve().relative_to(repo))
     # The defaults may already have been written (`--write --branch`): commit them whenever they differ.
     if edits or _git(repo, "diff", "--quiet", "HEAD", "--", defaults_rel, check=False).returncode != 0:
@@ -91,7 +96,8 @@ def make_branch(result: PromotionResult, branch: str, repo_root: str | Path, ope
     _git(repo, "commit", "--quiet", "-m", message, "--", *files)
     commit = _git(repo, "rev-parse", "HEAD").stdout.strip()
 
-    outcome = BranchOutcome(branch=branch, base=base, commit=commit, files=files, edits=edits)
+    outcome = BranchOutcome(branch=branch, base=base, commit=commit, files=files, edits=edits,
+                            report=str(md_path.resolve().relative_to(repo)))
     if open_pr:
         commands = pr_commands(result, branch, base, files[-2])
         outcome.pr_commands = [shlex.join(c) for c in commands]

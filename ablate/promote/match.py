@@ -6,10 +6,17 @@ test may differ: both arms must agree on the flattened lane (except the feature'
 data fingerprint, software fingerprint, host, round and lane key. Across blocks of one lane key only the
 policy's replication keys (seed) and the host may differ. Nothing is ever paired silently: every receipt ends
 up in a block or in a ``Refusal`` whose reason names the mismatch.
+
+The block's statistic is the log ratio of the two arms' projected time to the lane's horizon (the receipts'
+``projection``; see ``ablate.receipts.derive``), so executor start-up, which no feature can change, never
+enters it. Gates are exact on every candidate arm, failed or not: any code of a gated severity except
+ARM_FAILED (the failure itself, a loss in the failure rates), a requested backend that did not run, a missing
+exact counter, and an *observed* inert toggle (the candidate's execution record equals its own baseline's).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import Counter, defaultdict
@@ -18,10 +25,14 @@ from typing import Any, Iterable, Optional
 
 from ablate.config.features import FEATURES
 from ablate.promote.policy import Policy
+from ablate.receipts.derive import project_time
 from ablate.receipts.schema import Receipt
 
 # Identity fields both arms of a block must share; a difference means the two runs are not one comparison.
-_SHARED_IDENTITY = ("sweep_id", "campaign", "lane_key", "feature", "kind", "host", "software_fingerprint")
+_SHARED_IDENTITY = ("sweep_id", "campaign", "lane_key", "feature", "kind", "host", "software_fingerprint", "pairing",
+                    "code_fingerprint", "hardware_fingerprint")
+FAILURE_CODE = "ARM_FAILED"
+"""The only code a failed arm is spared at the gate: it *is* the failure, which counts as a loss instead."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +46,7 @@ class ArmView:
     attempt: int
     status: str
     tokens_per_s: Optional[float]
+    """Projected tokens/s at the lane's horizon (``projection.tokens_per_s``): the promotion metric."""
     loss: Optional[float]
     codes: tuple[str, ...]
     gated_codes: tuple[str, ...]
@@ -43,10 +55,28 @@ class ArmView:
     created_at: str
     git_sha: Optional[str]
     git_dirty: Optional[bool]
+    one_time_s: Optional[float] = None
+    recurring_step_s: Optional[float] = None
+    warm_budget_steps: int = 0
+    startup_s: Optional[float] = None
+    """Executor start-up (badput ``startup``): recorded, never compared; a block whose arms differ is flagged."""
+    wall_s: Optional[float] = None
+    contended: bool = False
+    device_class: str = ""
+    threads: Optional[int] = None
+    """torch intra-op threads the arm ran with (observed), for the report's lane line."""
+    execution: str = ""
+    """What actually ran (resolved backends, compile posture, warmup as resolved, engine, model structure)."""
+    gate_details: tuple[str, ...] = ()
 
     @property
     def failed(self) -> bool:
         return self.status == "failed"
+
+    def projected_s(self, horizon: int) -> Optional[float]:
+        if self.one_time_s is None or self.recurring_step_s is None or self.recurring_step_s <= 0:
+            return None
+        return project_time(self.one_time_s, self.recurring_step_s, self.warm_budget_steps, horizon)
 
 
 @dataclass
@@ -71,6 +101,9 @@ class Block:
     layer_counts: dict[str, int]
     earlier_failures: dict[str, int] = field(default_factory=dict)
     """Failed earlier attempts per role: a retried arm's failure still counts in the failure rates."""
+    horizon_steps: int = 0
+    tokens_per_step: int = 0
+    device_class: str = ""
 
     @property
     def is_aa(self) -> bool:
@@ -80,15 +113,38 @@ class Block:
     def candidate_first(self) -> bool:
         return self.candidate.order == 0
 
-    def log_ratio(self, failed_log_ratio: float) -> Optional[float]:
-        """log(candidate / baseline) wall tokens/s; None when the baseline failed (no yardstick)."""
-        if self.baseline.failed or not self.baseline.tokens_per_s:
+    def log_ratio(self, failed_log_ratio: float, horizon: Optional[int] = None) -> Optional[float]:
+        """log(baseline time / candidate time) to the horizon (the lane's by default): > 0 means the candidate
+        finishes the production run sooner. None when the baseline failed (no yardstick)."""
+        if self.baseline.failed:
             return None
         if self.candidate.failed:
             return failed_log_ratio
-        if not self.candidate.tokens_per_s or self.candidate.tokens_per_s <= 0:
+        h = horizon or self.horizon_steps
+        base, cand = self.baseline.projected_s(h), self.candidate.projected_s(h)
+        if base is None or cand is None or base <= 0 or cand <= 0:
             return None
-        return math.log(self.candidate.tokens_per_s / self.baseline.tokens_per_s)
+        return math.log(base / cand)
+
+    def steady_log_ratio(self) -> Optional[float]:
+        """log(baseline / candidate recurring step time): the speed-up once every one-time cost is paid."""
+        b, c = self.baseline.recurring_step_s, self.candidate.recurring_step_s
+        if self.baseline.failed or self.candidate.failed or not b or not c or b <= 0 or c <= 0:
+            return None
+        return math.log(b / c)
+
+    def one_time_delta(self) -> Optional[float]:
+        """Candidate minus baseline one-time cost (setup + compile warmup), seconds."""
+        b, c = self.baseline.one_time_s, self.candidate.one_time_s
+        if self.baseline.failed or self.candidate.failed or b is None or c is None:
+            return None
+        return c - b
+
+    def startup_log_ratio(self) -> Optional[float]:
+        b, c = self.baseline.startup_s, self.candidate.startup_s
+        if not b or not c or b <= 0 or c <= 0:
+            return None
+        return math.log(c / b)
 
     def loss_delta(self) -> Optional[float]:
         if self.baseline.loss is None or self.candidate.loss is None:
@@ -113,25 +169,62 @@ class Refusal:
     round_id: Optional[str]
 
 
+def execution_record(receipt: Receipt) -> dict[str, Any]:
+    """What an arm actually executed, from observation only: two arms with equal records ran the same code."""
+    obs = receipt.observed
+    return {"backends": sorted((b.op, b.observed) for b in obs.backends),
+            "compile": [obs.compile.posture_observed, obs.compile.warmup_resolved],
+            "engine": obs.engine, "model": obs.model}
+
+
+def _threads(hardware: dict[str, Any]) -> Optional[int]:
+    cpu = hardware.get("cpu") if isinstance(hardware.get("cpu"), dict) else hardware
+    value = cpu.get("torch_threads") if isinstance(cpu, dict) else None
+    return value if isinstance(value, int) else None
+
+
 def _arm_view(receipt: Receipt, policy: Policy) -> ArmView:
     ident = receipt.identity
-    # A failed arm carries the codes of its failure (ARM_FAILED, OOM, too few steady steps): those are counted
-    # in the failure rates, where a failed run is a loss; every other code still gates.
-    spared = set(policy.gates.failure_codes) if ident.status.value == "failed" else set()
-    gated = tuple(sorted(d.code.value for d in receipt.disqualifiers
-                         if d.severity.value in policy.gates.severities and d.code.value not in spared))
-    if ident.status.value == "disqualified" and not gated:
-        gated = tuple(sorted(receipt.codes())) or ("DISQUALIFIED",)
+    failed = ident.status.value == "failed"
+    gated = {d.code.value for d in receipt.disqualifiers
+             if d.severity.value in policy.gates.severities and d.code.value != FAILURE_CODE}
+    details = [f"{d.code.value}: {d.detail[:160]}" for d in receipt.disqualifiers
+               if d.code.value in gated]
+    # Requested is not observed: a backend that fell back is never evidence for the value that asked for it,
+    # whether or not the receipt carries the disqualifier.
+    fallbacks = [f"{b.op}: requested {b.requested}, ran {b.observed}" for b in receipt.observed.backends
+                 if b.requested != b.observed]
+    if fallbacks:
+        gated.add("BACKEND_FALLBACK")
+        details.append("BACKEND_FALLBACK: " + "; ".join(fallbacks))
     compile_record = receipt.observed.compile
     counters = {name: getattr(compile_record, name, None) for name in policy.gates.exact_counters}
+    missing = sorted(name for name, value in counters.items() if value is None)
+    if missing and not failed:
+        # A counter nobody recorded cannot be compared exactly: it gates instead of silently passing.
+        gated.add("COUNTER_MISSING")
+        details.append(f"COUNTER_MISSING: {', '.join(missing)} not recorded")
+    if ident.status.value == "disqualified" and not gated:
+        gated = set(receipt.codes()) or {"DISQUALIFIED"}
     memory = receipt.memory
     peak = memory.peak_allocated_bytes if memory.kind == "cuda" else memory.peak_rss_bytes
+    proj = receipt.projection
+    hardware_kind = str(receipt.observed.hardware.get("kind") or receipt.requested.device)
     return ArmView(
         receipt_id=ident.receipt_id, role=ident.arm.value, arm_index=ident.arm_index, order=ident.order,
-        attempt=ident.attempt, status=ident.status.value, tokens_per_s=receipt.throughput.wall_tokens_per_s,
+        attempt=ident.attempt, status=ident.status.value,
+        tokens_per_s=proj.tokens_per_s if proj is not None else None,
         loss=getattr(receipt.quality, policy.quality.metric, None), codes=tuple(sorted(receipt.codes())),
-        gated_codes=gated, counters=counters, peak_memory=peak, created_at=ident.created_at,
-        git_sha=ident.git_sha, git_dirty=ident.git_dirty)
+        gated_codes=tuple(sorted(gated)), counters=counters, peak_memory=peak, created_at=ident.created_at,
+        git_sha=ident.git_sha, git_dirty=ident.git_dirty,
+        one_time_s=proj.one_time_s if proj is not None else None,
+        recurring_step_s=proj.recurring_step_s if proj is not None else None,
+        warm_budget_steps=proj.warm_budget_steps if proj is not None else 0,
+        startup_s=receipt.time.badput_s.get("startup"), wall_s=receipt.time.wall_s,
+        contended=receipt.host_load.contended, device_class=hardware_kind,
+        threads=_threads(receipt.observed.hardware),
+        execution=json.dumps(execution_record(receipt), sort_keys=True, default=str),
+        gate_details=tuple(details))
 
 
 def _fmt(value: Any) -> str:
@@ -159,6 +252,9 @@ def _check_pair(base: Receipt, cand: Receipt, check_order: bool = True) -> Optio
     if base.requested.data_fingerprint != cand.requested.data_fingerprint:
         return (f"different data: data_fingerprint {base.requested.data_fingerprint!r} vs "
                 f"{cand.requested.data_fingerprint!r}")
+    base_kind, cand_kind = base.observed.hardware.get("kind"), cand.observed.hardware.get("kind")
+    if base_kind and cand_kind and base_kind != cand_kind:
+        return f"arms ran on different device types: {base_kind} vs {cand_kind}"
     if bi.arm.value == "aa":
         diff = _lane_diff(base.requested.lane, cand.requested.lane)
         if diff:
@@ -254,6 +350,14 @@ def _make_block(block_id: str, receipts: list[Receipt], policy: Policy) -> Block
             return _refuse(f"{view.role} arm #{view.arm_index} was aborted: neither evidence nor a failure",
                            receipts, block_id)
     aa = base_view.role == "aa"
+    if not aa and not base_view.failed and not cand_view.failed and base_view.execution == cand_view.execution:
+        # Observed inertness: the candidate ran exactly the code its own baseline ran, whatever the list predicted.
+        cand_view = dataclasses.replace(
+            cand_view, gated_codes=tuple(sorted({*cand_view.gated_codes, "INERT_TOGGLE"})),
+            codes=tuple(sorted({*cand_view.codes, "INERT_TOGGLE"})),
+            gate_details=(*cand_view.gate_details, "INERT_TOGGLE: observed: the candidate resolved the same "
+                                                   "backends, compile posture, warmup, engine and model as its "
+                                                   "baseline"))
     if base_view.gated_codes or (aa and cand_view.gated_codes):
         codes = ", ".join(sorted(set(base_view.gated_codes) | (set(cand_view.gated_codes) if aa else set())))
         what = "an A/A arm" if aa else "the baseline arm"
@@ -268,7 +372,10 @@ def _make_block(block_id: str, receipts: list[Receipt], policy: Policy) -> Block
         kind=ident.kind, host=ident.host, seed=base.requested.lane.get("seed"), baseline=base_view,
         candidate=cand_view, created_at=min(base_view.created_at, cand_view.created_at),
         lane=base.requested.lane, family_share=dict(base.family_share),
-        layer_counts=dict(base.requested.layer_counts), earlier_failures=earlier_failed)
+        layer_counts=dict(base.requested.layer_counts), earlier_failures=earlier_failed,
+        horizon_steps=int(base.requested.lane.get("budget.horizon_steps") or 0),
+        tokens_per_step=base.requested.tokens_per_step,
+        device_class=base_view.device_class if base_view.device_class else cand_view.device_class)
 
 
 def _canonical_lane(block: Block, policy: Policy) -> str:

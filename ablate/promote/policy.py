@@ -21,12 +21,21 @@ PROFILES = ("multi_host", "single_node")
 
 @dataclass(frozen=True)
 class ThresholdPolicy:
-    min_speedup: float
-    """Floor of the win threshold delta = max(min_speedup, A/A noise floor), as a fraction (0.01 = 1%)."""
+    """What a win must clear. Departs from promotion-rule.md §5.3-5.5 (delta = max(1%, 95% quantile of single A/A
+    block |log ratio|)): that compared the spread of *one* block with the interval of an estimate over *many*, so
+    more blocks never helped, and it let feature-independent noise set the bar. The interval already carries the
+    spread; the A/A blocks bound the *systematic* bias that pairing cannot cancel, and that bias is added to the
+    smallest effect worth a default: 1 + delta = (1 + min_effect) x exp(bias bound)."""
+
+    min_effect: float
+    """The smallest speed-up at the lane's horizon worth changing a default for (0.01 = 1%)."""
+    bias_confidence: float
+    """The A/A bias bound is max(|lo|, |hi|) of this two-sided bootstrap interval of the A/A Hodges-Lehmann."""
     noise_quantile: float
-    """The lane's A/A noise floor is this quantile of |log ratio| over its A/A blocks."""
+    """The lane's A/A spread (reported, and the suspicious-win trigger) = this quantile of single A/A |log ratio|."""
     min_aa_blocks: int
-    """A lane with fewer A/A blocks is uncalibrated: nothing in it promotes."""
+    """A lane with fewer A/A blocks is uncalibrated: nothing in it promotes, and nothing is rejected for lack of a
+    win (a threshold estimated from a handful of A/A blocks must never reject)."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +60,10 @@ class ConsistencyPolicy:
 class OrderPolicy:
     require_both_orders: bool
     max_effect_in_thresholds: float
-    """The candidate-first vs baseline-first median difference must stay below this many deltas."""
+    """The candidate-first vs baseline-first median difference must stay below this many deltas ..."""
+    alpha: float
+    """... or, when it does not, not be significant (two-sided Mann-Whitney U between the two order groups at this
+    level): a difference of medians of a few blocks each is mostly noise, and only a real one means drift leaked."""
 
 
 @dataclass(frozen=True)
@@ -75,16 +87,23 @@ class FailurePolicy:
 @dataclass(frozen=True)
 class GatePolicy:
     severities: tuple[str, ...]
+    """Disqualifier severities that gate, exactly, on every candidate arm, failed or not (ARM_FAILED itself is the
+    failure, counted in the failure rates as a loss; every other code it carries still gates)."""
     exact_counters: tuple[str, ...]
     """``observed.compile`` counters the candidate may not exceed relative to its own baseline arm."""
-    failure_codes: tuple[str, ...]
-    """Codes a *failed* arm carries because it failed: they feed the failure rates instead of gating."""
 
 
 @dataclass(frozen=True)
 class SuspiciousPolicy:
+    """"Too good to be true" (promotion-rule.md §5.5 item 7), judged by physics where the receipts allow it: a
+    feature that touches one block family cannot speed a step up beyond Amdahl's bound from that family's
+    measured time share. Departs from the note's "1 + 5 x noise floor" trigger, which on a quiet lane flags
+    nearly every real win (a 0.5% A/A spread made every win above 2.5% suspicious)."""
+
     max_speedup: float
-    threshold_multiple: float
+    """A feature that touches the whole step (no family, or no measured share) above this needs confirming."""
+    amdahl_slack: float
+    """A family feature whose steady speed-up exceeds 1/(1 - share) by more than this fraction is suspicious."""
     confirming_rounds: int
 
 
@@ -104,6 +123,8 @@ class MatchingPolicy:
 @dataclass(frozen=True)
 class ScopePolicy:
     global_requires_all_lanes: bool
+    global_device_classes: tuple[str, ...]
+    """A global flip needs a promoting lane of every one of these device classes (observed: cpu, cuda)."""
 
 
 @dataclass(frozen=True)
@@ -199,6 +220,7 @@ def _check(policy: Policy) -> None:
         raise ValueError("policy evidence.min_hosts: a multi_host profile needs >= 2 hosts; use single_node")
     fractions = {"family_alpha": policy.family_alpha, "quality.alpha": policy.quality.alpha,
                  "threshold.noise_quantile": policy.threshold.noise_quantile,
+                 "threshold.bias_confidence": policy.threshold.bias_confidence, "order.alpha": policy.order.alpha,
                  "quality.spread_quantile": policy.quality.spread_quantile,
                  "consistency.min_win_fraction": policy.consistency.min_win_fraction,
                  "taxes.confidence": policy.taxes.confidence}
@@ -209,6 +231,12 @@ def _check(policy: Policy) -> None:
         raise ValueError("policy bootstrap.resamples: at least 100 resamples")
     if policy.evidence.min_blocks < 1 or policy.evidence.min_rounds < 1:
         raise ValueError("policy evidence: min_blocks and min_rounds must be >= 1")
+    if not 0.0 <= policy.threshold.min_effect < 1.0:
+        raise ValueError(f"policy threshold.min_effect: got {policy.threshold.min_effect!r}; allowed: a fraction in "
+                         f"[0, 1) (0.01 = a 1% speed-up)")
+    if policy.threshold.min_aa_blocks < 2:
+        raise ValueError(f"policy threshold.min_aa_blocks: got {policy.threshold.min_aa_blocks!r}; allowed: an "
+                         f"integer >= 2 (one A/A block bounds nothing)")
     if policy.failures.failed_log_ratio >= 0:
         raise ValueError("policy failures.failed_log_ratio: must be negative (a failed candidate is a loss)")
 

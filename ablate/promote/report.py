@@ -22,6 +22,10 @@ MAX_MARKDOWN_CHARS = 60_000
 MAX_LINKS_PER_TEST = 12
 
 
+STARTUP_DOMINATES = 0.5
+"""When executor start-up is more than this share of an arm's wall time, the report says so and what to change."""
+
+
 @dataclass
 class LaneSummary:
     lane_key: str
@@ -30,6 +34,20 @@ class LaneSummary:
     hosts: list[str]
     calibration: Calibration
     lane: dict[str, Any]
+    device_class: str = "unknown"
+    threads: list[int] = field(default_factory=list)
+    world_size: int = 1
+    horizon_steps: int = 0
+    startup_share: Optional[float] = None
+    """Median share of executor start-up in an arm's wall time (recorded, excluded from the comparison)."""
+    startup_s: Optional[float] = None
+    wall_s: Optional[float] = None
+
+    def label(self) -> str:
+        """Device, precision, threads and world size: what a reader recognises a lane by, besides its hash."""
+        threads = "/".join(str(t) for t in self.threads) or "?"
+        return (f"{self.device_class} · {self.lane.get('precision', '?')} · {threads} thread(s) · world "
+                f"{self.world_size} · {self.lane.get('model.pattern', '?')}")
 
 
 @dataclass
@@ -50,6 +68,30 @@ class PromotionResult:
     rejected: list[tuple[str, str]]
     defaults_path: str
     run_links: dict[str, str] = field(default_factory=dict)
+    plots: dict[str, str] = field(default_factory=dict)
+    """Lane key -> the speed-up-vs-horizon PNG, as the report refers to it (relative to the report file)."""
+    plot_locations: dict[str, str] = field(default_factory=dict)
+    """Lane key -> where the same PNG was logged in MLflow (the sweep's parent run)."""
+    not_run: list[dict[str, str]] = field(default_factory=list)
+    """What the sweeps' plans refused before any arm ran (inert toggles, values already default), with why."""
+
+    def write_plots(self, directory: Path, relative_to: Optional[Path] = None) -> dict[str, Path]:
+        """One speed-up-against-horizon plot per lane with a measured speed test; records their paths."""
+        from ablate.tracking.plots import horizon_png
+
+        written: dict[str, Path] = {}
+        for lane in self.lanes:
+            verdicts = [v for v in self.verdicts if v.lane_key == lane.lane_key and v.curve]
+            if not verdicts:
+                continue
+            curves = [(f"{v.feature}={v.value} ({v.verdict})", v.curve) for v in verdicts]
+            path = horizon_png(curves, lane.horizon_steps or verdicts[0].horizon_steps,
+                               lane.calibration.delta(self.policy), directory / f"lane-{lane.lane_key[:12]}.png",
+                               f"lane {lane.lane_key[:12]}: {lane.label()}")
+            if path is not None:
+                written[lane.lane_key] = path
+                self.plots[lane.lane_key] = str(path.relative_to(relative_to) if relative_to else path)
+        return written
 
     @property
     def campaign(self) -> str:
@@ -78,13 +120,17 @@ class PromotionResult:
             "changes": [asdict(c) for c in self.changes],
             "verdicts": [v.to_dict() for v in self.speed_verdicts],
             "taxes": [v.to_dict() for v in self.tax_verdicts],
-            "lanes": [{**asdict(lane), "calibration": {**asdict(lane.calibration),
-                                                       "noise_floor": lane.calibration.noise_floor}}
-                      for lane in self.lanes],
+            "lanes": [{**asdict(lane), "label": lane.label(), "calibration": {
+                **asdict(lane.calibration), "noise_floor": lane.calibration.noise_floor,
+                "bias_bound": lane.calibration.bias_bound, "contains_one": lane.calibration.contains_one,
+                "aa_interval": ([math.exp(x) for x in lane.calibration.aa_interval_log]
+                                if lane.calibration.aa_interval_log else None),
+                "delta": lane.calibration.delta(self.policy)}} for lane in self.lanes],
             "revalidations": [asdict(r) for r in self.revalidations],
             "refusals": [asdict(r) for r in self.refusals],
             "rejected_receipts": [{"origin": o, "reason": r} for o, r in self.rejected],
-            "run_links": self.run_links,
+            "run_links": self.run_links, "plots": self.plots, "plot_locations": self.plot_locations,
+            "not_run": self.not_run,
         }
 
     def to_json(self, indent: Optional[int] = 2) -> str:
@@ -196,24 +242,79 @@ def _defaults_diff(result: PromotionResult) -> list[str]:
     return lines
 
 
+def _lane_label(result: PromotionResult, lane_key: str) -> str:
+    lane = next((lane for lane in result.lanes if lane.lane_key == lane_key), None)
+    return f"{lane.label()} `{_short(lane_key, 8)}`" if lane else f"`{_short(lane_key)}`"
+
+
 def _summary(result: PromotionResult) -> list[str]:
     rows = []
     for v in result.speed_verdicts:
         unit = "" if v.bootstrap_unit == "host" else " (block bootstrap)"
-        rows.append([f"`{v.feature}`→`{v.value}`", f"**{v.verdict}**", f"`{_short(v.lane_key)}`",
+        rows.append([f"`{v.feature}`→`{v.value}`", f"**{v.verdict}**", _lane_label(result, v.lane_key),
                      f"{_x(v.speedup)} {_interval(v.ci95)}{unit}", _x(v.lower_adj),
                      f"{v.delta * 100:.2f}%", f"{v.n_blocks}/{v.n_hosts}/{v.n_seeds}/{v.n_rounds}",
                      "–" if v.win_fraction is None else f"{v.win_fraction:.0%}", _loss(v),
                      _disq(v.disqualifiers), _amdahl(v), v.reason if v.verdict != PROMOTE else "–"])
-    header = ["feature", "verdict", "scope (lane)", "speedup [95% CI]", "Holm lower", "δ",
-              "blocks/hosts/seeds/rounds", "win", "loss Δ", "disq cand/base", "Amdahl bound", "first failing clause"]
+    header = ["feature", "verdict", "lane", "speed-up at horizon [95% CI]", "Holm lower", "δ",
+              "blocks/hosts/seeds/rounds", "win", "LM loss Δ", "disq cand/base", "Amdahl bound",
+              "first failing clause"]
     return ["", "### Verdicts", ""] + (_table(header, rows) if rows else ["No speed feature was measured."])
+
+
+def _seconds(x: Optional[float]) -> str:
+    return "–" if x is None else f"{x:+.2f} s"
+
+
+def _tradeoff(result: PromotionResult) -> list[str]:
+    """Per feature: what it costs once, what it saves per step, when it pays for itself, the verdict at H."""
+    rows = []
+    for v in result.verdicts:
+        if v.steady_speedup is None and v.one_time_delta_s is None:
+            continue
+        one = _seconds(v.one_time_delta_s)
+        if v.one_time_ci95 is not None:
+            one += f" [{v.one_time_ci95[0]:+.2f}, {v.one_time_ci95[1]:+.2f}]"
+        rows.append([f"`{v.feature}`→`{v.value}`", f"{_x(v.steady_speedup)} {_interval(v.steady_ci95)}", one,
+                     v.break_even.get("text", "–"), f"{v.horizon_steps:,}",
+                     f"{_x(v.speedup)} {_interval(v.ci95)}", f"**{v.verdict}**"])
+    if not rows:
+        return []
+    header = ["feature", "steady speed-up [95% CI]", "one-time cost Δ [95% CI]", "pays for itself",
+              "lane horizon (steps)", "speed-up at horizon", "verdict"]
+    lines = ["", "### Trade-off: one-time cost against per-step speed", "",
+             "Each arm's time splits into executor start-up (recorded, never compared: no feature can change it), "
+             "one-time feature cost (model build, kernel resolution, compile warmup) and a recurring step time. "
+             "The verdict compares the projected time of the lane's production run: one-time cost + horizon × "
+             "step time.", ""]
+    lines += _table(header, rows)
+    plotted = [(lane, result.plots[lane.lane_key]) for lane in result.lanes if lane.lane_key in result.plots]
+    for lane, path in plotted:
+        where = result.plot_locations.get(lane.lane_key)
+        lines += ["", f"![speed-up against horizon, lane {lane.lane_key[:12]}]({path})"
+                      + (f" (also on MLflow: {where})" if where else "")]
+    return lines
+
+
+def _startup_notes(result: PromotionResult) -> list[str]:
+    notes = []
+    for lane in result.lanes:
+        if lane.startup_share is None or lane.startup_share < STARTUP_DOMINATES:
+            continue
+        notes.append(f"- Lane `{_short(lane.lane_key, 8)}` ({lane.label()}): executor start-up is "
+                     f"{lane.startup_share:.0%} of each arm's wall time (median {lane.startup_s or 0:.2f} s of "
+                     f"{lane.wall_s or 0:.2f} s). It is excluded from the verdict, but it is most of what every arm "
+                     f"costs: raise `lane.budget.steps` so the recurring step time is estimated from more steady "
+                     f"steps per arm, and run more blocks per round rather than more rounds.")
+    return (["", "### Where the arms' time went", ""] + notes) if notes else []
 
 
 def _amdahl(v: FeatureVerdict) -> str:
     a = v.amdahl
     if a.get("bound") is None:
-        return "–" if a.get("family") is None else f"{a['family']}: no share"
+        if a.get("family") is None:
+            return "–"
+        return f"{a['family']}: share under-measured" if a.get("share") is not None else f"{a['family']}: no share"
     return f"≤ {_x(a['bound'], 2)} ({a['family']} {a['share']:.0%})"
 
 
@@ -241,6 +342,14 @@ def _revalidations(result: PromotionResult) -> list[str]:
             _table(["default", "lane", "recorded fingerprint", "current fingerprint", "report"], rows))
 
 
+def _not_run(result: PromotionResult) -> list[str]:
+    if not result.not_run:
+        return []
+    rows = [[f"`{_cell(n['what'])}`", _cell(n["why"]), _cell(n.get("rounds", ""))] for n in result.not_run[:30]]
+    return (["", "### Refused before any arm ran", ""] + _table(["toggle", "why", "rounds"], rows) +
+            ([f"… and {len(result.not_run) - 30} more in the JSON report."] if len(result.not_run) > 30 else []))
+
+
 def _refusals(result: PromotionResult) -> list[str]:
     if not result.refusals and not result.rejected:
         return []
@@ -259,13 +368,20 @@ def _lane_detail(result: PromotionResult, lane: LaneSummary) -> list[str]:
     cal = lane.calibration
     shown = {k: lane.lane[k] for k in ("model.pattern", "batch.micro_batch", "batch.seq_len", "precision",
                                        "compile.posture", "engine.name", "engine.workers") if k in lane.lane}
-    floor = _x(None if cal.noise_floor is None else 1 + cal.noise_floor, 4)
-    lines = ["", f"<details><summary>Lane <code>{lane.lane_key}</code></summary>", "",
+    spread = _x(None if cal.noise_floor is None else 1 + cal.noise_floor, 4)
+    bias = _x(None if cal.bias_bound is None else 1 + cal.bias_bound, 4)
+    interval = ("–" if cal.aa_interval_log is None else
+                f"[{math.exp(cal.aa_interval_log[0]):.4f}, {math.exp(cal.aa_interval_log[1]):.4f}]")
+    calibrated = {True: "contains 1 (no systematic bias detected)", False: "excludes 1: systematic bias, added "
+                  "to delta", None: "not enough A/A blocks"}[cal.contains_one]
+    lines = ["", f"<details><summary>Lane <code>{lane.lane_key}</code>: {lane.label()}</summary>", "",
              f"- software fingerprint `{lane.software_fingerprint}`" +
              (f" (earlier: {', '.join(f'`{f}`' for f in lane.fingerprints[:-1])}; their evidence no longer counts)"
               if len(lane.fingerprints) > 1 else ""),
-             f"- lane: {', '.join(f'{k}={v}' for k, v in shown.items())}; hosts: {', '.join(lane.hosts)}",
-             f"- A/A: {cal.num_blocks} block(s), noise floor {floor}"
+             f"- lane: {', '.join(f'{k}={v}' for k, v in shown.items())}; horizon {lane.horizon_steps:,} steps; "
+             f"hosts: {', '.join(lane.hosts)}",
+             f"- A/A: {cal.num_blocks} block(s); bias HL interval {interval} {calibrated}; bias bound {bias}; "
+             f"delta {cal.delta(result.policy):.2%}; single-block spread {spread}"
              f", loss spread {'–' if cal.loss_spread is None else f'{cal.loss_spread:.4g}'}"
              f" (measured {(cal.first_at or '–')[:10]} to {(cal.last_at or '–')[:10]})"]
     for v in [v for v in result.verdicts if v.lane_key == lane.lane_key]:
@@ -284,6 +400,14 @@ def _lane_detail(result: PromotionResult, lane: LaneSummary) -> list[str]:
                      f"disqualifiers: {v.disqualifiers}")
         if v.suspicious:
             lines.append("- **suspicious win**: needs a confirming round and a look at the kernel traces")
+        if v.amdahl.get("note"):
+            lines.append(f"- Amdahl: {v.amdahl['note']}")
+        for what, items in (("gated candidate arms", v.gated_arms),
+                            ("blocks whose arms' start-up differ beyond the lane's usual spread", v.startup_flags),
+                            ("blocks measured under foreign CPU load (HOST_CONTENDED)", v.contended_blocks)):
+            if items:
+                lines.append(f"- {what}: " + "; ".join(_cell(i) for i in items[:6])
+                             + (f"; and {len(items) - 6} more" if len(items) > 6 else ""))
         if v.superseded.get("blocks"):
             lines.append(f"- {v.superseded['blocks']} block(s) from rounds {v.superseded['rounds']} ignored: "
                          f"software fingerprint {v.superseded['fingerprints']} changed, count restarted")
@@ -305,8 +429,8 @@ def _lane_detail(result: PromotionResult, lane: LaneSummary) -> list[str]:
 
 
 def render_markdown(result: PromotionResult) -> str:
-    head = (_header(result) + _defaults_diff(result) + _summary(result) + _taxes(result) + _revalidations(result)
-            + _refusals(result))
+    head = (_header(result) + _defaults_diff(result) + _summary(result) + _tradeoff(result) + _taxes(result)
+            + _startup_notes(result) + _not_run(result) + _revalidations(result) + _refusals(result))
     footer = ["", f"<sub>Decided under policy `{result.policy.ref}`; full numbers in `{result.report_id}.json`. "
                   "Verdicts: PROMOTE (every clause holds), HOLD (inconclusive: the incumbent stays), REJECT.</sub>"]
     used = sum(len(line) + 1 for line in head + footer) + 400

@@ -5,6 +5,12 @@ How to use: ``verdicts = decide_all(measured, policy, defaults)`` where ``measur
 break, a flaky candidate, worse quality, a clearly absent win); then every PROMOTE clause must pass, and the
 first that fails becomes the HOLD reason. Ties keep the incumbent: an interval that straddles 1 + delta is a
 HOLD. Taxes never enter the family and always end as TAX-REPORTED.
+
+Thresholds (departing from promotion-rule.md §5.5-5.6, see ``ThresholdPolicy``): PROMOTE needs the
+Holm-adjusted lower bound above 1 + delta = (1 + min_effect) x exp(A/A bias bound). REJECT for "no meaningful
+win" needs a calibrated lane (``min_aa_blocks``), at least ``min_blocks`` blocks, and the interval's upper bound,
+widened by the bias bound, below 1 + min_effect: a threshold estimated from a handful of A/A blocks never
+rejects, and a true win is never rejected because start-up jitter or bias hid it. In doubt: HOLD.
 """
 
 from __future__ import annotations
@@ -46,8 +52,10 @@ def _reject_clauses(v: FeatureVerdict, policy: Policy) -> list[Callable[[], Clau
 
     def disqualified() -> Clause:
         shown = ", ".join(f"{c} x{n}" for c, n in sorted(gated.items()))
+        named = "; ".join(v.gated_arms[:2]) + (f"; and {len(v.gated_arms) - 2} more" if len(v.gated_arms) > 2 else "")
         return Clause("no_disqualifier", not gated,
-                      f"candidate arms disqualified: {shown}" if gated else "no gated disqualifier on any candidate")
+                      f"candidate arms disqualified: {shown} ({named})" if gated else
+                      "no gated disqualifier on any candidate arm")
 
     def counters() -> Clause:
         found = v.counter_violations
@@ -69,9 +77,20 @@ def _reject_clauses(v: FeatureVerdict, policy: Policy) -> list[Callable[[], Clau
 
     def meaningful() -> Clause:
         enough = v.n_blocks >= policy.evidence.min_blocks
-        absent = enough and v.ci95 is not None and v.ci95[1] < threshold
-        detail = (f"no meaningful win: upper bound {v.ci95[1]:.4f} < 1 + delta = {threshold:.4f}" if absent and
-                  v.ci95 else "upper bound reaches 1 + delta (or too few blocks to rule the win out)")
+        calibrated = v.aa_blocks >= policy.threshold.min_aa_blocks
+        floor = 1.0 + policy.threshold.min_effect
+        # The upper bound is widened by the lane's bias bound: a bias against the candidate slot must not turn a
+        # real win into a rejection.
+        upper = v.ci95[1] * (1.0 + (v.bias_bound or 0.0)) if v.ci95 is not None else None
+        absent = enough and calibrated and upper is not None and upper < floor
+        if absent and upper is not None:
+            detail = (f"no meaningful win at {v.horizon_steps:,} steps: upper bound {upper:.4f} (with the A/A bias "
+                      f"bound) < 1 + min_effect = {floor:.4f}")
+        elif not calibrated:
+            detail = (f"not ruled out: {v.aa_blocks} A/A block(s) < {policy.threshold.min_aa_blocks}, too few to "
+                      f"reject on")
+        else:
+            detail = "upper bound reaches 1 + min_effect (or too few blocks to rule the win out)"
         return Clause("win_possible", not absent, detail)
 
     return [inert, disqualified, counters, flaky, quality, meaningful]
@@ -100,7 +119,11 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
     assert work is not None
 
     def current_baseline() -> Clause:
-        default = defaults.get(v.feature)
+        # The lane's own default: a lane override (keyed by lane shape) beats the global value, or a lane that
+        # already runs its promoted override would be told it measured against the wrong baseline. A plain
+        # mapping (older callers) holds global values only.
+        lane_defaults = defaults.for_shape(v.lane_shape) if hasattr(defaults, "for_shape") else defaults
+        default = lane_defaults.get(v.feature)
         ok = default is None or str(default) == str(v.baseline_value)
         return Clause("baseline_is_default", ok,
                       f"measured against {v.baseline_value!r}, the default is {default!r}" if not ok else
@@ -108,9 +131,11 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
 
     def calibrated() -> Clause:
         ok = v.aa_blocks >= policy.threshold.min_aa_blocks
-        floor = _pct(None if v.noise_floor is None else 1 + v.noise_floor)
+        bias = _pct(None if v.bias_bound is None else 1 + v.bias_bound)
+        where = ("contains 1" if v.aa_interval[0] <= 1.0 <= v.aa_interval[1] else "excludes 1: systematic bias"
+                 ) if v.aa_interval else "none"
         return Clause("calibrated", ok, f"{v.aa_blocks} A/A blocks in this lane (need "
-                                        f"{policy.threshold.min_aa_blocks}); noise floor {floor}")
+                                        f"{policy.threshold.min_aa_blocks}); bias bound {bias}, A/A interval {where}")
 
     def failure_rate() -> Clause:
         c, b = v.failures["candidate"], v.failures["baseline"]
@@ -138,11 +163,12 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
     def lower_bound() -> Clause:
         ok = v.p_holm is not None and v.p_holm <= policy.family_alpha
         lower = v.lower_adj if v.lower_adj is not None else math.nan
+        at = f" at {v.horizon_steps:,} steps"
         if ok:
-            detail = f"Holm-adjusted lower bound {lower:.4f} > 1 + delta = {1 + v.delta:.4f}"
+            detail = f"Holm-adjusted lower bound{at} {lower:.4f} > 1 + delta = {1 + v.delta:.4f}"
         else:
-            detail = (f"tie, the incumbent stays: Holm-adjusted lower bound {lower:.4f} is not above 1 + delta = "
-                      f"{1 + v.delta:.4f} (p_holm={v.p_holm if v.p_holm is None else round(v.p_holm, 4)})")
+            detail = (f"tie, the incumbent stays: Holm-adjusted lower bound{at} {lower:.4f} is not above 1 + delta "
+                      f"= {1 + v.delta:.4f} (p_holm={v.p_holm if v.p_holm is None else round(v.p_holm, 4)})")
         return Clause("lower_bound", ok, detail)
 
     def win_fraction() -> Clause:
@@ -182,9 +208,15 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
         effect = float(np.median(second) - np.median(first))
         v.order["effect"] = math.expm1(effect)
         limit = policy.order.max_effect_in_thresholds * log_threshold
-        return Clause("no_order_effect", abs(effect) < limit,
-                      f"baseline-first minus candidate-first median {_pct(math.exp(effect))} (limit "
-                      f"{_pct(math.exp(limit))})")
+        detail = f"baseline-first minus candidate-first median {_pct(math.exp(effect))} (limit {_pct(math.exp(limit))}"
+        if abs(effect) < limit:
+            return Clause("no_order_effect", True, detail + ")")
+        from scipy.stats import mannwhitneyu  # only when the medians differ beyond the limit
+
+        p = float(mannwhitneyu(second, first, alternative="two-sided").pvalue)
+        v.order["p"] = p
+        return Clause("no_order_effect", p >= policy.order.alpha,
+                      detail + f"; Mann-Whitney p={p:.3g}, significant below {policy.order.alpha:g})")
 
     def quality() -> Clause:
         if v.loss_bounds is None:
@@ -196,16 +228,30 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
 
     def not_suspicious() -> Clause:
         s = v.speedup or 1.0
-        limit = min(policy.suspicious.max_speedup, 1.0 + policy.suspicious.threshold_multiple * v.delta)
-        v.suspicious = s > limit
+        amdahl = v.amdahl
+        share = amdahl.get("share")
+        if amdahl.get("family") is not None and share is not None and share < 1.0:
+            bound = 1.0 / (1.0 - share)
+            steady = v.steady_speedup or s
+            limit = bound * (1.0 + policy.suspicious.amdahl_slack)
+            v.suspicious = steady > limit
+            why = (f"steady speed-up {steady:.3f}x exceeds Amdahl's {bound:.3f}x for a {amdahl['family']} share of "
+                   f"{share:.0%} (+{policy.suspicious.amdahl_slack:.0%}): the share is under-measured or work is "
+                   f"being skipped")
+            fine = f"steady {steady:.3f}x is within Amdahl's {bound:.3f}x ({amdahl['family']} share {share:.0%})"
+        else:
+            limit = policy.suspicious.max_speedup
+            v.suspicious = s > limit
+            why = f"a whole-step win of {s:.3f}x > {limit:.3f}x"
+            fine = f"{s:.3f}x is within {limit:.3f}x"
         if not v.suspicious:
-            return Clause("not_suspicious", True, f"{s:.3f}x is within {limit:.3f}x")
+            return Clause("not_suspicious", True, fine)
         counted = [r for r in v.rounds if r.counted]
         needed = policy.evidence.min_rounds + policy.suspicious.confirming_rounds
         latest = counted[-1] if counted else None
         confirmed = (len(counted) >= needed and latest is not None and latest.speedup is not None
                      and latest.speedup > 1.0 + v.delta)
-        detail = (f"suspicious win {s:.3f}x > {limit:.3f}x: " +
+        detail = (f"suspicious: {why}; " +
                   (f"confirmed by round {latest.round_id}" if confirmed and latest else
                    f"needs a confirming round ({len(counted)} of {needed} rounds) and a look at kernel traces"))
         return Clause("not_suspicious", confirmed, detail)

@@ -5,28 +5,41 @@ or cannot count as evidence. Field sources and the disqualifier codes follow sha
 missing values are ``None`` (JSON null), never 0. JSON on disk, one file per arm: ``Receipt.model_dump_json()``.
 
 ``validate_receipt(obj)`` is the single gate promotion uses: it refuses unknown schema majors, incomplete
-records, and time accounting that does not add up.
+records, and every derived figure (time parts, throughput, the horizon projection that promotion compares)
+that does not follow from the receipt's raw per-step fields (``ablate.receipts.derive`` holds the one
+definition both the trainer and the validator use), so an edited number never validates.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import enum
 import math
 from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-SCHEMA_VERSION = "1.1.0"
-"""1.1 (additive, all optional): CompileRecord.recompile_reasons, Observed.engine, TimeAccounting.detail,
-Receipt.family_share_method; StepStats.loss_series entries may be null (non-finite)."""
-SUPPORTED_MAJORS = frozenset({1})
+from ablate.receipts import derive
+from ablate.receipts.derive import Projection
+
+SCHEMA_VERSION = "2.0.0"
+"""2.0: the arm's time splits into executor start-up (``startup``), feature-dependent ``setup`` and per-step
+records (phase, label, compile events, step/data/cadence seconds, tokens), from which ``projection`` (the
+promotion metric at the lane's horizon) and every other derived figure is recomputed on validation; ``other``
+is replaced by measured ``sampling``/``restart``/``teardown`` and a checked ``unattributed``; ``host`` records
+niceness, affinity and load; identity carries code and hardware fingerprints and the campaign/defaults hashes.
+1.x receipts measured wall tokens/s over the whole arm, mostly process start-up: they are not evidence."""
+SUPPORTED_MAJORS = frozenset({2})
 TIME_TOLERANCE = 0.01
 """Goodput plus badput must equal wall time within 1% (plus a 50 ms floor for very short arms)."""
 TIME_TOLERANCE_FLOOR_S = 0.05
+UNATTRIBUTED_LIMIT = 0.02
+"""An arm that finished may leave at most 2% of its wall time (or the floor) unexplained by measured parts."""
 
-BADPUT_CATEGORIES = ("queue_wait", "startup", "compile_warmup", "recompile", "data_wait", "checkpoint", "eval",
-                     "idle")
-"""Named badput; ``other`` is the non-negative remainder and is stored alongside."""
+BADPUT_CATEGORIES = ("queue_wait", "startup", "setup", "compile_warmup", "recompile", "data_wait", "checkpoint",
+                     "eval", "idle", "sampling", "paired_wait", "restart", "teardown", "unattributed")
+"""Named badput. Every category is measured on its own except ``unattributed`` (wall minus everything else),
+which is the check: small, and never below minus the tolerance."""
 
 FAMILIES = ("A", "E", "M", "R")
 
@@ -62,6 +75,10 @@ class Code(str, enum.Enum):
     INSUFFICIENT_STEADY_STEPS = "INSUFFICIENT_STEADY_STEPS"
     TIME_ACCOUNTING_VIOLATION = "TIME_ACCOUNTING_VIOLATION"
     ARM_FAILED = "ARM_FAILED"
+    LOW_PRIORITY = "LOW_PRIORITY"
+    """The arm ran at a lowered CPU priority (inherited niceness it could not reset): not measured fairly."""
+    HOST_CONTENDED = "HOST_CONTENDED"
+    """Foreign processes wanted more CPU than the node had left while the arm ran (warn: flagged in reports)."""
 
 
 class _Model(BaseModel):
@@ -96,6 +113,13 @@ class Identity(_Model):
     config_hash: str
     """Hash of exactly what this arm ran (the lane with the feature value applied)."""
     software_fingerprint: str
+    """Package versions, the project's own arm code and the hardware together: evidence pools only within one."""
+    code_fingerprint: Optional[str] = None
+    """Content hash of the project's code an arm runs (kernels/, trainers/), dirty or not."""
+    hardware_fingerprint: Optional[str] = None
+    """Device model and count, driver, CUDA/NCCL/cuDNN versions, CPU model."""
+    campaign_sha256: Optional[str] = None
+    defaults_sha256: Optional[str] = None
     attempt: int = 0
     status: Status
     host: str
@@ -103,6 +127,8 @@ class Identity(_Model):
     pid: Optional[int] = None
     executor: str
     """subprocess (one-worker arm in a fresh process) or ray_train (TorchTrainer worker group)."""
+    pairing: str = "sequential"
+    """interleaved (both arms of the block side by side, taking turns step by step) or sequential (back to back)."""
     git_sha: Optional[str] = None
     git_dirty: Optional[bool] = None
     created_at: str
@@ -155,7 +181,9 @@ class Observed(_Model):
     tokens_per_step: Optional[int] = None
     """Tokens per optimizer step as observed (differs from requested only on geometry drift)."""
     engine: dict[str, Any] = Field(default_factory=dict)
-    """Effective engine settings as resolved (e.g. DeepSpeed's ZeRO stage, the process-group backend)."""
+    """Effective engine settings read back from the running engine (DDP's bucket cap, DeepSpeed's config)."""
+    model: dict[str, Any] = Field(default_factory=dict)
+    """Structural facts of the built model that a toggle can change (e.g. the STP head)."""
 
 
 class TimeAccounting(_Model):
@@ -164,8 +192,8 @@ class TimeAccounting(_Model):
     badput_s: dict[str, float]
     """Every category of BADPUT_CATEGORIES plus ``other`` (the non-negative remainder)."""
     goodput_fraction: float
-    detail: dict[str, float] = Field(default_factory=dict)
-    """Informational split of ``badput_s.other`` (family_sampling, restart, teardown, unattributed); not summed."""
+    clock: str = "driver"
+    """Where ``wall_s`` starts: driver (the sweep driver's scheduling stamp) or caller (``run_arm``'s caller)."""
 
 
 class StepStats(_Model):
@@ -185,13 +213,59 @@ class StepStats(_Model):
     """Every measured step's wall time, in order (for per-step charts)."""
     loss_series: list[Optional[float]] = Field(default_factory=list)
     """Loss per budget step; null where it was not finite."""
+    phases: list[str] = Field(default_factory=list)
+    """Per executed step (warmup included), in order: warmup or budget. The lists below are parallel to it."""
+    compile_events: list[int] = Field(default_factory=list)
+    sampled: list[bool] = Field(default_factory=list)
+    labels: list[str] = Field(default_factory=list)
+    step_s: list[float] = Field(default_factory=list)
+    data_s: list[float] = Field(default_factory=list)
+    cadence_s: list[float] = Field(default_factory=list)
+    """End of the previous step (or the loop start) to the end of this one, on the step clock."""
+    phase_s: list[float] = Field(default_factory=list)
+    wait_s: list[float] = Field(default_factory=list)
+    """Interleaved blocks: time waited for each step's turn (empty or zeros when the arm ran alone)."""
+    tokens: list[int] = Field(default_factory=list)
+    data_is_badput: bool = True
+    """CPU: host data time is on the critical path; CUDA: it overlaps device work (then only idle counts)."""
+
+    def views(self) -> list[derive.Step]:
+        waits = self.wait_s or [0.0] * len(self.phases)
+        return [derive.Step(phase=p, label=lb, step_s=s, data_s=d, cadence_s=c, tokens=t, phase_s=ph, wait_s=w)
+                for p, lb, s, d, c, t, ph, w in zip(self.phases, self.labels, self.step_s, self.data_s,
+                                                    self.cadence_s, self.tokens, self.phase_s, waits)]
+
+
+class HostLoad(_Model):
+    """How fairly the arm was measured: its priority, CPUs and what else ran on the node meanwhile."""
+
+    niceness: Optional[int] = None
+    niceness_inherited: Optional[int] = None
+    """The niceness the arm's process started with (Ray workers run at 15 unless told otherwise)."""
+    affinity: Optional[list[int]] = None
+    logical_cpus: Optional[int] = None
+    loadavg_start: Optional[list[float]] = None
+    loadavg_end: Optional[list[float]] = None
+    window_s: Optional[float] = None
+    """The measured loop, over which the CPU figures below are taken."""
+    own_cpus: Optional[float] = None
+    """CPUs this arm kept busy on the node (all its local ranks)."""
+    foreign_cpus: Optional[float] = None
+    """CPUs other processes kept busy on the node during the window."""
+    run_delay_s: Optional[float] = None
+    """Time the arm's threads were runnable but waiting for a CPU during the window (kernel schedstat)."""
+    run_delay_share: Optional[float] = None
+    contended: bool = False
+    detail: str = ""
 
 
 class Throughput(_Model):
     tokens: int
     wall_tokens_per_s: Optional[float]
-    """tokens / arm wall time: the promotion metric (goodput-adjusted throughput over a fixed token budget)."""
+    """tokens / arm wall time. Diagnostic only: over a short arm it is mostly start-up; promotion compares
+    ``projection.tokens_per_s``."""
     steady_tokens_per_s: Optional[float]
+    """Tokens of steady steps / their compute time."""
     flops_per_token: Optional[float] = None
     flops_coverage_missing: list[str] = Field(default_factory=list)
     mfu: Optional[float] = None
@@ -229,6 +303,9 @@ class Receipt(_Model):
     steps: StepStats
     throughput: Throughput
     memory: Memory
+    projection: Optional[Projection] = None
+    """None when the arm produced no steady step (failed or too short)."""
+    host_load: HostLoad = Field(default_factory=HostLoad)
     family_share: dict[str, Optional[float]]
     """Fraction of step time in A/E/M/R blocks (sampled); families absent from the pattern are None."""
     family_share_method: Optional[str] = None
@@ -250,22 +327,121 @@ class InvalidReceipt(ValueError):
     """A receipt that cannot be used as evidence; the message says why."""
 
 
-def time_accounting_errors(time: TimeAccounting) -> list[str]:
+def _finite(value: Optional[float]) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def time_accounting_errors(time: TimeAccounting, finished: bool = True) -> list[str]:
+    """Parts present, finite and non-negative, summing to wall; ``unattributed`` small when ``finished``."""
     errors = []
-    missing = [c for c in (*BADPUT_CATEGORIES, "other") if c not in time.badput_s]
-    if missing:
-        errors.append(f"time.badput_s lacks {missing}")
+    missing = [c for c in BADPUT_CATEGORIES if c not in time.badput_s]
+    unknown = sorted(set(time.badput_s) - set(BADPUT_CATEGORIES))
+    if missing or unknown:
+        errors.append(f"time.badput_s: missing {missing}, unknown {unknown}; allowed: {list(BADPUT_CATEGORIES)}")
+        return errors
     values = [time.wall_s, time.goodput_s, *time.badput_s.values()]
     if not all(math.isfinite(v) for v in values):
-        errors.append("time accounting has non-finite values")
-        return errors
-    negative = {k: v for k, v in time.badput_s.items() if v < 0}
+        return ["time accounting has non-finite values"]
+    if time.wall_s <= 0:
+        errors.append(f"time.wall_s is {time.wall_s}; a run takes time")
+    tolerance = max(TIME_TOLERANCE * time.wall_s, TIME_TOLERANCE_FLOOR_S)
+    negative = {k: v for k, v in time.badput_s.items() if v < 0 and k != "unattributed"}
     if negative or time.goodput_s < 0:
         errors.append(f"negative time in accounting: goodput={time.goodput_s}, badput={negative}")
     total = time.goodput_s + sum(time.badput_s.values())
-    tolerance = max(TIME_TOLERANCE * time.wall_s, TIME_TOLERANCE_FLOOR_S)
     if abs(total - time.wall_s) > tolerance:
         errors.append(f"goodput + badput = {total:.3f}s but wall = {time.wall_s:.3f}s (tolerance {tolerance:.3f}s)")
+    unattributed = time.badput_s["unattributed"]
+    if unattributed < -tolerance:
+        errors.append(f"measured parts exceed wall by {-unattributed:.3f}s (tolerance {tolerance:.3f}s)")
+    limit = max(UNATTRIBUTED_LIMIT * time.wall_s, TIME_TOLERANCE_FLOOR_S)
+    if finished and unattributed > limit:
+        errors.append(f"{unattributed:.3f}s of wall time ({unattributed / time.wall_s:.1%}) is unattributed "
+                      f"(limit {limit:.3f}s, {UNATTRIBUTED_LIMIT:.0%} of wall)")
+    if time.wall_s > 0 and not derive.close_enough(time.goodput_fraction, time.goodput_s / time.wall_s):
+        errors.append(f"time.goodput_fraction {time.goodput_fraction} != goodput_s / wall_s "
+                      f"({time.goodput_s / time.wall_s})")
+    return errors
+
+
+def _mismatch(name: str, stored: Optional[float], derived: Optional[float]) -> Optional[str]:
+    if derive.close_enough(stored, derived):
+        return None
+    return f"{name} is {stored!r} but the receipt's raw fields give {derived!r}"
+
+
+def derived_figure_errors(receipt: "Receipt") -> list[str]:
+    """Recompute every derived figure from the per-step records and compare with what the receipt states."""
+    st, time, tp = receipt.steps, receipt.time, receipt.throughput
+    lists = {"compile_events": st.compile_events, "sampled": st.sampled, "labels": st.labels,
+             "step_s": st.step_s, "data_s": st.data_s, "cadence_s": st.cadence_s, "phase_s": st.phase_s,
+             "tokens": st.tokens}
+    bad_len = sorted(k for k, v in lists.items() if len(v) != len(st.phases))
+    if bad_len:
+        return [f"steps.{bad_len[0]} has {len(lists[bad_len[0]])} entries for {len(st.phases)} steps"]
+    if st.wait_s and len(st.wait_s) != len(st.phases):
+        return [f"steps.wait_s has {len(st.wait_s)} entries for {len(st.phases)} steps"]
+    floats = [*st.step_s, *st.data_s, *st.cadence_s, *st.phase_s, *st.wait_s]
+    if not all(math.isfinite(x) and x >= 0 for x in floats) or any(t < 0 for t in st.tokens):
+        return ["steps: per-step times and tokens must be finite and non-negative"]
+    if any(p not in derive.PHASES for p in st.phases):
+        return [f"steps.phases: allowed values {list(derive.PHASES)}"]
+    errors: list[str] = []
+    labels = derive.classify(st.phases, st.compile_events, st.sampled, receipt.observed.compile.warmup_resolved)
+    if labels != st.labels:
+        errors.append("steps.labels do not follow from phases, compile events, sampling and the warmup decision")
+        return errors
+    steps = st.views()
+    parts = derive.loop_parts(steps, st.data_is_badput)
+    checks = [("time.goodput_s", time.goodput_s, parts.goodput_s),
+              ("time.badput_s.compile_warmup", time.badput_s.get("compile_warmup"), parts.compile_warmup_s),
+              ("time.badput_s.recompile", time.badput_s.get("recompile"), parts.recompile_s),
+              ("time.badput_s.data_wait", time.badput_s.get("data_wait"), parts.data_wait_s),
+              ("time.badput_s.idle", time.badput_s.get("idle"), parts.idle_s),
+              ("time.badput_s.sampling", time.badput_s.get("sampling"), parts.sampling_s)]
+    budget = [s for s in steps if s.phase == "budget"]
+    steady = [s for s in steps if s.label == "steady"]
+    tokens = sum(s.tokens for s in budget)
+    steady_time = sum(s.step_s for s in steady)
+    checks += [("throughput.wall_tokens_per_s", tp.wall_tokens_per_s,
+                tokens / time.wall_s if time.wall_s > 0 and budget else None),
+               ("throughput.steady_tokens_per_s", tp.steady_tokens_per_s,
+                sum(s.tokens for s in steady) / steady_time if steady_time > 0 else None)]
+    setup_wait = receipt.time.badput_s.get("paired_wait", 0.0) - parts.paired_wait_s
+    if steps and setup_wait < -max(TIME_TOLERANCE_FLOOR_S, 1e-6):
+        errors.append(f"time.badput_s.paired_wait {time.badput_s.get('paired_wait')!r} is less than the steps' own "
+                      f"waits ({parts.paired_wait_s!r})")
+    errors += [m for m in (_mismatch(*c) for c in checks) if m]
+    if tp.tokens != tokens:
+        errors.append(f"throughput.tokens is {tp.tokens} but the budget steps carry {tokens}")
+    off = sorted({s.tokens for s in budget} - {receipt.requested.tokens_per_step})
+    if off and receipt.identity.status is Status.valid:
+        errors.append(f"steps.tokens: a valid arm's budget steps each carry requested.tokens_per_step "
+                      f"({receipt.requested.tokens_per_step}); found {off[:3]}")
+    if st.total != len(steps) or st.steady != len(steady):
+        errors.append(f"steps.total/steady ({st.total}/{st.steady}) do not match the per-step records "
+                      f"({len(steps)}/{len(steady)})")
+    setup = time.badput_s.get("setup", 0.0)
+    horizon = int(receipt.requested.lane.get("budget.horizon_steps", 0) or 0)
+    if horizon <= 0:
+        errors.append("requested.lane has no positive budget.horizon_steps")
+        return errors
+    proj = derive.project(setup, steps, horizon, receipt.requested.tokens_per_step)
+    stored = receipt.projection
+    if proj.projected_s is None:
+        if stored is not None and stored.projected_s is not None:
+            errors.append("projection states a projected time but the receipt has no steady step to project from")
+        return errors
+    if stored is None:
+        errors.append("projection is missing although the receipt has steady steps")
+        return errors
+    if stored.horizon_steps != horizon or stored.warm_budget_steps != proj.warm_budget_steps or \
+            stored.recurring_steps != proj.recurring_steps:
+        errors.append("projection step counts do not follow from the lane's horizon and the per-step records")
+    for name in ("setup_s", "warm_s", "one_time_s", "recurring_step_s", "projected_s", "tokens_per_s"):
+        problem = _mismatch(f"projection.{name}", getattr(stored, name), getattr(proj, name))
+        if problem:
+            errors.append(problem)
     return errors
 
 
@@ -289,6 +465,10 @@ def validate_receipt(obj: dict[str, Any] | Receipt) -> Receipt:
     if version is None:
         raise InvalidReceipt("schema_version is missing")
     major = schema_major(version)
+    if major == 1:
+        raise InvalidReceipt(f"schema_version {version!r}: 1.x receipts compared wall tokens/s over the whole arm "
+                             f"(mostly process start-up) and cannot be re-projected to a horizon; re-run the "
+                             f"campaign (supported majors: {sorted(SUPPORTED_MAJORS)})")
     if major not in SUPPORTED_MAJORS:
         raise InvalidReceipt(f"schema_version {version!r}: unknown major {major}; supported majors: "
                              f"{sorted(SUPPORTED_MAJORS)}")
@@ -297,7 +477,17 @@ def validate_receipt(obj: dict[str, Any] | Receipt) -> Receipt:
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:8])
         raise InvalidReceipt(f"receipt does not match schema {SCHEMA_VERSION}: {problems}") from exc
-    errors = time_accounting_errors(receipt.time)
-    if errors and receipt.identity.status is not Status.failed:
+    try:
+        dt.datetime.fromisoformat(receipt.identity.created_at)
+    except ValueError:
+        raise InvalidReceipt(f"identity.created_at {receipt.identity.created_at!r} is not an ISO-8601 time") from None
+    failed = receipt.identity.status is Status.failed
+    errors = time_accounting_errors(receipt.time, finished=not failed)
+    if errors and not failed:
         raise InvalidReceipt("; ".join(errors))
+    errors = derived_figure_errors(receipt)
+    if errors:
+        raise InvalidReceipt("; ".join(errors[:4]))
+    if receipt.identity.status is Status.valid and (not receipt.throughput.tokens or receipt.projection is None):
+        raise InvalidReceipt("a valid receipt must have trained tokens and a projection to the horizon")
     return receipt

@@ -28,10 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from ablate.config.features import FEATURES, feature
-from ablate.config.load import lane_to_dict, load_lane, with_feature
-from ablate.config.schema import Design, LaneConfig, SweepConfig
+from ablate.config.load import (Defaults, already_default_reason, lane_shape_of, lane_to_dict, load_lane,
+                                with_feature)
+from ablate.config.schema import ConfigError, Design, LaneConfig, SweepConfig
 
 ARM_ROLES = ("baseline", "candidate", "aa")
+INERT_PREFIX = "refused, inert in this lane: "
+"""Start of the reason a statically inert value is left out of the plan (reports list these as refused)."""
 AA_KIND = "aa"
 """Receipt ``kind`` of A/A arms (speed and tax come from the feature registry)."""
 
@@ -116,7 +119,8 @@ class SweepPlan:
     seed: int
     blocks: list[Block]
     skipped: list[tuple[str, str]] = field(default_factory=list)
-    """Grid combinations not run, as (description, reason): the toggle is inert in that context."""
+    """What is not run, as (description, reason): a tested value that has become the lane's default (promoted
+    since the campaign was written), or a grid combination where the toggle is inert."""
 
     def fingerprint(self) -> str:
         """What a resumed sweep must reproduce exactly: ids, lanes and recorded orders of every block."""
@@ -145,10 +149,32 @@ def _normalised(name: str, lane: LaneConfig) -> Any:
     return FEATURES[name].get(lane)
 
 
-def _contexts(sweep: SweepConfig, tested: str) -> Iterable[dict[str, Any]]:
+def _tested_values(sweep: SweepConfig, defaults: Optional[Defaults],
+                   skipped: list[tuple[str, str]]) -> dict[str, list[Any]]:
+    """Feature -> the candidate values that still differ from the lane's baseline.
+
+    A value equal to the baseline reaches the plan only when ``load_sweep`` found it promoted into the defaults
+    since the campaign was written: it is skipped with a notice (a block would compare the value with itself).
+    """
+    shape = lane_shape_of(sweep.lane)
+    tested: dict[str, list[Any]] = {}
+    for name, values in sweep.features.items():
+        baseline = str(_normalised(name, sweep.lane))
+        tested[name] = []
+        for value in values:
+            if str(_normalised(name, with_feature(sweep.lane, name, value))) == baseline:
+                moved = defaults.moved_to(name, value, shape) if defaults is not None else None
+                skipped.append((f"{name}={value}", already_default_reason(moved)))
+            else:
+                tested[name].append(value)
+    return tested
+
+
+def _contexts(sweep: SweepConfig, tested_values: dict[str, list[Any]], tested: str) -> Iterable[dict[str, Any]]:
     """Grid design: every combination of the other features' (baseline + candidate) values."""
-    others = [name for name in sweep.features if name != tested]
-    axes = [[_normalised(name, sweep.lane)] + list(sweep.features[name]) for name in others]
+    others = [name for name in tested_values if name != tested]
+    # Skipped values are left out here too: as the baseline, they would only repeat the baseline context.
+    axes = [[_normalised(name, sweep.lane)] + list(tested_values[name]) for name in others]
     for combo in itertools.product(*axes):
         yield {name: value for name, value in zip(others, combo)
                if str(value) != str(_normalised(name, sweep.lane))}
@@ -160,25 +186,36 @@ def _apply(lane: LaneConfig, values: dict[str, Any]) -> LaneConfig:
     return lane
 
 
-def _groups(sweep: SweepConfig, skipped: list[tuple[str, str]]) -> list[_Group]:
+def _groups(sweep: SweepConfig, skipped: list[tuple[str, str]], defaults: Optional[Defaults]) -> list[_Group]:
     groups: list[_Group] = []
     aa_lanes: dict[str, tuple[LaneConfig, dict[str, Any]]] = {}
-    for name, values in sweep.features.items():
+    tested_values = _tested_values(sweep, defaults, skipped)
+    for name, values in tested_values.items():
+        if not values:
+            continue  # every value skipped: its contexts would only add A/A lanes that no test uses
         spec = feature(name)
-        contexts = _contexts(sweep, name) if sweep.design is Design.grid else [{}]
+        contexts = _contexts(sweep, tested_values, name) if sweep.design is Design.grid else [{}]
         for context in contexts:
             base = _apply(sweep.lane, context)
             aa_lanes.setdefault(lane_key(base), (base, context))
             for value in values:
                 candidate = with_feature(base, name, value)
-                inert = spec.inert_reason(candidate)
+                inert = spec.inert_reason(candidate, _normalised(name, base))
                 if inert:
-                    # one_at_a_time campaigns were already refused by load_sweep; only grid contexts reach this.
-                    skipped.append((f"{name}={value} in {context}", inert))
+                    # Refused before any arm runs: an inert toggle's arms would run the baseline's code twice.
+                    where = f" in {context}" if context else ""
+                    skipped.append((f"{name}={value}{where}", f"{INERT_PREFIX}{inert}"))
                     continue
                 groups.append(_Group(name, _normalised(name, candidate), base, candidate, context, sweep.blocks))
-    if not sweep.features:
+    if not any(tested_values.values()):
         aa_lanes.setdefault(lane_key(sweep.lane), (sweep.lane, {}))
+        if sweep.features:
+            # Every tested value was promoted since the campaign was written: the A/A blocks still run (they
+            # keep the lane's noise floor current for the next campaign), and the notice says that is all.
+            runs = (f"only its {sweep.aa_blocks} A/A block(s) per lane run" if sweep.aa_blocks else
+                    "nothing runs (aa_blocks is 0)")
+            skipped.append((f"every test of campaign {sweep.name!r}",
+                            f"each tested value is already this lane's default: {runs}"))
     if sweep.aa_blocks:
         for base, context in aa_lanes.values():
             groups.append(_Group(None, None, base, base, context, sweep.aa_blocks))
@@ -195,8 +232,12 @@ def _balanced_orders(rng: random.Random, count: int) -> list[tuple[int, int]]:
     return orders
 
 
-def plan_sweep(sweep: SweepConfig, sweep_id: str) -> SweepPlan:
+def plan_sweep(sweep: SweepConfig, sweep_id: str, defaults: Optional[Defaults] = None) -> SweepPlan:
     """Every block of the campaign, in the order they are submitted.
+
+    ``sweep`` comes from ``load_sweep``, so its lane already runs the lane's effective defaults (an override
+    for its shape included): that is every baseline arm. ``defaults`` (the second value ``load_sweep``
+    returns) only enriches skip notices with where a promoted value came from.
 
     Blocks are interleaved round-robin by repetition (round 0 of every comparison, then round 1, ...) so slow
     drift of a node (thermal, neighbours) spreads over all features instead of landing on one. Arm orders are
@@ -204,7 +245,7 @@ def plan_sweep(sweep: SweepConfig, sweep_id: str) -> SweepPlan:
     round draws fresh orders.
     """
     skipped: list[tuple[str, str]] = []
-    groups = _groups(sweep, skipped)
+    groups = _groups(sweep, skipped, defaults)
     rng = random.Random(hashlib.sha256(f"{sweep.seed}/{sweep_id}".encode()).hexdigest())
     orders = [_balanced_orders(rng, group.repeats) for group in groups]
     rounds = max((group.repeats for group in groups), default=0)
@@ -227,13 +268,17 @@ def plan_sweep(sweep: SweepConfig, sweep_id: str) -> SweepPlan:
         blocks.append(Block(block_id=f"b{index:0{width}d}", feature=group.feature, candidate_value=group.value,
                             baseline_value=baseline_value, kind=kind, lane_key=key, arms=arms, order=order,
                             context=dict(group.context), repeat=repeat))
+    if not blocks:
+        reasons = "; ".join(f"{what}: {why}" for what, why in skipped[:3]) or "no features and aa_blocks is 0"
+        raise ConfigError("features", sorted(sweep.features), f"at least one value that can act in this lane, or "
+                                                               f"aa_blocks > 0 (nothing would run: {reasons})")
     return SweepPlan(sweep_id=sweep_id, campaign=sweep.name, design=sweep.design.value, seed=sweep.seed,
                      blocks=blocks, skipped=skipped)
 
 
-def plan_blocks(sweep: SweepConfig, sweep_id: str) -> list[Block]:
-    """The blocks of ``plan_sweep`` (what ``ablate validate`` counts)."""
-    return plan_sweep(sweep, sweep_id).blocks
+def plan_blocks(sweep: SweepConfig, sweep_id: str, defaults: Optional[Defaults] = None) -> list[Block]:
+    """The blocks of ``plan_sweep``."""
+    return plan_sweep(sweep, sweep_id, defaults).blocks
 
 
 def _main(argv: list[str]) -> int:
@@ -242,8 +287,8 @@ def _main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m ablate.sweep.plan <campaign.yaml>", file=sys.stderr)
         return 2
-    sweep, _ = load_sweep(argv[0])
-    plan = plan_sweep(sweep, sweep_id="preview")
+    sweep, defaults = load_sweep(argv[0])
+    plan = plan_sweep(sweep, sweep_id="preview", defaults=defaults)
     for block in plan.blocks:
         first = block.arms[block.order[0]]
         print(f"{block.label():60s} lane {block.lane_key}  first: "

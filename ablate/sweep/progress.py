@@ -2,7 +2,13 @@
 
 It is a Ray Tune ``Callback`` on the driver. In a terminal it is a live ``rich`` line redrawn at most twice a
 second; elsewhere (``ray job logs``, CI) it prints one plain line whenever a block finishes or fails, so logs stay
-readable. Block counts come from Tune's own trial states, so a resumed sweep starts from what already finished.
+readable. A resumed sweep starts from the blocks Tune restored as finished.
+
+A block counts as done only when Tune completed its trial (``on_trial_complete``) *and* both arms of its latest
+attempt reported a receipt (or the trial skipped it: its receipts are from an earlier session). Tune's state alone
+cannot say this: on SIGINT, Tune saves its experiment, then stops every running trial by setting it TERMINATED,
+the same status a finished trial has, without calling ``on_trial_complete``, and then calls
+``on_experiment_end``. Those blocks are shown as interrupted, and ``--resume`` reruns them.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ class Counts:
     done: int = 0
     errored: int = 0
     running: int = 0
+    interrupted: int = 0
+    """Trials Tune stopped (SIGINT) before the block finished: TERMINATED, yet not done."""
     arms: int = 0
     arms_failed: int = 0
     arms_disqualified: int = 0
@@ -51,6 +59,15 @@ class SweepProgress(Callback):
         self._live: Optional[Live] = None
         self._last_draw = 0.0
         self._last_line = ""
+        self._finished_before: Optional[set[str]] = None
+        """Blocks Tune restored as finished (resume): their receipts are from an earlier session."""
+        self._completed: set[str] = set()
+        """Blocks whose trial Tune completed in this session (``on_trial_complete``; never called on SIGINT)."""
+        self._skipped: set[str] = set()
+        """Blocks the trial skipped because their receipts exist (a driver killed before Tune saved them)."""
+        self._latest_attempt: dict[str, int] = {}
+        self._arms: dict[tuple[str, int], set[int]] = {}
+        """(block, attempt) -> arm indices that reported a receipt."""
 
     # --- figures ---
 
@@ -69,17 +86,44 @@ class SweepProgress(Callback):
 
     def line(self) -> str:
         c = self.counts
-        return (f"{self.title}: blocks {c.done}/{c.total} done, {c.running} running, {c.errored} errored | "
+        stopped = f", {c.interrupted} interrupted" if c.interrupted else ""
+        return (f"{self.title}: blocks {c.done}/{c.total} done, {c.running} running, {c.errored} errored{stopped} | "
                 f"arms {c.arms} ({c.arms_failed} failed, {c.arms_disqualified} disqualified) | "
                 f"elapsed {_clock(self.elapsed())} | ETA {_clock(self.eta())}")
 
     # --- Tune hooks ---
 
+    @staticmethod
+    def _block(trial: Any) -> str:
+        config = getattr(trial, "config", None) or {}
+        return str(config.get("block_id", getattr(trial, "trial_id", id(trial))))
+
+    def _block_done(self, block: str) -> bool:
+        if block in self._skipped or block in (self._finished_before or ()):
+            return True
+        if block not in self._completed:
+            return False
+        latest = self._latest_attempt.get(block)
+        return latest is not None and len(self._arms.get((block, latest), ())) >= 2
+
     def _recount(self, trials: list[Any]) -> None:
-        states = [trial.status for trial in trials]
-        self.counts.done = states.count("TERMINATED")
-        self.counts.errored = states.count("ERROR")
-        self.counts.running = states.count("RUNNING")
+        if self._finished_before is None:
+            self._finished_before = {self._block(t) for t in trials if t.status == "TERMINATED"}
+        done = interrupted = running = errored = 0
+        for trial in trials:
+            block = self._block(trial)
+            # on_trial_complete runs while the trial is still RUNNING; Tune marks it TERMINATED just after.
+            ended = trial.status == "TERMINATED" or block in self._completed
+            if ended and self._block_done(block):
+                done += 1
+            elif ended:
+                interrupted += 1
+            elif trial.status == "ERROR":
+                errored += 1
+            elif trial.status == "RUNNING":
+                running += 1
+        self.counts.done, self.counts.interrupted = done, interrupted
+        self.counts.errored, self.counts.running = errored, running
         if self.counts.done_at_start < 0:
             self.counts.done_at_start = self.counts.done + self.counts.errored
 
@@ -107,7 +151,17 @@ class SweepProgress(Callback):
 
     def on_trial_result(self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any],
                         **info: Any) -> None:
-        if result.get("event") != "arm":
+        event = result.get("event")
+        block = str(result.get("block_id", self._block(trial)))
+        if event == "block_skipped":
+            self._skipped.add(block)
+            return
+        if event in ("block_started", "arm") and result.get("attempt") is not None:
+            attempt = int(result["attempt"])
+            self._latest_attempt[block] = max(attempt, self._latest_attempt.get(block, attempt))
+            if event == "arm":
+                self._arms.setdefault((block, attempt), set()).add(int(result.get("arm_index", -1)))
+        if event != "arm":
             return
         self.counts.arms += 1
         status = result.get("status")
@@ -115,6 +169,7 @@ class SweepProgress(Callback):
         self.counts.arms_disqualified += status == "disqualified"
 
     def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+        self._completed.add(self._block(trial))
         self._recount(trials)
         self._draw(force=True)
 

@@ -238,10 +238,12 @@ def detect_local(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None)
     return num_cpus, int(num_gpus)
 
 
-TRAIN_ENV_DEFAULTS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+TRAIN_ENV_DEFAULTS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_worker_niceness": "0"}
 """Train V2's controller advances its state machine once per health-check interval (2 s by default), so a
 two-worker arm waited whole intervals before its first step; 0.5 s cut scheduled -> first step from ~16 s to
-~13 s on 2 CPUs (benchmarks/bench_runner.py). A value the user exported wins."""
+~13 s on 2 CPUs (benchmarks/bench_runner.py). Ray starts worker processes at niceness 15 unless the runtime
+environment says otherwise, and an arm inherits it: measured at low priority, anything else on the node
+pre-empts it (trainers/hostload.py). A value the user exported wins."""
 
 
 def local_ray_init_kwargs(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None) -> dict[str, Any]:

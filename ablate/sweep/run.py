@@ -41,8 +41,8 @@ from ablate.receipts.store import SPOOL_FILE, write_receipt
 from ablate.sweep.layout import LATEST, Layout
 from ablate.sweep.plan import SweepPlan, plan_sweep
 from ablate.sweep.resources import Capacity, block_need, check_cluster, gpu_resources, local_ray_init_kwargs
-from ablate.sweep.trial import block_progress, run_block, trial_dirname, trial_name
-from ablate.tracking.mlflow_store import SWEEPS_DIR, MlflowStore, gather
+from ablate.sweep.trial import block_progress, run_block, start_clock, trial_dirname, trial_name
+from ablate.tracking.mlflow_store import MAX_TAG_CHARS, SKIPPED_TAG, SWEEPS_DIR, MlflowStore, gather
 from ablate.tracking.uri import resolve_tracking_uri, shown
 
 log = logging.getLogger(__name__)
@@ -91,8 +91,8 @@ class _Recorder(Callback):
     """Driver-side sink: receipt -> campaign dir (+ mirror) -> MLflow or spool; keeps the block timeline.
     Lives only in ``_LIVE`` (never pickled); the other Tune hooks keep Callback's no-op defaults."""
 
-    def __init__(self, layout: Layout, store: Any) -> None:
-        self.layout, self.store = layout, store
+    def __init__(self, layout: Layout, store: Any, clock: Any = None) -> None:
+        self.layout, self.store, self.clock = layout, store, clock
         self.receipts: list[Receipt] = []
         self.rejected: list[tuple[str, str]] = []
         self.timeline: dict[str, dict[str, Any]] = {}
@@ -113,8 +113,12 @@ class _Recorder(Callback):
         self._writer.shutdown(wait=True)
 
     def on_trial_start(self, trial: Any, **info: Any) -> None:
+        now = time.time()
         entry = self.timeline.setdefault(trial.config["block_id"], {"arms": []})
-        entry.setdefault("trial_started_at", time.time())
+        entry.setdefault("trial_started_at", now)
+        if self.clock is not None:
+            # The block's first arm is billed queue wait from here (the driver handing the block to Ray).
+            self.clock.stamp.remote(trial.config["block_id"], now)
 
     def on_trial_result(self, trial: Any, result: dict[str, Any], **info: Any) -> None:
         entry = self.timeline.setdefault(result.get("block_id", trial.config["block_id"]), {"arms": []})
@@ -210,6 +214,17 @@ def _run_arm_options(sweep: SweepConfig, layout: Layout, sweep_id: str) -> dict[
             "storage_path": f"{layout.storage}/_train/{layout.campaign}/{sweep_id}"}
 
 
+def _file_hashes(campaign_file: Path, sweep: SweepConfig) -> dict[str, Optional[str]]:
+    """Content hashes of the campaign and defaults files as this sweep used them (receipts record both)."""
+    from trainers.provenance import file_sha256
+
+    defaults = Path(sweep.defaults)
+    if not defaults.is_absolute():
+        defaults = campaign_file.parent / defaults
+    # load_sweep has just read both files, so a missing one here is a race worth a traceback.
+    return {"campaign": file_sha256(campaign_file), "defaults": file_sha256(defaults)}
+
+
 def _new_sweep_id(campaign: str) -> str:
     return f"{campaign}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
 
@@ -250,7 +265,7 @@ def _parent_params(sweep: SweepConfig, plan: SweepPlan, capacity: Capacity, camp
 def _sweep_identity(path: Path, resume: bool, storage: Optional[str]
                     ) -> tuple[SweepConfig, Layout, SweepPlan, dict[str, Any]]:
     """The campaign, where it lives, its plan and (resume) the metadata of the sweep being continued."""
-    sweep, _ = load_sweep(path)
+    sweep, defaults = load_sweep(path)
     layout = Layout.for_campaign(sweep.name, storage or sweep.tracking.storage)
     meta: dict[str, Any] = {}
     if resume:
@@ -260,7 +275,7 @@ def _sweep_identity(path: Path, resume: bool, storage: Optional[str]
         if not meta:
             raise ConfigError("--resume", str(path), f"a campaign with an earlier sweep under {layout.local_dir} "
                                                      f"(none found: start it without --resume)")
-    plan = plan_sweep(sweep, meta.get("sweep_id") or _new_sweep_id(layout.campaign))
+    plan = plan_sweep(sweep, meta.get("sweep_id") or _new_sweep_id(layout.campaign), defaults)
     if resume and meta.get("plan_fingerprint") != plan.fingerprint():
         raise ConfigError("--resume", str(path), f"the campaign as it was when sweep {plan.sweep_id} started (its "
                                                  f"blocks changed since; start a new sweep without --resume)")
@@ -320,20 +335,25 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
             layout.write(f"{SWEEPS_DIR}/{sweep_id}.json", json.dumps(meta, indent=2, default=str))
             layout.write(LATEST, sweep_id + "\n")
         store = MlflowStore(uri, sweep.tracking.experiment, layout.local_dir)
+        for what, why in plan.skipped:
+            log.warning("not run: %s: %s", what, why)
         store.open_sweep(sweep_id, sweep.name, params,
                          tags={"ablate.lane_keys": ",".join(plan.lane_keys()), "ablate.design": plan.design,
-                               "ablate.storage": shown(layout.storage)})
+                               "ablate.storage": shown(layout.storage),
+                               # What the plan refused before any arm ran: promotion reports list it.
+                               SKIPPED_TAG: json.dumps([[w, r] for w, r in plan.skipped])[:MAX_TAG_CHARS]})
         earlier = [r for r in gather(layout.local_dir)[0] if r.identity.sweep_id == sweep_id] if resume else []
         for receipt in earlier:
             # Receipts a killed driver wrote (or spooled) but never logged: MLflow catches up before new work.
             store.log_receipt(receipt)
         completed, next_attempt = block_progress(earlier, sweep_id)
-        recorder = _Recorder(layout, store)
+        recorder = _Recorder(layout, store, start_clock(sweep_id))
         display = SweepProgress(len(plan.blocks), title=sweep_id, live=None if progress else False)
         _LIVE[sweep_id] = [recorder] + ([display] if progress else [])
         context = {"sweep_id": sweep_id, "campaign": sweep.name, "receipt_dir": layout.trial_receipt_dir(),
                    "blocks": {b.block_id: b.to_dict() for b in plan.blocks}, "inject": dict(inject or {}),
-                   "completed": completed, "next_attempt": next_attempt,
+                   "completed": completed, "next_attempt": next_attempt, "hashes": _file_hashes(path, sweep),
+                   "block_mode": sweep.block_mode.value,
                    "run_arm": _run_arm_options(sweep, layout, sweep_id)}
         trainable = tune.with_resources(tune.with_parameters(run_block, context=context), need.trial_resources())
         try:
@@ -345,14 +365,21 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
         errors = {(r.config or {}).get("block_id", Path(r.path).name): str(r.error).splitlines()[0]
                   for r in grid if r.error}
         mine = recorder.receipts
-        store.close_sweep(sweep_id, [r for r in gather(layout.local_dir)[0] if r.identity.sweep_id == sweep_id],
-                          failed=bool(errors))
+        on_disk = [r for r in gather(layout.local_dir)[0] if r.identity.sweep_id == sweep_id]
+        # After SIGINT, Tune ends the trials it stopped TERMINATED without an error, like finished ones (and never
+        # calls on_trial_complete for them). A block is done only when its receipts show a complete attempt (both
+        # arms, none failed) and its trial, if it ran in this session, completed (as SweepProgress counts).
+        stopped = {block for block, entry in recorder.timeline.items() if "trial_started_at" in entry
+                   and "trial_ended_at" not in entry and "trial_errored_at" not in entry}
+        finished = set(block_progress(on_disk, sweep_id)[0]) - stopped
+        store.close_sweep(sweep_id, on_disk, failed=bool(errors))
         return SweepSummary(
             sweep_id=sweep_id, campaign=sweep.name, sweep_dir=str(layout.local_dir),
             tune_path=layout.tune_path(sweep_id), tracking_uri=shown(uri), experiment=sweep.tracking.experiment,
             parent_run_id=store.parent_run_id, resumed=resume, executor=need.executor,
             max_concurrent=capacity.max_concurrent, blocks_total=len(plan.blocks),
-            blocks_done=sum(1 for r in grid if r.error is None), blocks_errored=len(errors), arms_logged=len(mine),
+            blocks_done=sum(1 for r in grid if r.error is None and (r.config or {}).get("block_id") in finished),
+            blocks_errored=len(errors), arms_logged=len(mine),
             arms_failed=sum(r.identity.status is Status.failed for r in mine),
             arms_disqualified=sum(r.identity.status is Status.disqualified for r in mine),
             spooled=store.spooled, offline_reason=store.offline_reason, elapsed_s=time.monotonic() - started,

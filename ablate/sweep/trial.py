@@ -3,9 +3,12 @@
 How to run me: not directly; ``ablate.sweep.run`` wraps ``run_block`` with ``tune.with_parameters`` and
 ``tune.with_resources`` and Tune runs one trial per block in a Ray worker process.
 
-``run_block`` runs the block's two arms back to back on this node, in the order the plan recorded, each through
-``trainers.run_arm`` (fresh worker processes; the step budget lives inside the training loop, never a Tune
-``stop=``), and reports each arm's receipt JSON with ``tune.report``. An arm that *failed* (crashed, not merely
+``run_block`` runs the block's two arms on this node, each in its own fresh worker process (the step budget lives
+inside the training loop, never a Tune ``stop=``), and reports each arm's receipt JSON with ``tune.report``. With
+``block_mode: interleaved`` (the default) and two one-worker CPU arms, ``trainers.run_pair`` starts both processes
+together and they take turns step by step, the plan's first arm first, so both sample the same machine drift;
+otherwise (multi-worker or GPU arms, or ``sequential``) ``trainers.run_arm`` runs them back to back in the
+recorded order. Each receipt records which way it ran (``identity.pairing``). An arm that *failed* (crashed, not merely
 disqualified) fails the trial, so ``tune.FailureConfig`` reruns the whole block as the next attempt. Receipt ids
 are derived from (sweep, block, arm, attempt): a replayed result maps to the same MLflow run, and a rerun never
 overwrites earlier evidence.
@@ -29,6 +32,54 @@ if TYPE_CHECKING:
 
 _RECEIPT_NS = uuid.UUID("7f1d9c2e-58a4-4c53-9d1e-2b7c0c6a4e11")
 _ATTEMPT_FILE = "attempt.json"
+CLOCK_WAIT_S = 5.0
+"""How long a trial waits for the driver's scheduling stamp before falling back to its own (and saying so)."""
+
+
+def clock_name(sweep_id: str) -> str:
+    return f"ablate-clock-{sweep_id}"
+
+
+class SchedulingClock:
+    """Driver -> trial hand-off of "when the driver handed this block to Ray" (a zero-CPU Ray actor).
+
+    The first arm's wall clock, and so its queue wait, starts at the driver's stamp rather than inside the trial,
+    where it would be ~0 by construction. The second arm is scheduled by the trial when the first one ends.
+    """
+
+    def __init__(self) -> None:
+        self.stamps: dict[str, float] = {}
+
+    def stamp(self, block_id: str, at: float) -> None:
+        self.stamps[block_id] = at
+
+    def get(self, block_id: str) -> Optional[float]:
+        return self.stamps.get(block_id)
+
+
+def start_clock(sweep_id: str) -> Any:
+    import ray
+
+    actor = ray.remote(num_cpus=0)(SchedulingClock)
+    return actor.options(name=clock_name(sweep_id), get_if_exists=True).remote()
+
+
+def driver_stamp(sweep_id: str, block_id: str, wait_s: float = CLOCK_WAIT_S) -> Optional[float]:
+    """The driver's scheduling stamp of ``block_id``; None when there is no clock (``run_block`` called bare)."""
+    import ray
+
+    try:
+        clock = ray.get_actor(clock_name(sweep_id))
+    except ValueError:
+        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        # Tune calls the driver's on_trial_start before it submits the trial's work, but the two reach the
+        # clock from different processes: a short poll covers the race.
+        at = ray.get(clock.get.remote(block_id))
+        if at is not None or time.monotonic() > deadline:
+            return at
+        time.sleep(0.02)
 
 
 def receipt_id(sweep_id: str, block_id: str, arm_index: int, attempt: int) -> str:
@@ -55,15 +106,19 @@ def _attempt(floor: int) -> int:
 
 
 def make_arm_spec(block: Block, position: int, arm: ArmPlan, *, sweep_id: str, campaign: str, receipt_dir: str,
-                  attempt: int = 0, inject: Optional[dict[str, Any]] = None) -> "ArmSpec":
-    """The trainer's input for one arm; ``scheduled_at`` starts the arm's wall clock now."""
+                  attempt: int = 0, inject: Optional[dict[str, Any]] = None, scheduled_at: Optional[float] = None,
+                  hashes: Optional[dict[str, Optional[str]]] = None) -> "ArmSpec":
+    """The trainer's input for one arm; its wall clock starts at ``scheduled_at`` (the driver's stamp), or now."""
     from trainers.spec import ArmSpec
 
     return ArmSpec(lane=arm.lane, sweep_id=sweep_id, campaign=campaign, block_id=block.block_id, arm=arm.arm,
                    arm_index=arm.arm_index, order=position, feature=block.feature, feature_value=arm.value,
                    baseline_value=block.baseline_value, kind=block.kind, lane_key=block.lane_key,
-                   receipt_dir=receipt_dir, scheduled_at=time.time(), attempt=attempt,
-                   receipt_id=receipt_id(sweep_id, block.block_id, arm.arm_index, attempt), inject=dict(inject or {}))
+                   receipt_dir=receipt_dir, scheduled_at=time.time() if scheduled_at is None else scheduled_at,
+                   clock="trial" if scheduled_at is None else "driver",
+                   campaign_sha256=(hashes or {}).get("campaign"), defaults_sha256=(hashes or {}).get("defaults"),
+                   attempt=attempt, receipt_id=receipt_id(sweep_id, block.block_id, arm.arm_index, attempt),
+                   inject=dict(inject or {}))
 
 
 def run_block(config: dict[str, Any], context: Optional[dict[str, Any]] = None) -> None:
@@ -72,6 +127,7 @@ def run_block(config: dict[str, Any], context: Optional[dict[str, Any]] = None) 
     from ray import tune
 
     from trainers import run_arm
+    from trainers.run import can_interleave, run_pair
 
     assert context is not None, "run_block is wrapped with tune.with_parameters(context=...)"
     block = Block.from_dict(context["blocks"][config["block_id"]])
@@ -89,14 +145,12 @@ def run_block(config: dict[str, Any], context: Optional[dict[str, Any]] = None) 
                      "node_id": node_id, "host": host, "at": time.time()},
                     checkpoint=tune.Checkpoint.from_directory(directory))
     inject = context.get("inject", {}).get(block.block_id, {}) if attempt == 0 else {}
+    # Only the first attempt's first arm starts at the driver's stamp; a retry is scheduled by Tune's recovery.
+    scheduled = driver_stamp(context["sweep_id"], block.block_id) if attempt == context.get(
+        "next_attempt", {}).get(block.block_id, 0) else None
     failed: list[str] = []
-    # Both arms always run: a failed arm is still half of a block, so promotion sees a failed candidate as a
-    # loss (and a failed baseline as a block without a yardstick) instead of an unpaired receipt.
-    for position, arm in block.run_order():
-        spec = make_arm_spec(block, position, arm, sweep_id=context["sweep_id"], campaign=context["campaign"],
-                             receipt_dir=context["receipt_dir"], attempt=attempt,
-                             inject=inject if position == 0 else None)
-        receipt: Receipt = run_arm(spec, **context["run_arm"])
+
+    def report(position: int, arm: ArmPlan, spec: "ArmSpec", receipt: Receipt) -> None:
         tune.report({"event": "arm", "block_id": block.block_id, "arm": arm.arm, "arm_index": arm.arm_index,
                      "order": position, "attempt": attempt, "status": receipt.identity.status.value,
                      "scheduled_at": spec.scheduled_at, "ended_at": time.time(), "node_id": node_id, "host": host,
@@ -104,6 +158,28 @@ def run_block(config: dict[str, Any], context: Optional[dict[str, Any]] = None) 
         if receipt.identity.status is Status.failed:
             why = receipt.error.message if receipt.error else "no error recorded"
             failed.append(f"{arm.arm} arm failed: {why}")
+
+    # Both arms always run: a failed arm is still half of a block, so promotion sees a failed candidate as a
+    # loss (and a failed baseline as a block without a yardstick) instead of an unpaired receipt.
+    order = block.run_order()
+    if context.get("block_mode", "interleaved") == "interleaved":
+        specs = tuple(make_arm_spec(block, position, arm, sweep_id=context["sweep_id"], campaign=context["campaign"],
+                                    receipt_dir=context["receipt_dir"], attempt=attempt,
+                                    inject=inject if position == 0 else None, scheduled_at=scheduled,
+                                    hashes=context.get("hashes")) for position, arm in order)
+        if can_interleave(specs, node_has_gpu=ray.cluster_resources().get("GPU", 0) > 0):  # type: ignore[arg-type]
+            cpus = int(context["run_arm"].get("resources_per_worker", {}).get("CPU", 1))
+            receipts = run_pair(specs, timeout_s=context["run_arm"].get("timeout_s"),  # type: ignore[arg-type]
+                                cpus=cpus)
+            for (position, arm), spec, receipt in zip(order, specs, receipts):
+                report(position, arm, spec, receipt)
+            order = []
+    for position, arm in order:
+        spec = make_arm_spec(block, position, arm, sweep_id=context["sweep_id"], campaign=context["campaign"],
+                             receipt_dir=context["receipt_dir"], attempt=attempt,
+                             inject=inject if position == 0 else None,
+                             scheduled_at=scheduled if position == 0 else None, hashes=context.get("hashes"))
+        report(position, arm, spec, run_arm(spec, **context["run_arm"]))
     if failed:
         raise ArmFailed(f"block {block.block_id} attempt {attempt}: " + "; ".join(failed))
 

@@ -42,7 +42,9 @@ def receipt_tags(receipt: Receipt) -> dict[str, str]:
         "disqualifiers": ",".join(sorted(receipt.codes())) or "none", "device": receipt.requested.device,
         "compile.requested": receipt.observed.compile.posture_requested,
         "compile.observed": receipt.observed.compile.posture_observed,
-        "warmup.resolved": receipt.observed.compile.warmup_resolved,
+        "warmup.resolved": receipt.observed.compile.warmup_resolved, "pairing": ident.pairing,
+        "code_fingerprint": ident.code_fingerprint or "", "hardware_fingerprint": ident.hardware_fingerprint or "",
+        "clock": receipt.time.clock, "contended": str(receipt.host_load.contended).lower(),
     }
     mismatched = []
     for backend in receipt.observed.backends:
@@ -62,11 +64,14 @@ def _note(receipt: Receipt) -> str:
     what = "A/A (baseline twice)" if ident.feature is None else (
         f"`{ident.feature}` = `{ident.feature_value}` (baseline `{ident.baseline_value}`)")
     codes = ", ".join(sorted(receipt.codes()))
-    tps = receipt.throughput.wall_tokens_per_s
-    return (f"Block **{ident.block_id}**, {ident.arm.value} arm, ran {'first' if ident.order == 0 else 'second'}: "
-            f"{what}. Status **{ident.status.value}**{f' ({codes})' if codes else ''}; "
-            f"wall tokens/s {f'{tps:.1f}' if tps else 'n/a'}; goodput {receipt.time.goodput_fraction:.1%} of "
-            f"{receipt.time.wall_s:.2f}s. Lane `{ident.lane_key}`, host {ident.host}.")
+    proj = receipt.projection
+    tps = proj.tokens_per_s if proj is not None else None
+    horizon = f"{proj.horizon_steps:,}-step horizon" if proj is not None else "the lane's horizon"
+    return (f"Block **{ident.block_id}**, {ident.arm.value} arm, {ident.pairing}, "
+            f"{'first' if ident.order == 0 else 'second'}: {what}. Status **{ident.status.value}**"
+            f"{f' ({codes})' if codes else ''}; tokens/s at the {horizon} {f'{tps:.1f}' if tps else 'n/a'} "
+            f"(start-up excluded); goodput {receipt.time.goodput_fraction:.1%} of {receipt.time.wall_s:.2f}s. "
+            f"Lane `{ident.lane_key}`, host {ident.host}.")
 
 
 def receipt_metrics(receipt: Receipt) -> dict[str, float]:
@@ -83,7 +88,12 @@ def receipt_metrics(receipt: Receipt) -> dict[str, float]:
         "loss_final": q.loss_final, "loss_mean_last_k": q.loss_mean_last_k, "lm_loss_final": q.lm_loss_final,
         "stp_loss_final": q.stp_loss_final, "aux_loss_final": q.aux_loss_final,
         "disqualifiers": float(len(receipt.disqualifiers)),
+        "foreign_cpus": receipt.host_load.foreign_cpus,
     }
+    proj = receipt.projection
+    if proj is not None:
+        values.update({"horizon_tokens_per_s": proj.tokens_per_s, "projected_s": proj.projected_s,
+                       "one_time_s": proj.one_time_s, "recurring_step_s": proj.recurring_step_s})
     values.update({f"badput_{name}_s": value for name, value in t.badput_s.items()})
     values.update({f"family_share_{name}": value for name, value in receipt.family_share.items()})
     return {key: float(value) for key, value in values.items() if value is not None}

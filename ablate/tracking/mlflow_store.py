@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from ablate.receipts.schema import InvalidReceipt, Receipt, Status, validate_receipt
-from ablate.receipts.store import RECEIPTS_DIR, SPOOL_FILE, append_spool, load_receipts
+from ablate.receipts.store import SPOOL_FILE, append_spool, load_receipts
 from ablate.redact import redact_uri
 from ablate.tracking.mapping import (
     ROLE_ARM,
@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 
 SWEEPS_DIR = "sweeps"
 """``<sweep dir>/sweeps/<sweep_id>.json``: metadata written by the runner (experiment name, plan, storage)."""
+SKIPPED_TAG = TAG + "skipped"
+"""Parent-run tag: JSON [[what, why], ...] the plan refused before any arm ran (inert or already default)."""
+MAX_TAG_CHARS = 5000
 _PARAMS_PER_BATCH, _METRICS_PER_BATCH, _TAGS_PER_BATCH = 100, 1000, 100
 _PROGRESS_BAR_ENV = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
 
@@ -292,28 +295,26 @@ class SyncResult:
         return "\n".join(lines)
 
 
-def _sweep_meta(sweep_dir: Path) -> dict[str, dict[str, Any]]:
-    metas = {}
+def _sweep_meta(sweep_dir: Path) -> tuple[dict[str, dict[str, Any]], list[tuple[str, str]]]:
+    """Sweep metadata by sweep id, and (file, reason) for metadata files that could not be read (their sweeps'
+    receipts still sync, only without the experiment name and parent-run params recorded there)."""
+    metas: dict[str, dict[str, Any]] = {}
+    unreadable: list[tuple[str, str]] = []
     for path in sorted((sweep_dir / SWEEPS_DIR).glob("*.json")) if (sweep_dir / SWEEPS_DIR).is_dir() else []:
         try:
-            meta = json.loads(path.read_text())
-            metas[meta["sweep_id"]] = meta
-        except (json.JSONDecodeError, KeyError):
-            continue
-    return metas
+            meta = json.loads(path.read_bytes().decode("utf-8"))
+            metas[str(meta["sweep_id"])] = meta
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+            why = "no sweep_id" if isinstance(exc, (KeyError, TypeError)) else f"{type(exc).__name__}: {exc}"
+            unreadable.append((str(path), f"sweep metadata unreadable ({why}); its sweep's receipts are synced "
+                                          f"without the experiment name and params recorded there"))
+    return metas, unreadable
 
 
 def gather(source: Path) -> tuple[list[Receipt], list[tuple[str, str]]]:
-    """Receipts of a sweep dir (``receipts/`` + ``spool.jsonl``), or of any file/dir ``load_receipts`` reads."""
-    parts = [p for p in (source / RECEIPTS_DIR, source / SPOOL_FILE) if p.exists()] if source.is_dir() else []
-    receipts: dict[str, Receipt] = {}
-    rejected: list[tuple[str, str]] = []
-    for part in parts or [source]:
-        found, bad = load_receipts(part)
-        rejected += bad
-        for receipt in found:
-            receipts.setdefault(receipt.identity.receipt_id, receipt)
-    return list(receipts.values()), rejected
+    """Receipts of a sweep dir (``receipts/``, ``spool.jsonl``; identical copies once, differing ones rejected
+    as a conflict), or of any file/dir ``load_receipts`` reads, with (origin, reason) for everything unusable."""
+    return load_receipts(source)
 
 
 def sync(source: str | Path, tracking_uri: Optional[str] = None, experiment: Optional[str] = None) -> SyncResult:
@@ -323,8 +324,9 @@ def sync(source: str | Path, tracking_uri: Optional[str] = None, experiment: Opt
     """
     source = Path(source)
     uri = resolve_tracking_uri(tracking_uri)
-    metas = _sweep_meta(source) if source.is_dir() else {}
+    metas, unreadable_meta = _sweep_meta(source) if source.is_dir() else ({}, [])
     receipts, rejected = gather(source)
+    rejected = rejected + unreadable_meta
     by_sweep: dict[str, list[Receipt]] = {}
     for receipt in receipts:
         by_sweep.setdefault(receipt.identity.sweep_id, []).append(receipt)
@@ -391,6 +393,57 @@ def _read_receipts(client: TrackingClient, sweep_id: Optional[str], uri: str, re
                 continue
             receipts.setdefault(receipt.identity.receipt_id, receipt)
             links[receipt.identity.receipt_id] = run_link(uri, client.experiment_id, run_id)
+
+
+def not_run_from_mlflow(tracking_uri: str, experiment: str) -> list[dict[str, str]]:
+    """What every sweep's plan refused before any arm ran, from the parent runs' tag."""
+    client = TrackingClient(tracking_uri, experiment)
+    out = []
+    for run in client.search([f"{_q(TAG + 'role')} = '{ROLE_SWEEP}'"]):
+        tags = run.data.tags
+        try:
+            rows = json.loads(tags.get(SKIPPED_TAG) or "[]")
+        except ValueError:
+            rows = [["(unreadable)", f"tag {SKIPPED_TAG} is not JSON (cut at {MAX_TAG_CHARS} characters?)"]]
+        out += [{"sweep_id": tags.get(TAG + "sweep_id", ""), "campaign": tags.get(TAG + "campaign", ""),
+                 "what": str(w), "why": str(r)} for w, r in rows]
+    return out
+
+
+def not_run_from_dir(source: Path) -> list[dict[str, str]]:
+    """The same from the sweep metadata files under (or next to) a receipts directory."""
+    roots = [source, *([source.parent] if source.name == "receipts" else [])]
+    out = []
+    for path in sorted({p for root in roots if root.is_dir() for p in root.rglob(f"{SWEEPS_DIR}/*.json")}):
+        try:
+            meta = json.loads(path.read_bytes().decode("utf-8"))
+            rows = meta.get("skipped") or []
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            continue  # the receipt loader lists unreadable metadata already
+        out += [{"sweep_id": str(meta.get("sweep_id", "")), "campaign": str(meta.get("campaign", "")),
+                 "what": str(w), "why": str(r)} for w, r in rows]
+    return out
+
+
+def log_promotion_plots(tracking_uri: str, experiment: str, sweep_ids: Iterable[str], report_id: str,
+                        plots: dict[str, Path]) -> dict[str, str]:
+    """Log each lane's speed-up-against-horizon plot on the parent run of every sweep that measured it, under
+    ``promotion/<report id>/``; returns lane key -> where it went. A store that is away costs the links only."""
+    try:
+        client = TrackingClient(tracking_uri, experiment)
+        parents = [client.search([f"{_q(TAG + 'role')} = '{ROLE_SWEEP}'", f"{_q(TAG + 'sweep_id')} = '{sweep}'"])
+                   for sweep in sorted(set(sweep_ids))]
+        runs = [found[0] for found in parents if found]
+        placed: dict[str, str] = {}
+        for run in runs:
+            for lane_key, path in plots.items():
+                client.client.log_artifact(run.info.run_id, str(path), artifact_path=f"promotion/{report_id}")
+                placed[lane_key] = (f"{run_link(tracking_uri, client.experiment_id, run.info.run_id)} artifact "
+                                    f"promotion/{report_id}/{path.name}")
+        return placed
+    except Exception as exc:  # noqa: BLE001 - the report and its local plots still stand without MLflow
+        log.warning("could not log the promotion plots to %s: %s", redact_uri(tracking_uri), exc)
+        return {}
 
 
 def _main(argv: list[str]) -> int:

@@ -1,4 +1,5 @@
-"""The two pictures MLflow shows: one arm's goodput breakdown, and a sweep's per-block speed ratios.
+"""The pictures MLflow shows: one arm's goodput breakdown, a sweep's per-block speed ratios at the lane's
+horizon, and a lane's speed-up against the horizon (the promotion report's trade-off plot).
 
 Both draw on a bare ``matplotlib.figure.Figure`` (Agg canvas, no pyplot): no global backend switch, no GUI, safe
 on the Tune driver thread.
@@ -16,13 +17,10 @@ _GOOD, _BAD, _OTHER = "#2e7d32", "#c62828", "#9e9e9e"
 
 
 def phases(receipt: Receipt) -> list[tuple[str, float]]:
-    """(phase, seconds) in a fixed order: goodput, every named badput category, then the remainder."""
+    """(phase, seconds) in a fixed order: goodput, then every badput category (they sum to the arm's wall)."""
     badput = receipt.time.badput_s
     rows = [("goodput", receipt.time.goodput_s)]
     rows += [(name, float(badput.get(name, 0.0))) for name in BADPUT_CATEGORIES]
-    rows += [(name, float(value)) for name, value in sorted(badput.items())
-             if name not in BADPUT_CATEGORIES and name != "other"]
-    rows.append(("other", float(badput.get("other", 0.0))))
     return rows
 
 
@@ -36,7 +34,8 @@ def goodput_png(receipt: Receipt, path: Path, title: Optional[str] = None) -> Pa
     ax = fig.add_subplot()
     names = [name for name, _ in rows]
     values = [value for _, value in rows]
-    colors = [_GOOD if name == "goodput" else _OTHER if name == "other" else _BAD for name in names]
+    colors = [_GOOD if name == "goodput" else _OTHER if name in ("startup", "unattributed") else _BAD
+              for name in names]
     bars = ax.barh(names, values, color=colors)
     ax.invert_yaxis()
     for bar, value in zip(bars, values):
@@ -53,7 +52,8 @@ def goodput_png(receipt: Receipt, path: Path, title: Optional[str] = None) -> Pa
 
 
 def block_ratios(receipts: Iterable[Receipt]) -> list[tuple[str, str, Optional[float], bool]]:
-    """Per block (latest complete attempt): (block id, label, candidate/baseline wall tokens/s, both valid).
+    """Per block (latest complete attempt): (block id, label, candidate/baseline projected tokens/s at the lane's
+    horizon — the promotion metric, start-up excluded —, both valid).
 
     A/A blocks report twin 1 over twin 0, the noise floor the real ratios must clear.
     """
@@ -70,7 +70,7 @@ def block_ratios(receipts: Iterable[Receipt]) -> list[tuple[str, str, Optional[f
         label = "A/A" if first.feature is None else f"{first.feature}={_value(pair)}"
         ratio, valid = None, False
         if len(pair) == 2:
-            base, cand = pair[0].throughput.wall_tokens_per_s, pair[1].throughput.wall_tokens_per_s
+            base, cand = (r.projection.tokens_per_s if r.projection else None for r in (pair[0], pair[1]))
             ratio = cand / base if base and cand else None
             valid = all(r.identity.status is Status.valid for r in pair.values())
         rows.append((block_id, label, ratio, valid))
@@ -83,7 +83,7 @@ def _value(pair: dict[int, Receipt]) -> object:
 
 
 def summary_png(receipts: Iterable[Receipt], path: Path, title: str) -> Optional[Path]:
-    """Candidate / baseline wall tokens/s per block, coloured by comparison; hatched = not both arms valid."""
+    """Candidate / baseline projected tokens/s per block, coloured by comparison; hatched = not both arms valid."""
     from matplotlib.figure import Figure
 
     rows = block_ratios(receipts)
@@ -99,11 +99,42 @@ def summary_png(receipts: Iterable[Receipt], path: Path, title: str) -> Optional
                alpha=1.0 if ratio is not None else 0.2, edgecolor="black", linewidth=0.4)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(rows)), [row[0] for row in rows], rotation=60, fontsize=7)
-    ax.set_ylabel("candidate / baseline wall tokens/s")
+    ax.set_ylabel("candidate / baseline tokens/s at the horizon")
     ax.set_title(title, fontsize=10)
     from matplotlib.patches import Patch
 
     ax.legend(handles=[Patch(color=color[label], label=label) for label in labels], fontsize=7, loc="best")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def horizon_png(curves: list[tuple[str, list[dict[str, float]]]], horizon: int, threshold: float, path: Path,
+                title: str) -> Optional[Path]:
+    """Speed-up against production-run length, one line and 90% band per feature value, the lane's declared
+    horizon marked: where a one-time cost is paid back (or a cheap start stops paying) is where a line crosses 1."""
+    from matplotlib.figure import Figure
+
+    curves = [(label, points) for label, points in curves if points]
+    if not curves:
+        return None
+    palette = ["#1565c0", "#ef6c00", "#6a1b9a", "#00838f", "#ad1457", "#558b2f", "#4e342e", "#37474f"]
+    fig = Figure(figsize=(7.0, 4.2), layout="constrained")
+    ax = fig.add_subplot()
+    for i, (label, points) in enumerate(curves):
+        xs = [p["horizon"] for p in points]
+        color = palette[i % len(palette)]
+        ax.fill_between(xs, [p["lo"] for p in points], [p["hi"] for p in points], color=color, alpha=0.18,
+                        linewidth=0)
+        ax.plot(xs, [p["speedup"] for p in points], color=color, label=label, linewidth=1.6)
+    ax.set_xscale("log")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.axhline(1.0 + threshold, color="#2e7d32", linewidth=0.8, linestyle=":", label=f"1 + delta ({threshold:.1%})")
+    ax.axvline(horizon, color="#c62828", linewidth=1.0, linestyle="--", label=f"lane horizon ({horizon:,} steps)")
+    ax.set_xlabel("production run length (optimizer steps)")
+    ax.set_ylabel("speed-up (baseline time / candidate time)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="best")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     return path

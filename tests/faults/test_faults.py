@@ -76,7 +76,7 @@ def test_failed_nan_and_oom_arms_leave_receipts_and_the_sweep_goes_on(ray_addres
     # Nothing promoted by accident: a failed arm never makes its block a candidate win.
     policy = load_policy(REPO / "search_spaces/policies/single_node.yaml",
                          overrides={"evidence.min_blocks": 1, "evidence.min_rounds": 1,
-                                    "evidence.min_blocks_per_round": 1, "threshold.min_aa_blocks": 0})
+                                    "evidence.min_blocks_per_round": 1, "threshold.min_aa_blocks": 2})
     result = promote(receipts, policy_path=policy, defaults_path=REPO / "search_spaces/defaults.yaml")
     (verdict,) = [v for v in result.verdicts if v.feature == "moe_dispatch"]
     assert verdict.verdict != "PROMOTE"
@@ -85,10 +85,10 @@ def test_failed_nan_and_oom_arms_leave_receipts_and_the_sweep_goes_on(ray_addres
     failed_ids = {r.identity.receipt_id for r in receipts if r.identity.status is Status.failed}
     assert len(failed_ids) == 3 and failed_ids <= set(verdict.receipt_ids) | refused, "no failure dropped silently"
     assert failures == len(failed_ids & set(verdict.receipt_ids)) >= 1, "failed arms stay in the failure rates"
-    clean_wins = sum(
-        1 for arms in (blocks["b003"],)
-        if {r.identity.arm.value: r.throughput.wall_tokens_per_s for r in arms}["candidate"]
-        > {r.identity.arm.value: r.throughput.wall_tokens_per_s for r in arms}["baseline"])
+    def at_horizon(arms: list, role: str) -> float:
+        return next(r.projection.tokens_per_s for r in arms if r.identity.arm.value == role)
+
+    clean_wins = sum(1 for arms in (blocks["b003"],) if at_horizon(arms, "candidate") > at_horizon(arms, "baseline"))
     assert verdict.win_fraction is None or verdict.win_fraction * verdict.n_blocks <= clean_wins + 1e-9
 
 

@@ -14,6 +14,7 @@ import torch
 from kernels.capability import probe
 from kernels.dispatch import BackendMismatchError, Dispatcher, registered_ops
 from kernels.moe import moe_jagged, moe_padded
+from kernels.norm import add_rmsnorm_compiled, add_rmsnorm_ref
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,8 +73,74 @@ def test_force_pins_backend_and_says_so() -> None:
     with d.forced("moe", "padded"):
         record = d.resolve("moe", "jagged", dims=(64, 128, 256))
     assert record.fn is moe_padded and record.record.observed == "padded" and "forced" in record.record.reason
-    assert d.resolve("moe", "jagged", dims=(64, 128, 256)).record.observed == "padded", "ledger keeps the forced row"
-    assert Dispatcher(CPU).resolve("moe", "jagged", dims=(64, 128, 256)).record.observed == "jagged"
+    after = d.resolve("moe", "jagged", dims=(64, 128, 256))
+    assert after.fn is moe_jagged and after.record.observed == "jagged", "the pin must end with the context"
+    # Both were handed out, so both stay in the receipt's table.
+    assert [row["observed"] for row in d.table()] == ["padded", "jagged"]
+
+
+def test_forced_context_restores_an_outer_pin() -> None:
+    d = Dispatcher(CPU)
+    d.force("moe", "padded")
+    with d.forced("moe", "jagged_loop"):
+        assert d.resolve("moe", "jagged", dims=(64, 128, 256)).record.observed == "jagged_loop"
+    assert d.resolve("moe", "jagged", dims=(64, 128, 256)).record.observed == "padded"
+
+
+def test_strict_raises_on_every_resolution_that_falls_back() -> None:
+    d = Dispatcher(CPU, strict=True)
+    for _ in range(3):
+        with pytest.raises(BackendMismatchError, match="grouped_mm"):
+            d.resolve("moe", "grouped_mm", dims=(64, 128, 256))
+    assert len(d.table()) == 1, "the refused row is recorded once"
+
+
+def test_resolution_is_cached_per_context_not_reused_across_dims() -> None:
+    # Eligibility of jagged on a CUDA device without CUTLASS depends on dims (16-byte aligned strides).
+    d = Dispatcher(CPU)
+    d.capability = dataclasses.replace(d.capability, device_type="cuda", cuda_available=True,
+                                       cuda_capability=(8, 0), grouped_mm_fast_path=False)
+    assert d.resolve("moe", "jagged", dims=(64, 128, 256)).record.observed == "jagged"
+    assert d.resolve("moe", "jagged", dims=(60, 128, 256)).record.observed == "jagged_loop"
+    assert d.resolve("moe", "jagged", dims=[64, 128, 256]).record.observed == "jagged", "a list is the same context"
+    assert d.resolve("moe", "jagged", dims=(64, 128, 256)) is d.resolve("moe", "jagged", dims=(64, 128, 256))
+    assert sorted(row["observed"] for row in d.table()) == ["jagged", "jagged_loop"]
+    fresh = Dispatcher(CPU)
+    fresh.capability = d.capability
+    assert fresh.resolve("moe", "jagged", dims=(60, 128, 256)).record.observed == "jagged_loop"
+    assert fresh.resolve("moe", "jagged", dims=(64, 128, 256)).record.observed == "jagged"
+
+
+@pytest.mark.parametrize("posture", ["regional", "whole"])
+def test_compiled_norm_inside_a_compiled_posture_is_recorded_and_run_as_eager(posture: str) -> None:
+    # add_rmsnorm_compiled returns the reference while Dynamo traces it: inside compiled blocks it is the baseline.
+    for requested in ("compiled", "triton"):
+        resolved = Dispatcher(CPU, compile_posture=posture).resolve("add_rmsnorm", requested)
+        assert resolved.record.observed == "eager" and resolved.fn is add_rmsnorm_ref
+        assert "enclosing graph already fuses add + RMSNorm" in resolved.record.reason
+        assert posture in resolved.record.reason
+
+
+@pytest.mark.skipif(not probe(CPU).cpp_compiler, reason="Inductor CPU needs a C++ compiler")
+def test_compiled_norm_in_eager_posture_runs_compiled() -> None:
+    for d in (Dispatcher(CPU), Dispatcher(CPU, compile_posture="eager")):
+        resolved = d.resolve("add_rmsnorm", "compiled")
+        assert resolved.record.observed == "compiled" and resolved.fn is add_rmsnorm_compiled
+
+
+def test_compile_posture_changes_nothing_else() -> None:
+    # The audit: no other backend defers to another one under compile, so a compiling posture records the same rows.
+    requests = [("moe", "jagged", {"dims": (64, 128, 256)}), ("moe", "padded", {}), ("ssd", "chunked", {}),
+                ("ssd", "mamba_ssm", {"conv_channels": 64}), ("mla_ingress", "fused", {}),
+                ("recurrent_scan", "parallel", {}), ("add_rmsnorm", "eager", {})]
+    eager, regional = Dispatcher(CPU), Dispatcher(CPU, compile_posture="regional")
+    for op, backend, ctx in requests:
+        assert regional.resolve(op, backend, **ctx).record == eager.resolve(op, backend, **ctx).record, op
+
+
+def test_unknown_compile_posture_lists_allowed() -> None:
+    with pytest.raises(ValueError, match="compile_posture.*'full'.*eager, regional, whole"):
+        Dispatcher(CPU, compile_posture="full")
 
 
 def test_resolves_once_and_table_is_json() -> None:

@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 from conftest import DEFAULTS
 from promote_sim import FeatureTruth, Sim, base_lane, moe, simulate
 from ruamel.yaml import YAML
 
-from ablate.config.load import load_defaults
-from ablate.promote import PROMOTE, REJECT, Policy, promote, render_defaults, write_defaults
+from ablate.config.load import flatten, lane_to_dict, load_defaults
+from ablate.config.schema import LaneConfig
+from ablate.promote import PROMOTE, REJECT, Policy, promote, render_defaults, with_overrides, write_defaults
+from ablate.promote import defaults_writer, rule
+from ablate.promote.analysis import FeatureVerdict
 
 QUIET = {"noise": 0.007, "aa_per_host": 2}
+
+
+def anywhere(policy: Policy) -> Policy:
+    """The policy without the device-class condition: simulated receipts are CPU arms, and these tests are about
+    what a global flip writes, not about which evidence may cause one."""
+    return with_overrides(policy, {"scope.global_device_classes": []})
 
 
 def comments(text: str) -> list[str]:
@@ -26,7 +36,7 @@ def keys(path: Path) -> tuple[list[str], list[str]]:
 
 def test_write_keeps_comments_and_order_and_records_evidence(policy: Policy, defaults_file: Path) -> None:
     before = defaults_file.read_text()
-    result = promote(simulate(Sim(features=[moe(1.05)], **QUIET), 0), policy_path=policy,
+    result = promote(simulate(Sim(features=[moe(1.05)], **QUIET), 0), policy_path=anywhere(policy),
                      defaults_path=defaults_file)
     v = result.verdicts[0]
     assert v.verdict == PROMOTE
@@ -35,11 +45,14 @@ def test_write_keeps_comments_and_order_and_records_evidence(policy: Policy, def
     assert edits == ["features.moe_dispatch.value: 'padded' -> 'jagged'",
                      f"features.moe_dispatch.evidence += {result.report_id} on {v.lane_key}"]
     assert write_defaults(result, defaults_file) == []  # idempotent: --write then --branch adds nothing twice
-    assert comments(after) == comments(before)  # every comment, in order
+    flipped = f"# promoted by {result.report_id} on {result.date} (was padded); evidence below"
+    old_comment = "# reference: route, permute, pad to capacity, batched GEMM"
+    # Every comment, in order, except the flipped line's: it described the old value.
+    assert comments(after) == [flipped if c == old_comment else c for c in comments(before)]
     assert keys(defaults_file) == (["version", "features"], ["moe_dispatch", "mla_ingress", "fused_residual",
                                                              "mamba_scan", "recurrent_scan", "compile", "warmup",
                                                              "stp"])
-    assert "value: jagged        # reference: route, permute" in after  # the comment stays on its line
+    assert f"value: jagged        {flipped}" in after  # same column as before
     untouched = before.split("  mla_ingress:")[1]
     assert after.split("  mla_ingress:")[1] == untouched  # other entries byte-identical (quotes kept: 'off')
     defaults = load_defaults(defaults_file)  # the sweep loader still accepts it
@@ -48,9 +61,10 @@ def test_write_keeps_comments_and_order_and_records_evidence(policy: Policy, def
     assert record["report"] == result.report_id and record["speedup"] == round(v.speedup, 4)
     assert record["ci95"] == [round(x, 4) for x in v.ci95] and record["blocks"] == 12 and record["hosts"] == 3
     assert record["lane_key"] == v.lane_key and record["software_fingerprint"] == "sw-1"
-    assert record["rounds"] == ["sim-r1", "sim-r2"] and record["policy"] == "default@1"
+    assert record["rounds"] == ["sim-r1", "sim-r2"] and record["policy"] == policy.ref
     assert record["revalidate_when"] == ["software_fingerprint_change", "lane_key_change"]
     assert str(record["date"]) == result.date and record["previous"] == "padded"
+    assert record["previous_comment"] == old_comment[2:]
 
 
 def test_nothing_promoted_leaves_the_file_byte_identical(policy: Policy, defaults_file: Path) -> None:
@@ -68,7 +82,9 @@ def test_a_win_in_one_lane_only_becomes_a_lane_override(policy: Policy, defaults
     receipts = (simulate(Sim(features=[moe(1.05)], lane=lane_a, block_prefix="A-", **QUIET), 0)
                 + simulate(Sim(features=[moe(1.0)], lane=lane_b, block_prefix="B-", **QUIET), 1))
     result = promote(receipts, policy_path=policy, defaults_path=defaults_file)
-    assert sorted(v.verdict for v in result.verdicts) == [PROMOTE, REJECT]
+    # Lane B did not promote (REJECT or HOLD: either way not every lane did), so nothing flips globally.
+    assert [v.verdict == PROMOTE for v in sorted(result.verdicts, key=lambda v: v.verdict != PROMOTE)] == [True,
+                                                                                                          False]
     [change] = result.changes
     assert change.scope == "lane" and change.new is None
     write_defaults(result, defaults_file)
@@ -76,14 +92,18 @@ def test_a_win_in_one_lane_only_becomes_a_lane_override(policy: Policy, defaults
     entry = defaults.raw["features"]["moe_dispatch"]
     assert defaults.values["moe_dispatch"] == "padded"  # the global default does not flip
     promoted_lane = next(v.lane_key for v in result.verdicts if v.verdict == PROMOTE)
-    assert entry["lane_overrides"] == [{"lane_key": promoted_lane, "value": "jagged", "report": result.report_id}]
+    shape = next(v.lane_shape for v in result.verdicts if v.verdict == PROMOTE)
+    assert entry["lane_overrides"] == [{"lane_shape": shape, "value": "jagged", "previous": "padded",
+                                        "report": result.report_id, "date": result.date}]
+    assert defaults.for_shape(shape)["moe_dispatch"] == "jagged"  # what that lane's next baseline runs
+    assert entry["evidence"][0]["lane_key"] == promoted_lane
     assert entry["evidence"][0]["scope"] == "lane"
     assert "lane override" in result.markdown
 
 
 def test_a_fingerprint_change_marks_the_earlier_promotion_for_revalidation(policy: Policy,
                                                                            defaults_file: Path) -> None:
-    first = promote(simulate(Sim(features=[moe(1.05)], **QUIET), 0), policy_path=policy,
+    first = promote(simulate(Sim(features=[moe(1.05)], **QUIET), 0), policy_path=anywhere(policy),
                     defaults_path=defaults_file)
     write_defaults(first, defaults_file)
     # Later campaign on the same lane shape (its baseline now has jagged, so its lane key differs) under new
@@ -110,3 +130,145 @@ def test_the_repository_defaults_file_is_not_touched_by_promote(policy: Policy) 
     before = DEFAULTS.read_text()
     promote(simulate(Sim(features=[moe(1.05)], **QUIET), 0), policy_path=policy, defaults_path=DEFAULTS)
     assert DEFAULTS.read_text() == before  # promote decides; only write_defaults writes
+
+
+# --- writer-level: hand-made verdicts, no receipts (scope, overrides, comments, counts) ---
+
+DATE = "2026-03-09"
+
+
+def flat(**changes: object) -> dict:
+    lane = flatten(lane_to_dict(LaneConfig()))
+    lane.update(changes)
+    return lane
+
+
+CPU_LANE = flat()
+CUDA_LANE = flat(**{"hardware.device": "cuda", "precision": "bf16", "batch.seq_len": 256})
+
+
+def verdict(lane: dict, device: str, *, feature: str = "moe_dispatch", value: str = "jagged",
+            baseline: str = "padded", outcome: str = PROMOTE, context: str = "") -> FeatureVerdict:
+    from ablate.config.lane_shape import lane_shape
+
+    shape = lane_shape(lane)
+    return FeatureVerdict(feature=feature, value=value, baseline_value=baseline, kind="speed",
+                          lane_key=f"lane-{device}-{shape[6:12]}{context}", software_fingerprint="sw-1",
+                          lane_shape=shape, device_class=device, verdict=outcome, speedup=1.08, ci95=(1.04, 1.12),
+                          n_blocks=12, n_hosts=3)
+
+
+def write(path: Path, verdicts: list[FeatureVerdict], policy: Policy, report: str,
+          revalidations: tuple = ()) -> tuple[list, list[str]]:
+    """plan_changes + the round-trip edit, as `promote --write` runs them; returns (changes, edits)."""
+    changes = defaults_writer.plan_changes(verdicts, load_defaults(path), policy, report_id=report, campaign="c",
+                                           date=DATE)
+    result = SimpleNamespace(changes=changes, revalidations=list(revalidations), report_id=report, date=DATE)
+    text, edits = render_defaults(path.read_text(), result)
+    path.write_text(text)
+    load_defaults(path)  # whatever was written, the loader accepts
+    return changes, edits
+
+
+def test_cpu_only_evidence_never_flips_the_global_value(policy: Policy, defaults_file: Path) -> None:
+    assert policy.scope.global_device_classes == ("cuda",)
+    # One lane measured: "every lane promoted" holds trivially, yet a CPU lane must not decide GPU defaults.
+    [change] = defaults_writer.plan_changes([verdict(CPU_LANE, "cpu")], load_defaults(defaults_file), policy,
+                                            report_id="r1", campaign="c", date=DATE)
+    assert (change.scope, change.new) == ("lane", None)
+    assert change.overrides == {verdict(CPU_LANE, "cpu").lane_shape: "jagged"}
+    assert any("no promoting lane on cuda" in why for why in change.not_global)
+    # The same evidence plus a promoting cuda lane flips it everywhere ...
+    [change] = defaults_writer.plan_changes([verdict(CPU_LANE, "cpu"), verdict(CUDA_LANE, "cuda")],
+                                            load_defaults(defaults_file), policy, report_id="r1", campaign="c",
+                                            date=DATE)
+    assert (change.scope, change.new, change.overrides) == ("global", "jagged", {})
+    # ... unless the value was rejected somewhere.
+    rejected = verdict(flat(**{"batch.seq_len": 128}), "cpu", outcome=REJECT)
+    [change] = defaults_writer.plan_changes([verdict(CPU_LANE, "cpu"), verdict(CUDA_LANE, "cuda"), rejected],
+                                            load_defaults(defaults_file), policy, report_id="r1", campaign="c",
+                                            date=DATE)
+    assert change.scope == "lane" and set(change.overrides) == {verdict(CPU_LANE, "cpu").lane_shape,
+                                                                verdict(CUDA_LANE, "cuda").lane_shape}
+
+
+def test_a_cpu_only_promotion_is_written_as_that_lanes_override(policy: Policy, defaults_file: Path) -> None:
+    _, edits = write(defaults_file, [verdict(CPU_LANE, "cpu")], policy, "r1")
+    defaults = load_defaults(defaults_file)
+    assert defaults.values["moe_dispatch"] == "padded"  # the global value stays
+    assert defaults.effective(CPU_LANE)["moe_dispatch"] == "jagged"  # the lane's next baseline
+    assert defaults.effective(CUDA_LANE)["moe_dispatch"] == "padded"
+    assert defaults_writer.num_promoted(edits) == 1
+
+
+def test_a_second_promotion_on_a_lane_updates_its_override(policy: Policy, defaults_file: Path) -> None:
+    write(defaults_file, [verdict(CPU_LANE, "cpu")], policy, "r1")
+    # Next campaign on the same lane (a new seed, so a new lane key): its baseline is now jagged.
+    again = verdict(dict(CPU_LANE, seed=3), "cpu", value="grouped_mm", baseline="jagged", context="-s3")
+    _, edits = write(defaults_file, [again], policy, "r2")
+    shape = again.lane_shape
+    assert f"features.moe_dispatch.lane_overrides[{shape}]: 'jagged' -> 'grouped_mm'" in edits
+    assert defaults_writer.num_promoted(edits) == 1
+    entry = load_defaults(defaults_file).raw["features"]["moe_dispatch"]
+    assert entry["lane_overrides"] == [{"lane_shape": shape, "value": "grouped_mm", "previous": "jagged",
+                                        "report": "r2", "date": DATE}]  # updated, not appended
+    assert [r["report"] for r in entry["evidence"]] == ["r1", "r2"]  # both pieces of evidence are kept
+    assert load_defaults(defaults_file).effective(CPU_LANE)["moe_dispatch"] == "grouped_mm"
+
+
+def test_lanes_of_one_shape_that_disagree_get_no_override(policy: Policy, defaults_file: Path) -> None:
+    # Two grid contexts of one lane shape: one promotes jagged, the other rejects it.
+    won = verdict(CPU_LANE, "cpu", context="-ctx1")
+    lost = verdict(CPU_LANE, "cpu", outcome=REJECT, context="-ctx2")
+    [change], edits = write(defaults_file, [won, lost], policy, "r1")
+    assert change.scope == "lane" and change.overrides == {}
+    assert defaults_writer.num_promoted(edits) == 0
+    assert load_defaults(defaults_file).effective(CPU_LANE)["moe_dispatch"] == "padded"
+
+
+def test_revalidation_marks_the_override_the_lane_runs(policy: Policy, defaults_file: Path) -> None:
+    v = verdict(CPU_LANE, "cpu")
+    write(defaults_file, [v], policy, "r1")
+    reval = defaults_writer.Revalidation(feature="moe_dispatch", value="jagged", lane_key=v.lane_key,
+                                         recorded_fingerprint="sw-1", current_fingerprint="sw-2", report="r1")
+    _, edits = write(defaults_file, [], policy, "r9", revalidations=(reval,))
+    assert edits == [f"features.moe_dispatch.evidence[{v.lane_key}]: revalidation required",
+                     f"features.moe_dispatch.lane_overrides[{v.lane_shape}]: revalidation required"]
+    entry = load_defaults(defaults_file).raw["features"]["moe_dispatch"]
+    for marked in (entry["evidence"][0], entry["lane_overrides"][0]):
+        assert marked["revalidate"]["required"] is True and marked["revalidate"]["current_fingerprint"] == "sw-2"
+
+
+def test_a_flip_replaces_the_old_comment_and_counts_one_value(policy: Policy, defaults_file: Path) -> None:
+    before = defaults_file.read_text()
+    promoted = [verdict(CPU_LANE, "cpu", feature="mamba_scan", value="chunked", baseline="sequential"),
+                verdict(CUDA_LANE, "cuda", feature="mamba_scan", value="chunked", baseline="sequential")]
+    _, edits = write(defaults_file, promoted, policy, "r1")
+    after = defaults_file.read_text()
+    # One value promoted, though the flip also appended two evidence records.
+    assert len(edits) == 3 and defaults_writer.num_promoted(edits) == 1
+    line = next(x for x in after.splitlines() if "value: chunked" in x)
+    assert line == "    value: chunked       # promoted by r1 on 2026-03-09 (was sequential); evidence below"
+    assert "reference SSD recurrence" not in line  # it described the old value
+    record = load_defaults(defaults_file).raw["features"]["mamba_scan"]["evidence"][0]
+    assert record["previous_comment"] == "reference SSD recurrence" and record["device_class"] == "cpu"
+    assert after.split("  recurrent_scan:")[1] == before.split("  recurrent_scan:")[1]  # the rest is untouched
+
+
+def test_baseline_is_default_reads_the_lanes_override(policy: Policy, defaults_file: Path) -> None:
+    import numpy as np
+
+    from ablate.promote.analysis import Work
+
+    write(defaults_file, [verdict(CPU_LANE, "cpu")], policy, "r1")
+    defaults = load_defaults(defaults_file)
+    # The next campaign on that lane measures grouped_mm against its override, jagged: that is its default.
+    v = verdict(CPU_LANE, "cpu", value="grouped_mm", baseline="jagged")
+    v.work = Work(log_ratios=np.zeros(8), hosts=np.array(["h"] * 8), candidate_first=np.ones(8, bool),
+                  theta=np.zeros(8))
+    clause = next(c for c in rule._promote_clauses(v, policy, defaults) if c.__name__ == "current_baseline")()
+    assert clause.passed, clause.detail
+    # On a lane without the override, jagged is not the default: the clause holds the promotion back.
+    v.lane_shape = verdict(CUDA_LANE, "cuda").lane_shape
+    clause = next(c for c in rule._promote_clauses(v, policy, defaults) if c.__name__ == "current_baseline")()
+    assert not clause.passed and "the default is 'padded'" in clause.detail

@@ -6,11 +6,13 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import DEFAULTS
+from conftest import DEFAULT_POLICY, DEFAULTS, REPO
 from promote_sim import Sim, moe, simulate
+from ruamel.yaml import YAML
 
 from ablate.promote import Policy, make_branch, promote, write_defaults
 
@@ -47,8 +49,11 @@ def test_branch_commits_defaults_and_report_only(policy: Policy, repo: Path,
     assert git(repo, "branch", "--show-current") == "promote/moe-jagged" and outcome.base == "main"
     committed = git(repo, "show", "--name-only", "--format=", "HEAD").splitlines()
     md = f"reports/promotions/{result.report_id}.md"
+    plots = [f for f in committed if f.startswith(f"reports/promotions/{result.report_id}/")]
+    assert plots and all(f.endswith(".png") for f in plots)  # the trade-off plot the PR body links to
+    assert f"]({result.report_id}/" in (repo / md).read_text()
     assert sorted(committed) == sorted(["search_spaces/defaults.yaml", md, f"reports/promotions/"
-                                                                          f"{result.report_id}.json"])
+                                                                          f"{result.report_id}.json", *plots])
     assert "value: jagged" in git(repo, "show", "HEAD:search_spaces/defaults.yaml")
     assert git(repo, "show", f"HEAD:{md}") == result.markdown.strip()
     assert "A  unrelated.txt" in git(repo, "status", "--porcelain")  # still staged, not committed
@@ -78,3 +83,29 @@ def test_open_pr_runs_gh_when_installed(policy: Policy, repo: Path, monkeypatch:
     assert outcome.pr_opened and "https://github.test/pr/1" in outcome.pr_output
     assert (tmp_path / "gh-args").read_text().startswith("pr create --title promote: moe_dispatch=jagged")
     assert git(remote, "rev-parse", "promote/x") == outcome.commit  # pushed before the PR was opened
+
+
+def test_promote_write_branch_counts_values_and_leaves_one_report(repo: Path, tmp_path: Path) -> None:
+    # `ablate promote --write --branch` as a user runs it: one promoted value, one committed report.
+    receipts = tmp_path / "receipts.jsonl"
+    receipts.write_text("".join(r.model_dump_json() + "\n" for r in simulate(
+        Sim(features=[moe(1.05)], noise=0.007, aa_per_host=2), 0)))
+    data = YAML(typ="safe").load(DEFAULT_POLICY.read_text())
+    data["bootstrap"].update(resamples=2000, loss_resamples=500)  # as the `policy` fixture: fast
+    data["scope"]["global_device_classes"] = []  # simulated arms are CPU arms; this test is about the write
+    policy_file = tmp_path / "policy.yaml"
+    with policy_file.open("w") as handle:
+        YAML(typ="safe").dump(data, handle)
+    git(repo, "reset", "--quiet")  # nothing staged: the working tree must end clean apart from unrelated.txt
+    out = subprocess.run([sys.executable, "-m", "ablate", "promote", "--source", str(receipts), "--policy",
+                          str(policy_file), "--write", "--branch", "promote/moe"], cwd=repo, capture_output=True,
+                         text=True, timeout=300, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO),
+                                                      "HOME": str(tmp_path), "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    assert "defaults: 1 value(s) promoted (2 edit(s))" in out.stdout  # one flip + its evidence: one value
+    assert git(repo, "branch", "--show-current") == "promote/moe"
+    reports = sorted(str(p.relative_to(repo)) for p in (repo / "reports").rglob("*") if p.is_file())
+    committed = git(repo, "show", "--name-only", "--format=", "HEAD").splitlines()
+    assert reports == sorted(f for f in committed if f.startswith("reports/"))  # the committed copy only
+    assert sorted({f.rsplit(".", 1)[1] for f in reports}) == ["json", "md", "png"]  # report + its trade-off plot
+    assert git(repo, "status", "--porcelain") == "?? unrelated.txt"

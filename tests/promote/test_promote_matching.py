@@ -122,3 +122,32 @@ def test_a_block_whose_retries_ran_out_is_a_candidate_loss(policy: Policy) -> No
     assert refusals == [] and blocks[0].baseline.receipt_id == "out-a0"
     assert blocks[0].candidate.receipt_id == "out-a1-t1" and blocks[0].earlier_failures == {"candidate": 1}
     assert blocks[0].log_ratio(policy.failures.failed_log_ratio) == policy.failures.failed_log_ratio
+
+
+def test_arms_on_different_hardware_or_code_are_not_one_block(policy: Policy) -> None:
+    # A different GPU model or count, driver or CUDA stack gives another hardware fingerprint; an edit to
+    # kernels/ or trainers/ another code fingerprint: either way the two arms measured different things.
+    gpu, code = pair("gpu"), pair("code")
+    gpu[1].identity.hardware_fingerprint = "hw-other-gpu"
+    code[1].identity.code_fingerprint = "code-edited"
+    got = reasons(gpu + code, policy)
+    assert got["gpu"] == "arms differ in hardware_fingerprint: 'hw-cpu' vs 'hw-other-gpu'"
+    assert got["code"] == "arms differ in code_fingerprint: 'code-1' vs 'code-edited'"
+    cpu_gpu = pair("device")
+    cpu_gpu[1].observed.hardware["kind"] = "cuda"
+    assert reasons(cpu_gpu, policy)["device"] == "arms ran on different device types: cpu vs cuda"
+
+
+def test_a_candidate_that_ran_its_baselines_code_is_an_observed_inert_toggle(policy: Policy) -> None:
+    # The registry cannot know (say, a fallback only this node takes): the candidate's observed backends,
+    # compile, engine and model equal its own baseline's, so its "win" is noise and it is gated as inert.
+    receipts = simulate(Sim(features=[moe(1.05)], noise=0.007, aa_per_host=2), 0)
+    for r in receipts:
+        if r.identity.arm.value == "candidate":
+            for record in r.observed.backends:
+                if record.op == "moe":
+                    record.observed = "padded"  # requested jagged, ran the baseline's padded path
+    result = promote(receipts, policy_path=policy, defaults_path=DEFAULTS)
+    v = result.verdicts[0]
+    assert v.verdict == "REJECT" and v.reason.startswith("INERT_TOGGLE disqualifier on 12 candidate arm")
+    assert v.gated_disqualifiers["INERT_TOGGLE"] == 12 and v.gated_disqualifiers["BACKEND_FALLBACK"] == 12

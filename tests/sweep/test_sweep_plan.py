@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from ablate.config.load import flatten, lane_to_dict, load_sweep
+from ablate.config.schema import ConfigError
 from ablate.sweep.plan import Block, lane_key, plan_sweep
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +35,10 @@ def test_smoke_campaign_expands_to_matched_blocks_and_aa() -> None:
     sweep, _ = load_sweep(REPO / "search_spaces" / "smoke.yaml")
     plan = plan_sweep(sweep, sweep_id="s1")
     per_feature = Counter(b.feature for b in plan.blocks)
-    assert per_feature == {"moe_dispatch": sweep.blocks, "mamba_scan": sweep.blocks, None: sweep.aa_blocks}
+    assert per_feature == {"moe_dispatch": sweep.blocks, "mamba_scan": sweep.blocks, "stp": sweep.blocks,
+                           None: sweep.aa_blocks}
+    # The smoke lane has no R block: the recurrent toggle is refused before any arm runs, with the reason.
+    assert [what for what, _ in plan.skipped] == ["recurrent_scan=parallel"]
     assert [b.block_id for b in plan.blocks] == [f"b{i:03d}" for i in range(len(plan.blocks))]
     for block in plan.blocks:
         if block.is_aa:
@@ -44,7 +49,7 @@ def test_smoke_campaign_expands_to_matched_blocks_and_aa() -> None:
             # Defaults vs defaults + exactly one change, and the baseline is the defaults.yaml value.
             assert _diff(block) == {f"features.{block.feature}"}
             assert block.arms[0].value == block.baseline_value != block.candidate_value == block.arms[1].value
-            assert block.kind == "speed"
+            assert block.kind == ("tax" if block.feature == "stp" else "speed")
         assert block.lane_key == lane_key(block.arms[0].lane) == lane_key(sweep.lane)
     assert plan.lane_keys() == [lane_key(sweep.lane)]
 
@@ -113,13 +118,30 @@ def test_grid_design_tests_each_toggle_in_every_context_lane(tmp_path: Path) -> 
 
 
 def test_grid_skips_a_toggle_where_its_context_makes_it_inert(tmp_path: Path) -> None:
+    # warmup: auto resolves to explicit (the baseline) under eager on any device, but to skip on CUDA under
+    # regional compile: only the eager context makes it inert.
     path = _campaign(tmp_path, "design: grid\nlane: {compile: {posture: regional}}\n"
-                               "features: {compile: [eager], warmup: [skip]}\nblocks: 1\naa_blocks: 0\n")
+                               "features: {compile: [eager], warmup: [auto]}\nblocks: 1\naa_blocks: 0\n")
     sweep, _ = load_sweep(path)
     plan = plan_sweep(sweep, sweep_id="g")
     warmup_contexts = [b.context for b in plan.blocks if b.feature == "warmup"]
     assert warmup_contexts == [{}], "warmup cannot act under eager: that context is skipped"
-    assert len(plan.skipped) == 1 and "eager" in plan.skipped[0][1]
+    assert len(plan.skipped) == 1 and "eager" in plan.skipped[0][1] and "inert" in plan.skipped[0][1]
+
+
+def test_an_inert_value_is_refused_before_any_arm_and_an_all_inert_campaign_fails(tmp_path: Path) -> None:
+    path = _campaign(tmp_path, "lane: {model: {pattern: AM}}\n"
+                               "features: {moe_dispatch: [jagged], mamba_scan: [chunked]}\nblocks: 2\n")
+    sweep, _ = load_sweep(path)
+    plan = plan_sweep(sweep, sweep_id="i")
+    assert {b.feature for b in plan.blocks} == {"mamba_scan", None}
+    assert plan.skipped == [("moe_dispatch=jagged",
+                             "refused, inert in this lane: pattern 'AM' has no E (MoE) blocks")]
+    nothing = _campaign(tmp_path, "lane: {model: {pattern: AM}}\nfeatures: {moe_dispatch: [jagged]}\n"
+                                  "aa_blocks: 0\n")
+    sweep, _ = load_sweep(nothing)
+    with pytest.raises(ConfigError, match="nothing would run: moe_dispatch=jagged: refused, inert"):
+        plan_sweep(sweep, sweep_id="n")
 
 
 def test_fingerprint_changes_when_the_campaign_changes(tmp_path: Path) -> None:
@@ -137,3 +159,101 @@ def test_every_campaign_file_plans(path: Path) -> None:
     sweep, _ = load_sweep(path)
     plan = plan_sweep(sweep, sweep_id="validate")
     assert plan.blocks and all(len(b.arms) == 2 for b in plan.blocks)
+
+
+# --- after a promotion: the repository's campaigns keep planning, and baselines follow the lane's default ---
+
+POLICY = REPO / "search_spaces" / "policies" / "default.yaml"
+
+
+def _promote(defaults_path: Path, feature: str, value: str, lanes: dict[str, dict], report: str) -> None:
+    """Write a promotion of ``feature=value`` into ``defaults_path`` with the real writer (no receipts needed):
+    ``lanes`` maps device class -> flattened lane of a lane that promoted it."""
+    from types import SimpleNamespace
+
+    from ablate.config.lane_shape import lane_shape
+    from ablate.config.load import load_defaults
+    from ablate.promote.analysis import PROMOTE, FeatureVerdict
+    from ablate.promote.defaults_writer import plan_changes, render_defaults
+    from ablate.promote.policy import load_policy
+
+    defaults = load_defaults(defaults_path)
+    verdicts = [FeatureVerdict(feature=feature, value=value, baseline_value=defaults.effective(lane)[feature],
+                               kind="speed", lane_key=f"lane-{device}", software_fingerprint="sw-1",
+                               lane_shape=lane_shape(lane), device_class=device, verdict=PROMOTE, speedup=1.1,
+                               ci95=(1.05, 1.15), n_blocks=12, n_hosts=3)
+                for device, lane in lanes.items()]
+    changes = plan_changes(verdicts, defaults, load_policy(POLICY), report_id=report, campaign="test",
+                           date="2026-03-09")
+    result = SimpleNamespace(changes=changes, revalidations=[], report_id=report, date="2026-03-09")
+    text, edits = render_defaults(defaults_path.read_text(), result)
+    assert edits, "the writer changed nothing"
+    defaults_path.write_text(text)
+
+
+def _flat_lane(campaign: Path) -> dict:
+    return flatten(lane_to_dict(load_sweep(campaign)[0].lane))
+
+
+@pytest.fixture
+def spaces(tmp_path: Path) -> Path:
+    """A copy of search_spaces/ with mamba_scan promoted globally (a cpu and a cuda lane promoted chunked)."""
+    copy = tmp_path / "search_spaces"
+    shutil.copytree(REPO / "search_spaces", copy)
+    lanes = {"cpu": _flat_lane(copy / "smoke.yaml"), "cuda": _flat_lane(copy / "nam56r_gpu.yaml")}
+    _promote(copy / "defaults.yaml", "mamba_scan", "chunked", lanes, report="promote-test-1")
+    return copy
+
+
+@pytest.mark.parametrize("name", [p.name for p in CAMPAIGNS])
+def test_every_campaign_still_plans_after_a_promotion_flips_one_of_its_values(spaces: Path, name: str) -> None:
+    # The promotion branch must pass its own `ablate validate`: the promoted value is skipped with a notice.
+    sweep, defaults = load_sweep(spaces / name)
+    assert defaults.values["mamba_scan"] == "chunked" and sweep.lane.features.mamba_scan.value == "chunked"
+    plan = plan_sweep(sweep, sweep_id="validate", defaults=defaults)
+    if "mamba_scan" not in sweep.features:  # e.g. cpu_demo pins it in its lane and tests compile posture only
+        assert plan.blocks and not any(s[0].startswith("mamba_scan") for s in plan.skipped)
+        return
+    assert plan.blocks and not any(b.feature == "mamba_scan" for b in plan.blocks)
+    assert all(b.arms[0].lane.features.mamba_scan.value == "chunked" for b in plan.blocks)  # the new baseline
+    [(what, why)] = [s for s in plan.skipped if s[0].startswith("mamba_scan")]
+    assert what == "mamba_scan=chunked"
+    assert why.startswith("already this lane's default (global default since report promote-test-1)")
+
+
+def test_a_campaign_whose_every_value_was_promoted_still_runs_its_aa_blocks(spaces: Path) -> None:
+    path = spaces / "only_mamba.yaml"
+    path.write_text("defaults: defaults.yaml\nfeatures: {mamba_scan: [chunked]}\nblocks: 4\naa_blocks: 2\n")
+    sweep, defaults = load_sweep(path)
+    plan = plan_sweep(sweep, sweep_id="v", defaults=defaults)
+    assert [b.is_aa for b in plan.blocks] == [True, True]
+    assert plan.skipped[-1][0] == "every test of campaign 'sweep'"
+    assert "only its 2 A/A block(s) per lane run" in plan.skipped[-1][1]
+
+
+def test_grid_leaves_a_promoted_value_out_of_every_context(spaces: Path) -> None:
+    path = spaces / "grid.yaml"
+    path.write_text("defaults: defaults.yaml\ndesign: grid\nfeatures: {fused_residual: ['on'], mamba_scan: "
+                    "[chunked]}\nblocks: 2\naa_blocks: 1\n")
+    sweep, defaults = load_sweep(path)
+    plan = plan_sweep(sweep, sweep_id="g", defaults=defaults)
+    real = [b for b in plan.blocks if not b.is_aa]
+    # As a context, the promoted value is the baseline: one context, not the same lane twice.
+    assert [(b.feature, b.context) for b in real] == [("fused_residual", {}), ("fused_residual", {})]
+    assert len([b for b in plan.blocks if b.is_aa]) == 1
+
+
+def test_the_baseline_arm_runs_the_lanes_override(tmp_path: Path) -> None:
+    campaign = _campaign(tmp_path, "features: {mamba_scan: [chunked], moe_dispatch: [grouped_mm]}\n")
+    # One CPU lane promoted jagged: not global (policy scope.global_device_classes), an override for its shape.
+    _promote(tmp_path / "defaults.yaml", "moe_dispatch", "jagged", {"cpu": _flat_lane(campaign)}, report="r1")
+    sweep, defaults = load_sweep(campaign)
+    assert defaults.values["moe_dispatch"] == "padded"
+    plan = plan_sweep(sweep, sweep_id="o", defaults=defaults)
+    for block in plan.blocks:
+        assert block.arms[0].lane.features.moe_dispatch.value == "jagged"
+    moe = next(b for b in plan.blocks if b.feature == "moe_dispatch")
+    assert (moe.baseline_value, moe.candidate_value) == ("jagged", "grouped_mm")
+    other = tmp_path / "other.yaml"
+    other.write_text("defaults: defaults.yaml\nlane: {batch: {seq_len: 128}}\nfeatures: {mamba_scan: [chunked]}\n")
+    assert load_sweep(other)[0].lane.features.moe_dispatch.value == "padded"  # another lane shape

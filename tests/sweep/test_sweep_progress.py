@@ -1,37 +1,163 @@
-"""The progress line: blocks done / total, arms failed, elapsed and an ETA from this session's pace."""
+"""The progress line: blocks done / total, arms failed, elapsed and an ETA from this session's pace.
+
+The fake trials carry what the display reads from Tune's ``Trial`` (``status``, ``config["block_id"]``), and the
+hooks are called in the order Tune 2.60's ``TuneController`` calls them (see ``ablate.sweep.progress``).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
+import pytest
 from rich.console import Console
+from sweeps_common import REPO, fresh_mlflow_uri, tiny_smoke
 
+from ablate.receipts.store import load_receipts
+from ablate.sweep.layout import Layout
 from ablate.sweep.progress import SweepProgress
 
 
 @dataclass
 class _Trial:
-    status: str
+    block_id: str
+    status: str = "PENDING"
+    config: dict[str, Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.config = {"block_id": self.block_id}
+
+
+def _started(display: SweepProgress, trial: _Trial, attempt: int = 0) -> None:
+    display.on_trial_result(iteration=0, trials=[], trial=trial, result={
+        "event": "block_started", "block_id": trial.block_id, "attempt": attempt})
+
+
+def _arm(display: SweepProgress, trial: _Trial, arm_index: int, attempt: int = 0, status: str = "valid") -> None:
+    # What ablate.sweep.trial.run_block reports per arm (the receipt JSON left out).
+    display.on_trial_result(iteration=0, trials=[], trial=trial, result={
+        "event": "arm", "block_id": trial.block_id, "arm_index": arm_index, "order": arm_index, "attempt": attempt,
+        "status": status})
+
+
+def _complete(display: SweepProgress, trials: list[_Trial], trial: _Trial) -> None:
+    # Tune calls on_trial_complete while the trial is still RUNNING and marks it TERMINATED right after.
+    display.on_trial_complete(iteration=0, trials=trials, trial=trial)
+    trial.status = "TERMINATED"
 
 
 def test_counts_eta_and_plain_log_lines() -> None:
     console = Console(record=True, width=200, force_terminal=False)
     display = SweepProgress(4, title="s1", console=console, live=False)
-    display.on_step_end(iteration=1, trials=[_Trial("TERMINATED"), _Trial("RUNNING"), _Trial("PENDING"),
-                                             _Trial("PENDING")])
+    trials = [_Trial("b000", "TERMINATED"), _Trial("b001", "RUNNING"), _Trial("b002", "RUNNING"), _Trial("b003")]
+    display.on_step_end(iteration=1, trials=trials)
     assert display.counts.done_at_start == 1, "a resumed sweep starts from what already finished"
     assert display.eta() is None, "no pace yet in this session"
-    display.on_trial_result(iteration=2, trials=[], trial=None, result={"event": "arm", "status": "failed"})
-    display.on_trial_result(iteration=2, trials=[], trial=None, result={"event": "arm", "status": "valid"})
-    display.on_trial_result(iteration=2, trials=[], trial=None, result={"event": "block_started"})
+    b001, b002 = trials[1], trials[2]
+    _started(display, b001)
+    _arm(display, b001, 0, status="failed")
+    _arm(display, b001, 1)
     display.started -= 10.0  # ten seconds into the session
-    states = [_Trial("TERMINATED"), _Trial("TERMINATED"), _Trial("ERROR"), _Trial("PENDING")]
-    display.on_trial_complete(iteration=3, trials=states, trial=None)
+    _complete(display, trials, b001)
+    b002.status = "ERROR"
+    display.on_trial_error(iteration=3, trials=trials, trial=b002)
     eta = display.eta()
     assert eta is not None and 4.0 < eta < 6.0, "2 blocks finished in 10 s here, 1 left: about 5 s"
     line = display.line()
     assert "blocks 2/4 done" in line and "1 errored" in line and "arms 2 (1 failed" in line and "ETA 0:0" in line
-    display.on_experiment_end(trials=states)
+    assert "interrupted" not in line
+    display.on_experiment_end(trials=trials)
     printed = console.export_text()
-    assert printed.count("blocks 2/4 done") == 1, "plain logs print a line per change, not per redraw"
+    assert printed.count("blocks 2/4 done, 0 running, 1 errored") == 1, \
+        "plain logs print a line per change, not per redraw"
     assert "blocks 1/4 done" in printed
+
+
+def test_sigint_does_not_count_the_interrupted_blocks_as_done() -> None:
+    """The callback sequence of a Ctrl+C in a resumed session: Tune stops its loop, saves the experiment, sets
+    every running trial TERMINATED *without* on_trial_complete, then calls on_experiment_end. Before the fix the
+    final line counted every TERMINATED trial, "blocks 5/6 done", although three blocks were finished (the field
+    report: 2/14 with 2 receipts)."""
+    console = Console(record=True, width=200, force_terminal=False)
+    display = SweepProgress(6, title="s2", console=console, live=False)
+    trials = [_Trial(f"b00{i}") for i in range(6)]
+    restored, skipped, finished, cut, retried, _ = trials
+    restored.status = "TERMINATED"  # finished in an earlier session: Tune restores it as TERMINATED
+    for trial in (skipped, finished, cut, retried):
+        trial.status = "RUNNING"
+    display.on_step_end(iteration=1, trials=trials)
+    # Receipts on disk although the killed driver never saved Tune's state: the trial skips the block.
+    display.on_trial_result(iteration=1, trials=trials, trial=skipped,
+                            result={"event": "block_skipped", "block_id": skipped.block_id})
+    _complete(display, trials, skipped)
+    _started(display, finished)
+    _arm(display, finished, 1)
+    _arm(display, finished, 0)
+    _complete(display, trials, finished)  # both arms, trial completed
+    _started(display, cut)
+    _arm(display, cut, 1)  # one arm reported; the second arm is running when SIGINT arrives
+    # The retried block failed attempt 0 (both receipts) and is rerun as attempt 1 (Tune: on_trial_recover,
+    # PENDING, RUNNING again), which has one receipt so far.
+    _started(display, retried, attempt=0)
+    _arm(display, retried, 0, attempt=0, status="failed")
+    _arm(display, retried, 1, attempt=0)
+    _started(display, retried, attempt=1)
+    _arm(display, retried, 0, attempt=1)
+    display.on_step_end(iteration=2, trials=trials)
+    assert (display.counts.done, display.counts.running, display.counts.done_at_start) == (3, 2, 1)
+
+    # SIGINT: TuneController._cleanup_trials -> _schedule_trial_stop sets RUNNING trials TERMINATED, no callback.
+    for trial in (cut, retried):
+        trial.status = "TERMINATED"
+    display.on_experiment_end(trials=trials)
+    counts = display.counts
+    assert (counts.done, counts.interrupted, counts.running, counts.errored) == (3, 2, 0, 0)
+    line = display.line()
+    assert "blocks 3/6 done" in line and "2 interrupted" in line and "arms 6 (1 failed" in line
+    assert "blocks 5/6 done" not in console.export_text()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_real_sweep_interrupted_with_sigint_reports_the_running_block_as_interrupted(tmp_path: Path) -> None:
+    """Ctrl+C on a real driver once block b000 has one of its two receipts. Before the fix the last progress
+    line said "blocks 1/2 done, ... arms 1", and run_sweep's summary counted the stopped trial as done too (it
+    ends TERMINATED without an error)."""
+    # Sequential blocks: an interleaved pair writes both receipts together at its end, so there would be no
+    # moment with one receipt of a still-running block to interrupt.
+    campaign = tiny_smoke(tmp_path / "campaign", name="sigint", steps=30, features={"fused_residual": ["on"]},
+                          blocks=2, aa_blocks=0, resources={"cpus_per_worker": 1, "max_concurrent_blocks": 1},
+                          block_mode="sequential")
+    uri = fresh_mlflow_uri(tmp_path)
+    storage = str(tmp_path / "runs")
+    receipts_dir = Layout.for_campaign("sigint", storage).receipts_dir
+    code = (f"from ablate.sweep.run import run_sweep; s = run_sweep({str(campaign)!r}, tracking_uri={uri!r}, "
+            f"storage={storage!r}, progress=True); print('SUMMARY', s.blocks_done, s.blocks_total, s.exit_code)")
+    log_path = tmp_path / "driver.log"
+    with log_path.open("w") as log:
+        driver = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        deadline = time.monotonic() + 300
+        while not (receipts_dir.exists() and load_receipts(receipts_dir)[0]):
+            assert driver.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no receipt in time"
+            time.sleep(0.2)
+        driver.send_signal(signal.SIGINT)  # what Ctrl+C delivers to the driver
+        driver.wait(timeout=240)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    output = log_path.read_text()
+    # The arm running at SIGINT may still finish and write its receipt to disk (--resume then skips b000); the
+    # driver stopped listening, and Tune never completed the trial: the block is interrupted, not done.
+    lines = re.findall(r"sigint-\S+: blocks .*", output)
+    assert lines and "blocks 0/2 done" in lines[-1] and "1 interrupted" in lines[-1], output[-3000:]
+    assert "SUMMARY 0 2 1" in output, output[-3000:]

@@ -54,6 +54,16 @@ def test_smoke_sweep_end_to_end(ray_address: str, tmp_path: Path, capsys: pytest
                 # The recorded order is the order that ran.
                 assert plan[block_id].order[receipt.identity.order] == receipt.identity.arm_index
                 assert receipt.identity.lane_key == plan[block_id].lane_key
+    # Interleaved blocks; the first attempt's arms start their wall clock at the driver's scheduling stamp, so
+    # queue wait is the driver's hand-off to Ray, not ~0 by construction; the receipt names its campaign file.
+    import hashlib
+
+    campaign_sha = hashlib.sha256(campaign.read_bytes()).hexdigest()
+    assert {r.identity.pairing for r in on_disk} == {"interleaved"}
+    first = [r for r in on_disk if r.identity.attempt == 0]
+    assert {r.time.clock for r in first} == {"driver"} and all(r.time.badput_s["queue_wait"] > 0 for r in first)
+    assert {r.identity.campaign_sha256 for r in on_disk} == {campaign_sha}
+    assert all(r.identity.code_fingerprint and r.identity.hardware_fingerprint for r in on_disk)
     retried = [r for r in on_disk if r.identity.block_id == "b001"]
     assert sorted((r.identity.attempt, r.identity.status is Status.failed) for r in retried) == [
         (0, False), (0, True), (1, False), (1, False)]
@@ -78,11 +88,21 @@ def test_smoke_sweep_end_to_end(ray_address: str, tmp_path: Path, capsys: pytest
     assert any(name.endswith("·retry1") for name in names)
     for run in children.values():
         assert run.data.tags["mlflow.parentRunId"] == summary.parent_run_id
-        assert {"goodput_fraction", "wall_tokens_per_s", "step_p50_s"} <= set(run.data.metrics) or \
+        assert {"goodput_fraction", "step_p50_s"} <= set(run.data.metrics) or \
             run.data.tags[TAG + "status"] == "failed"
 
     progress = capsys.readouterr().err
     assert "blocks 3/3 done" in progress and "1 failed" in progress and "ETA" in progress
+
+    # Promote from that MLflow store: the trade-off plot lands on the sweep's parent run and the report says where.
+    out = subprocess.run([sys.executable, "-m", "ablate", "promote", "--tracking-uri", uri, "--sweep", "smoke",
+                          "--policy", "search_spaces/policies/single_node.yaml", "--out", str(tmp_path / "reports")],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    report_id = next((tmp_path / "reports").glob("promote-*.json")).stem
+    plots = [a.path for a in client.client.list_artifacts(summary.parent_run_id, f"promotion/{report_id}")]
+    assert plots and all(path.endswith(".png") for path in plots)
+    assert f"artifact promotion/{report_id}/" in out.stdout and "### Trade-off" in out.stdout
 
 
 def test_a_campaign_no_node_can_hold_fails_at_once(ray_address: str, tmp_path: Path) -> None:

@@ -6,6 +6,8 @@ The receipts are real: one smoke block's two arms run through ``trainers.run_arm
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +16,7 @@ from sweeps_common import closed_port, fresh_mlflow_uri, tiny_smoke
 
 from ablate.config.load import load_sweep
 from ablate.receipts.schema import BADPUT_CATEGORIES, Receipt
-from ablate.receipts.store import SPOOL_FILE, load_receipts
+from ablate.receipts.store import SPOOL_FILE, append_spool, load_receipts, write_receipt
 from ablate.sweep.plan import plan_sweep
 from ablate.sweep.trial import make_arm_spec
 from ablate.tracking.mlflow_store import (
@@ -113,6 +115,43 @@ def test_unreachable_store_spools_and_sync_replays_exactly_once(receipts: list[R
     assert {a.path for a in client.client.list_artifacts(parent.info.run_id)} >= {"summary.png", "summary.json"}
 
 
+def test_sync_reports_every_file_it_could_not_read(receipts: list[Receipt], tmp_path: Path) -> None:
+    """Before the fix a bare JSON number crashed sync with a TypeError, and a JSON object without ``identity``
+    or a half-written temp file in receipts/ vanished without a word; sweep metadata it could not read too."""
+    sweep_dir = tmp_path / "smoke"
+    write_receipt(receipts[0], sweep_dir / "receipts")
+    append_spool(receipts[1], sweep_dir)
+    bad = {sweep_dir / "receipts" / "7.json": (b"7", "got int"),
+           sweep_dir / "receipts" / "params.json": (b'{"lr": 0.1}', "not a receipt"),
+           sweep_dir / "receipts" / ".receipt-x1.tmp": (b'{"iden', "unfinished receipt write"),
+           sweep_dir / "sweeps" / "broken.json": (b"{", "sweep metadata unreadable")}
+    for path, (data, _) in bad.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    with (sweep_dir / SPOOL_FILE).open("ab") as handle:
+        handle.write(b"\xff\xfe\n")
+    origins = {str(path): why for path, (_, why) in bad.items()} | {f"{sweep_dir / SPOOL_FILE}:2": "not UTF-8"}
+
+    uri = fresh_mlflow_uri(tmp_path)
+    result = sync(sweep_dir, uri, experiment="exp")
+    assert sorted(result.logged) == sorted(r.identity.receipt_id for r in receipts), "valid receipts still sync"
+    reasons = dict(result.rejected)
+    assert set(reasons) == set(origins), result.rejected
+    for origin, why in origins.items():
+        assert why in reasons[origin]
+        assert f"rejected {origin}: " in str(result)
+
+    out = subprocess.run([sys.executable, "-m", "ablate", "receipts", "sync", str(sweep_dir), "--tracking-uri", uri],
+                         cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=240,
+                         env={"COLUMNS": "200", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+                              "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert f"{len(origins)} rejected" in out.stdout
+    for origin, why in origins.items():
+        line = next((l for l in out.stderr.splitlines() if l.startswith(f"rejected {origin}: ")), "")
+        assert why in line, out.stderr
+
+
 def test_a_run_interrupted_mid_write_is_replaced_not_duplicated(receipts: list[Receipt], tmp_path: Path) -> None:
     uri = fresh_mlflow_uri(tmp_path)
     client = TrackingClient(uri, "exp")
@@ -145,8 +184,7 @@ def test_receipts_read_back_from_mlflow_with_links(receipts: list[Receipt], tmp_
 def test_goodput_plot_has_one_bar_per_phase_summing_to_wall(receipts: list[Receipt]) -> None:
     for receipt in receipts:
         rows = phases(receipt)
-        assert [name for name, _ in rows][:1 + len(BADPUT_CATEGORIES)] == ["goodput", *BADPUT_CATEGORIES]
-        assert rows[-1][0] == "other"
+        assert [name for name, _ in rows] == ["goodput", *BADPUT_CATEGORIES]  # unattributed last, shown as is
         assert sum(v for _, v in rows) == pytest.approx(receipt.time.wall_s, rel=0.011, abs=0.06)
         assert run_name(receipt).startswith("b000·")
 

@@ -10,8 +10,9 @@ How to use::
 
 Each feature toggle becomes one dispatcher resolution at construction (never per step): ``moe_dispatch`` -> op
 ``moe``, ``mla_ingress`` -> ``mla_ingress``, ``fused_residual`` -> ``add_rmsnorm`` (off: ``eager``; on: ``triton``
-on CUDA, ``compiled`` elsewhere), ``mamba_scan`` -> ``ssd``, ``recurrent_scan`` -> ``recurrent_scan``. Ops of
-families absent from the pattern are not resolved (the toggle is inert there; ``layer_counts`` says so).
+on CUDA, ``compiled`` elsewhere, which a dispatcher built with a regional or whole ``compile_posture`` records and
+runs as ``eager``), ``mamba_scan`` -> ``ssd``, ``recurrent_scan`` -> ``recurrent_scan``. Ops of families absent
+from the pattern are not resolved (the toggle is inert there; ``layer_counts`` says so).
 
 Losses: ``loss = lm_loss + aux_loss + stp_weight * stp_loss``; ``aux_loss`` = aux_loss_weight * sum over E layers
 of the Switch load-balancing loss; ``stp_loss`` (skip-token prediction, ``stp: on``) is cross-entropy of a small

@@ -1,0 +1,66 @@
+"""Each statistical safeguard of the rule is load-bearing: a campaign exists that only it stops.
+
+These are the mutation checks of the integrity issue: remove the A/A bias bound from delta, replace the
+host-clustered bootstrap by a block bootstrap, or turn off ``every_host_median_wins``, and a test here fails
+(each test also runs the mutant and asserts that it *would* promote, so a safeguard that stopped mattering is
+noticed too).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+from conftest import DEFAULTS
+from promote_sim import FeatureTruth, Sim, moe, simulate
+
+from ablate.promote import PROMOTE, Policy, PromotionResult, promote, with_overrides
+from ablate.promote import analysis, evidence, rule
+from ablate.promote.stats import bootstrap_hl
+
+
+def run(sim: Sim, seed: int, policy: Policy) -> PromotionResult:
+    return promote(simulate(sim, seed), policy_path=policy, defaults_path=DEFAULTS)
+
+
+def promotions(sim: Sim, seeds: range, policy: Policy) -> int:
+    return sum(v.verdict == PROMOTE for seed in seeds for v in run(sim, seed, policy).verdicts)
+
+
+def test_a_lane_whose_aa_blocks_show_a_systematic_bias_does_not_promote_a_null(
+        policy: Policy, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The second slot of every block runs 4% faster (A/A blocks included): pairing cannot cancel it, and a null
+    # feature looks like a 4% win. The A/A bias bound lifts delta above it.
+    sim = Sim(features=[moe(1.0)], noise=0.007, slot_bias=0.04, aa_per_host=2)
+    assert promotions(sim, range(10), policy) == 0
+    monkeypatch.setattr(evidence.Calibration, "delta", lambda self, p: p.threshold.min_effect)
+    assert promotions(sim, range(10), policy) >= 8  # mutant: delta without the A/A role
+
+
+def test_host_correlated_effects_need_the_host_clustered_bootstrap(policy: Policy,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two features, one of them +5% on two hosts and +0.3% on the third (every host median still wins, and no
+    # single host left out breaks it): with Holm at alpha/2, only resampling whole hosts sees that the effect
+    # rests on two machines.
+    features = [moe(1.0), FeatureTruth("mamba_scan", "chunked", "sequential", 1.0)]
+    sim = Sim(features=features, noise=0.003, host_arm_effects=[0.05, 0.05, 0.003], aa_per_host=2)
+    assert promotions(sim, range(8), policy) == 0
+
+    def block_bootstrap(x: Any, clusters: Any, resamples: int, rng: Any) -> Any:
+        return bootstrap_hl(x, None, resamples, rng)
+
+    for module in (analysis, rule):
+        monkeypatch.setattr(module, "bootstrap_hl", block_bootstrap)
+    assert promotions(sim, range(8), policy) >= 4  # mutant: block bootstrap
+
+
+def test_a_host_whose_median_loses_holds_the_promotion(policy: Policy) -> None:
+    # Five hosts 8% faster, one 1% slower: the clustered interval and leave-one-host-out both pass and the win
+    # fraction is above 80%; only "every host's median wins" says the feature is not a win everywhere.
+    sim = Sim(features=[moe(1.0)], hosts=6, noise=0.005, host_arm_effects=[0.08] * 5 + [-0.01], aa_per_host=1)
+    results: Callable[[Policy], list[Any]] = lambda p: [run(sim, seed, p).verdicts[0] for seed in range(6)]  # noqa
+    held = results(policy)
+    assert [v.verdict for v in held].count(PROMOTE) == 0
+    assert all("every_host_wins" in [c.name for c in v.clauses if not c.passed] for v in held)
+    lax = with_overrides(policy, {"consistency.every_host_median_wins": False})
+    assert [v.verdict for v in results(lax)].count(PROMOTE) >= 5  # mutant: the clause off

@@ -1,0 +1,98 @@
+"""The validator recomputes every derived figure from a receipt's raw per-step fields: an edited number never
+validates, time that nothing measured is caught, and pre-horizon receipts are refused with the reason."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "promote"))
+
+from promote_sim import T0, base_lane, make_receipt  # noqa: E402
+
+from ablate.receipts.schema import InvalidReceipt, validate_receipt  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def good() -> dict[str, Any]:
+    receipt = make_receipt(receipt_id="r1", sweep_id="s1", block_id="b1", arm="candidate", arm_index=1, order=0,
+                           feature="moe_dispatch", feature_value="jagged", baseline_value="padded",
+                           lane=base_lane(**{"features.moe_dispatch": "jagged"}), host="node-0", tps=5000.0,
+                           loss=5.0, created_at=T0, step_jitter=0.05, seed=3)
+    return receipt.model_dump(mode="json")
+
+
+def _scale(path: str, factor: float) -> Callable[[dict[str, Any]], None]:
+    def edit(data: dict[str, Any]) -> None:
+        node = data
+        *parents, last = path.split(".")
+        for part in parents:
+            node = node[part]
+        node[last] = node[last] * factor
+    return edit
+
+
+def _move_time(data: dict[str, Any]) -> None:
+    # Claim 40 ms more goodput, taken out of unattributed: the parts still sum to wall within tolerance.
+    data["time"]["goodput_s"] += 0.04
+    data["time"]["badput_s"]["unattributed"] -= 0.04
+    data["time"]["goodput_fraction"] = data["time"]["goodput_s"] / data["time"]["wall_s"]
+
+
+def _faster_steps(data: dict[str, Any]) -> None:
+    data["steps"]["cadence_s"] = [c * 0.9 for c in data["steps"]["cadence_s"]]
+
+
+def _relabel(data: dict[str, Any]) -> None:
+    data["steps"]["labels"][0] = "steady"  # the explicit warmup step passed off as a steady one
+
+
+def _unexplained(data: dict[str, Any]) -> None:
+    # 10% of wall that no measured part explains on an arm that finished.
+    extra = 0.1 * data["time"]["wall_s"]
+    data["time"]["wall_s"] += extra
+    data["time"]["badput_s"]["unattributed"] += extra
+    data["time"]["goodput_fraction"] = data["time"]["goodput_s"] / data["time"]["wall_s"]
+    data["throughput"]["wall_tokens_per_s"] = data["throughput"]["tokens"] / data["time"]["wall_s"]
+
+
+def _no_tokens(data: dict[str, Any]) -> None:
+    # A run that trained nothing, with every figure made consistent with that: still not a valid arm.
+    data["steps"]["tokens"] = [0 for _ in data["steps"]["tokens"]]
+    data["throughput"].update(tokens=0, wall_tokens_per_s=0.0, steady_tokens_per_s=0.0)
+    data["projection"]["tokens_per_s"] = 0.0
+
+
+FORGERIES = {
+    "wall tokens/s raised 4%": (_scale("throughput.wall_tokens_per_s", 1.04), "throughput.wall_tokens_per_s"),
+    "projected tokens/s raised 4%": (_scale("projection.tokens_per_s", 1.04), "projection.tokens_per_s"),
+    "projected time cut": (_scale("projection.projected_s", 0.9), "projection.projected_s"),
+    "steady tokens/s raised": (_scale("throughput.steady_tokens_per_s", 1.1), "throughput.steady_tokens_per_s"),
+    "goodput moved out of unattributed": (_move_time, "goodput"),
+    "step cadences shortened": (_faster_steps, "projection"),
+    "warmup step relabelled steady": (_relabel, "steps.labels"),
+    "unexplained wall time": (_unexplained, "unattributed"),
+    "no tokens": (_no_tokens, "tokens_per_step"),
+    "created_at not a date": (lambda d: d["identity"].__setitem__("created_at", "not-a-date"), "created_at"),
+    "non-finite step time": (lambda d: d["steps"]["step_s"].__setitem__(3, float("nan")), "finite"),
+    "pre-horizon schema": (lambda d: d.__setitem__("schema_version", "1.1.0"), "re-run the campaign"),
+}
+
+
+def test_the_honest_receipt_validates(good: dict[str, Any]) -> None:
+    receipt = validate_receipt(copy.deepcopy(good))
+    assert receipt.projection is not None and receipt.projection.tokens_per_s > 0
+
+
+@pytest.mark.parametrize("case", sorted(FORGERIES))
+def test_a_forged_or_incoherent_figure_is_refused_by_name(good: dict[str, Any], case: str) -> None:
+    edit, fragment = FORGERIES[case]
+    data = copy.deepcopy(good)
+    edit(data)
+    with pytest.raises(InvalidReceipt, match=None) as info:
+        validate_receipt(data)
+    assert fragment in str(info.value), str(info.value)

@@ -1,0 +1,103 @@
+"""Interleaved blocks: two real processes take strictly alternating turns, a dead partner holds no one up, and a
+real interleaved pair of arms leaves two valid receipts whose step cadence excludes the partner's turns."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ablate.receipts.schema import Status, validate_receipt
+from trainer_helpers import make_spec, tiny_lane
+from trainers.pairing import ENV_FD, TurnCoordinator, TurnGate
+from trainers.run import run_pair
+
+REPO = Path(__file__).resolve().parents[2]
+TURNER = """
+import os, sys, time
+from trainers.pairing import TurnGate
+gate = TurnGate.from_env()
+name, turns, die_after, log = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+time.sleep(float(sys.argv[5]))           # a slow start-up must not let the other arm go first
+for i in range(turns):
+    if i == die_after:
+        os._exit(1)                      # dies holding nothing, without a goodbye
+    waited = gate.acquire()
+    start = time.perf_counter()
+    time.sleep(0.02)
+    end = time.perf_counter()
+    gate.release()
+    with open(log, "a") as f:
+        f.write(f"{name} {start} {end} {waited}\\n")
+gate.close()
+"""
+
+
+def _pair(tmp_path: Path, turns: tuple[int, int], die_after: tuple[int, int] = (-1, -1),
+          delays: tuple[float, float] = (0.0, 0.0)) -> list[tuple[str, float, float, float]]:
+    log = tmp_path / "turns.log"
+    coordinator = TurnCoordinator(first=0)
+    procs = []
+    for index, fd in enumerate(coordinator.child_fds()):
+        env = dict(os.environ, PYTHONPATH=str(REPO), **{ENV_FD: str(fd)})
+        procs.append(subprocess.Popen([sys.executable, "-c", TURNER, f"arm{index}", str(turns[index]),
+                                       str(die_after[index]), str(log), str(delays[index])], env=env,
+                                      pass_fds=(fd,), cwd=REPO))
+    coordinator.start()
+    for proc in procs:
+        proc.wait(timeout=60)
+    coordinator.close()
+    rows = [line.split() for line in log.read_text().splitlines()]
+    return [(name, float(a), float(b), float(w)) for name, a, b, w in rows]
+
+
+def test_turns_alternate_strictly_and_the_first_arm_goes_first(tmp_path: Path) -> None:
+    # Arm 0 starts 0.5 s late: arm 1 must still wait for it (the block's recorded order decides who is first).
+    rows = sorted(_pair(tmp_path, (6, 6), delays=(0.5, 0.0)), key=lambda r: r[1])
+    assert [name for name, *_ in rows] == ["arm0", "arm1"] * 6
+    for (_, _, end, _), (_, start, _, _) in zip(rows, rows[1:]):
+        assert start >= end  # never two turns at once
+    waits = {name: sum(w for n, _, _, w in rows if n == name) for name in ("arm0", "arm1")}
+    assert waits["arm1"] >= 0.4  # arm 1 waited for the late arm 0's first turn, and that wait was recorded
+
+
+def test_a_partner_that_dies_or_finishes_holds_no_one_up(tmp_path: Path) -> None:
+    started = time.monotonic()
+    rows = _pair(tmp_path, (8, 8), die_after=(3, -1))
+    assert sum(1 for name, *_ in rows if name == "arm1") == 8 and time.monotonic() - started < 30
+    (tmp_path / "b").mkdir()
+    rows = _pair(tmp_path / "b", (2, 6))
+    assert sum(1 for name, *_ in rows if name == "arm1") == 6  # arm 0 finished early; arm 1 went on alone
+
+
+def test_an_unpaired_gate_grants_every_turn_at_once() -> None:
+    gate = TurnGate(None)
+    assert not gate.paired and gate.acquire() == 0.0
+    gate.release()
+    gate.close()
+
+
+@pytest.mark.slow
+def test_an_interleaved_pair_of_real_arms_leaves_two_valid_receipts(tmp_path: Path) -> None:
+    lane = tiny_lane(budget={"steps": 8, "family_sample_steps": 1, "min_steady_steps": 2})
+    scheduled = time.time()
+    first = make_spec(lane, tmp_path, scheduled_at=scheduled, block_id="b-pair")
+    second = make_spec(lane, tmp_path, scheduled_at=scheduled, block_id="b-pair")
+    second = type(second)(**{**second.__dict__, "arm_index": 1, "order": 1})
+    a, b = run_pair((first, second))
+    for receipt in (a, b):
+        validate_receipt(receipt)
+        assert receipt.identity.status is Status.valid and receipt.identity.pairing == "interleaved"
+        waits = receipt.steps.wait_s
+        assert receipt.time.badput_s["paired_wait"] >= sum(waits) > 0
+        # The partner's turns are never inside this arm's step cadence: the cadence is the arm's own work.
+        for cadence, step, data, wait in zip(receipt.steps.cadence_s, receipt.steps.step_s, receipt.steps.data_s,
+                                             waits):
+            assert cadence < step + data + 0.05 and cadence < cadence + wait
+    # Both start-ups ran at once (overlapping, never compared); the turns then alternated.
+    assert abs(a.time.badput_s["queue_wait"] - b.time.badput_s["queue_wait"]) < 0.5
+    assert a.steps.wait_s[1:] and b.steps.wait_s[1:]
