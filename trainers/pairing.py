@@ -7,8 +7,8 @@ How to use (``trainers.run.run_pair`` does this)::
     ... start both workers with ABLATE_TURN_FD=<fd> ...; coordinator.start(); ...; coordinator.close()
 
     gate = TurnGate.from_env()                         # worker side (a no-op gate when not paired)
-    with gate.turn() as turn: build the model          # every measured phase runs inside a turn
-    waited = gate.acquire(); step(); gate.release()    # ``waited``: seconds the partner held the CPU
+    waited = gate.acquire(); step(); gate.release()    # every measured phase (setup, each step) is one turn;
+                                                       # ``waited``: seconds that belonged to the partner
 
 Why: on a shared or virtualised host the machine's speed drifts over seconds (neighbours, frequency). Arms run
 back to back sample different drift, which on the 2-core CPU machine made one block's log ratio scatter by 11-13%
@@ -74,7 +74,6 @@ class TurnGate:
     def __init__(self, sock: Optional[socket.socket], cpus: Optional[set[int]] = None) -> None:
         self.sock = sock
         self.cpus = cpus
-        self.waited_s = 0.0
         self.turns = 0
         self._released_at: Optional[float] = None
 
@@ -110,10 +109,8 @@ class TurnGate:
                 self._drop()  # the coordinator went away: run unpaired rather than hang
         except OSError:
             self._drop()
-        waited = time.perf_counter() - start
-        self.waited_s += waited
         self.turns += 1
-        return waited
+        return time.perf_counter() - start
 
     def release(self) -> None:
         if self.sock is None:
@@ -123,14 +120,6 @@ class TurnGate:
             self.sock.sendall(_DONE)
         except OSError:
             self._drop()
-
-    @contextmanager
-    def turn(self) -> Iterator[float]:
-        waited = self.acquire()
-        try:
-            yield waited
-        finally:
-            self.release()
 
     def close(self) -> None:
         """This arm has no more turns: its partner stops waiting for it (before the arm's own teardown)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from ablate.promote.analysis import PROMOTE, TAX_REPORTED, FeatureVerdict

@@ -45,7 +45,6 @@ def apply_holm(verdicts: list[FeatureVerdict], policy: Policy) -> int:
 
 def _reject_clauses(v: FeatureVerdict, policy: Policy) -> list[Callable[[], Clause]]:
     gated = v.gated_disqualifiers
-    threshold = 1.0 + v.delta
 
     def inert() -> Clause:
         return Clause("not_inert", v.inert_reason is None, v.inert_reason or "the toggle can act in this lane")

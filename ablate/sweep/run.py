@@ -41,7 +41,8 @@ from ablate.receipts.store import SPOOL_FILE, write_receipt
 from ablate.sweep.layout import LATEST, Layout
 from ablate.sweep.plan import SweepPlan, plan_sweep
 from ablate.sweep.resources import Capacity, block_need, check_cluster, gpu_resources, local_ray_init_kwargs
-from ablate.sweep.trial import block_progress, run_block, start_clock, trial_dirname, trial_name
+from ablate.sweep.trial import (block_progress, clear_interrupted_scratch, run_block, start_clock, trial_dirname,
+                                trial_name)
 from ablate.tracking.mlflow_store import MAX_TAG_CHARS, SKIPPED_TAG, SWEEPS_DIR, MlflowStore, gather
 from ablate.tracking.uri import resolve_tracking_uri, shown
 
@@ -347,6 +348,11 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
             # Receipts a killed driver wrote (or spooled) but never logged: MLflow catches up before new work.
             store.log_receipt(receipt)
         completed, next_attempt = block_progress(earlier, sweep_id)
+        if resume:
+            attempts = max(next_attempt.values(), default=0) + sweep.max_failures + 2
+            for rid in clear_interrupted_scratch(layout.receipts_dir, sweep_id, [b.block_id for b in plan.blocks],
+                                                 attempts):
+                log.info("removed the scratch of arm %s: the killed driver's attempt never wrote its receipt", rid)
         recorder = _Recorder(layout, store, start_clock(sweep_id))
         display = SweepProgress(len(plan.blocks), title=sweep_id, live=None if progress else False)
         _LIVE[sweep_id] = [recorder] + ([display] if progress else [])

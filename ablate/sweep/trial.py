@@ -199,6 +199,28 @@ def block_progress(receipts: list[Receipt], sweep_id: str) -> tuple[list[str], d
     return completed, next_attempt
 
 
+def clear_interrupted_scratch(receipt_dir: str | Path, sweep_id: str, block_ids: list[str],
+                              attempts: int) -> list[str]:
+    """Scratch dirs (``<receipts>/.work/<receipt id>``) of this sweep's arms that never wrote a receipt: arms a
+    killed driver left behind. A resumed sweep reruns their blocks as a new attempt, so they are removed (the
+    receipt store would otherwise list them on every read). Returns the receipt ids cleared."""
+    import shutil
+
+    from ablate.receipts.store import ARM_SCRATCH_DIR
+
+    root = Path(receipt_dir)
+    cleared = []
+    for block_id in block_ids:
+        for arm_index in (0, 1):
+            for attempt in range(attempts):
+                rid = receipt_id(sweep_id, block_id, arm_index, attempt)
+                scratch = root / ARM_SCRATCH_DIR / rid
+                if scratch.is_dir() and not (root / f"{rid}.json").exists():
+                    shutil.rmtree(scratch, ignore_errors=True)
+                    cleared.append(rid)
+    return cleared
+
+
 def trial_name(trial: Any) -> str:
     return str(trial.config["block_id"])
 
