@@ -193,9 +193,11 @@ def _bootstrap_note(result: PromotionResult) -> str:
 
 
 def _disq(counts: dict[str, dict[str, int]]) -> str:
+    # Name the codes: a count alone reads as "disqualified" even when every flag is a warning that gates nothing.
     cand = sum(counts.get("candidate", {}).values())
     base = sum(counts.get("baseline", {}).values())
-    return f"{cand}/{base}"
+    codes = sorted({code for role in counts.values() for code in role})
+    return f"{cand}/{base}" + (f" ({', '.join(codes)})" if codes else "")
 
 
 def _loss(v: FeatureVerdict) -> str:
@@ -258,7 +260,7 @@ def _summary(result: PromotionResult) -> list[str]:
                      "–" if v.win_fraction is None else f"{v.win_fraction:.0%}", _loss(v),
                      _disq(v.disqualifiers), _amdahl(v), v.reason if v.verdict != PROMOTE else "–"])
     header = ["feature", "verdict", "lane", "speed-up at horizon [95% CI]", "Holm lower", "δ",
-              "blocks/hosts/seeds/rounds", "win", "LM loss Δ", "disq cand/base", "Amdahl bound",
+              "blocks/hosts/seeds/rounds", "win", "LM loss Δ", "flags cand/base", "Amdahl bound",
               "first failing clause"]
     return ["", "### Verdicts", ""] + (_table(header, rows) if rows else ["No speed feature was measured."])
 
@@ -329,7 +331,7 @@ def _taxes(result: PromotionResult) -> list[str]:
              "–" if v.memory_ratio is None else _x(v.memory_ratio), f"{v.n_blocks}/{v.n_hosts}",
              _disq(v.disqualifiers)] for v in result.tax_verdicts]
     header = ["tax", "lane", f"throughput ratio [{result.policy.taxes.confidence:.0%} CI, two-sided]", "budget",
-              "status", "loss Δ", "memory ratio", "blocks/hosts", "disq cand/base"]
+              "status", "loss Δ", "memory ratio", "blocks/hosts", "flags cand/base"]
     return (["", "### Taxes (never promoted; opt-in only)", ""] + _table(header, rows) +
             ["", "Taxes stay off in the defaults; turn one on per campaign under `features:` in the sweep file."])
 

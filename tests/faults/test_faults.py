@@ -94,7 +94,7 @@ def test_failed_nan_and_oom_arms_leave_receipts_and_the_sweep_goes_on(ray_addres
 
 def test_killed_train_worker_is_retried_and_logged_once(ray_address: str, tmp_path: Path) -> None:
     campaign = tiny_smoke(tmp_path / "campaign", name="killed", steps=4, lane={"engine": {"workers": 2}},
-                          features={"bucket_cap_mb": [1]}, blocks=1, aa_blocks=0, max_failures=1)
+                          features={"bucket_cap_mb": [0.05]}, blocks=1, aa_blocks=0, max_failures=1)
     uri = fresh_mlflow_uri(tmp_path)
     summary = run_sweep(campaign, tracking_uri=uri, storage=str(tmp_path / "runs"), progress=False,
                         inject={"b000": {"kill_at_step": 2}})
@@ -107,7 +107,7 @@ def test_killed_train_worker_is_retried_and_logged_once(ray_address: str, tmp_pa
         "exactly one receipt per arm"
     first = [r for r in receipts if r.identity.order == 0][0]
     assert first.identity.attempt >= 1, "the killed worker group was restarted and the receipt says so"
-    assert first.identity.status is Status.valid and first.identity.executor == "ray_train"
+    assert first.identity.status is Status.valid and first.identity.executor == "ray_train", [d.detail for d in first.disqualifiers]
     runs = _arm_runs(uri, summary.sweep_id)
     assert sorted(runs) == sorted(r.identity.receipt_id for r in receipts), "exactly one MLflow run per arm"
 

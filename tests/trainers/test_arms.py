@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ablate.receipts.schema import BADPUT_CATEGORIES, Receipt, Status, validate_receipt
+from ablate.receipts.schema import BADPUT_CATEGORIES, Code, Receipt, Severity, Status, validate_receipt
 from ablate.receipts.store import load_receipts
 from trainer_helpers import CORPUS, make_spec, tiny_lane
 from trainers import run_arm
@@ -76,7 +76,9 @@ def _time_sum(receipt: Receipt) -> float:
 def test_valid_arm_validates_and_its_time_adds_up(arms: dict[str, Receipt], receipt_dir: Path) -> None:
     receipt = arms["valid"]
     assert receipt.identity.status is Status.valid, receipt.disqualifiers
-    assert receipt.disqualifiers == []
+    # A busy test host may make the arm wait for a CPU: that is reported as a warning, and only when measured.
+    assert [(d.code, d.severity) for d in receipt.disqualifiers] == \
+        ([(Code.HOST_CONTENDED, Severity.warn)] if receipt.host_load.contended else [])
     validate_receipt(json.loads(receipt.model_dump_json()))
     assert receipt.identity.executor == "subprocess" and receipt.identity.attempt == 0
     assert set(receipt.time.badput_s) == set(BADPUT_CATEGORIES)
