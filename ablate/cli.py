@@ -1,6 +1,7 @@
 """The `ablate` command line (also `python -m ablate`).
 
     ablate validate                       # every campaign, defaults and policy file in search_spaces/
+    ablate validate c.yaml --policy p.yaml  # these files only (a policy file is also recognised as an argument)
     ablate sweep search_spaces/smoke.yaml # run a campaign (local Ray, or the cluster under `ray job submit`)
     ablate receipts list|show|sync        # receipts on disk and in MLflow
     ablate promote --write                # decide, report, update search_spaces/defaults.yaml
@@ -17,6 +18,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape as markup_escape
 from rich.table import Table
 
 from ablate.config.schema import ConfigError
@@ -53,51 +55,77 @@ def _campaign_files(paths: list[Path]) -> list[Path]:
     return sorted(p for p in SEARCH_SPACES.glob("*.yaml") if p.name != "defaults.yaml")
 
 
+def _is_policy_file(path: Path) -> bool:
+    """A YAML file whose top level has the policy sections (checked as a policy, not as a campaign)."""
+    from ablate.config.load import read_yaml
+
+    try:
+        data = read_yaml(path)
+    except ConfigError:
+        return False  # the campaign check reports why it cannot be read
+    return isinstance(data, dict) and {"profile", "threshold", "evidence", "gates"} <= set(data)
+
+
+def _report(path: Path, exc: ConfigError) -> None:
+    # A file-level problem already starts with the path: print it once.
+    where = "" if exc.key.startswith(str(path)) else f"{path}: "
+    err.print(f"[red]FAIL[/] {markup_escape(where + str(exc))}", highlight=False, soft_wrap=True)
+
+
 @app.command()
-def validate(paths: list[Path] = typer.Argument(None, help="Campaign files (default: search_spaces/*.yaml).")) -> None:
+def validate(
+    paths: list[Path] = typer.Argument(None, help="Campaign or policy files (default: search_spaces/*.yaml, "
+                                                  "its defaults.yaml and policies/*.yaml)."),
+    policies: Optional[list[Path]] = typer.Option(None, "--policy", help="Also check this promotion policy file "
+                                                                         "(repeatable)."),
+) -> None:
     """Type-check campaigns, the defaults and the promotion policies; expand every planned arm."""
     from ablate.config.load import load_defaults, load_sweep
     from ablate.sweep.plan import plan_sweep
 
     failures = 0
-    files = _campaign_files(list(paths or []))
-    if not files:
+    given = list(paths or [])
+    policy_files = list(policies or []) + [p for p in given if _is_policy_file(p)]
+    files = [p for p in given if p not in policy_files] if given or policies else _campaign_files([])
+    if not files and not policy_files:
         _fail("no campaign files found")
     for path in files:
         try:
             sweep, defaults = load_sweep(path)
             plan = plan_sweep(sweep, sweep_id="validate", defaults=defaults)
             blocks = plan.blocks
-            console.print(f"[green]ok[/]   {path}: {len(blocks)} blocks, {2 * len(blocks)} arms", highlight=False)
+            console.print(f"[green]ok[/]   {markup_escape(str(path))}: {len(blocks)} blocks, "
+                          f"{2 * len(blocks)} arms", highlight=False)
             for what, why in plan.skipped:
                 # A value promoted since the campaign was written is skipped, not an error: say so, once, here.
                 console.print(f"     skip {what}: {why}", markup=False, highlight=False)
         except ConfigError as exc:
             failures += 1
-            err.print(f"[red]FAIL[/] {path}: {exc}", highlight=False)
-    if not paths:
+            _report(path, exc)
+    if not given and not policies:
         try:
             load_defaults(SEARCH_SPACES / "defaults.yaml")
             console.print(f"[green]ok[/]   {SEARCH_SPACES / 'defaults.yaml'}", highlight=False)
         except ConfigError as exc:
             failures += 1
-            err.print(f"[red]FAIL[/] defaults: {exc}", highlight=False)
-        failures += _validate_policies()
+            err.print(f"[red]FAIL[/] defaults: {markup_escape(str(exc))}", highlight=False)
+        policy_files = sorted((SEARCH_SPACES / "policies").glob("*.yaml"))
+    failures += _validate_policies(policy_files)
     if failures:
         raise typer.Exit(1)
 
 
-def _validate_policies() -> int:
+def _validate_policies(paths: list[Path]) -> int:
     from ablate.promote.policy import load_policy
 
     failures = 0
-    for path in sorted((SEARCH_SPACES / "policies").glob("*.yaml")):
+    for path in paths:
         try:
             load_policy(path)
-            console.print(f"[green]ok[/]   {path}", highlight=False)
-        except (ConfigError, ValueError) as exc:
+            console.print(f"[green]ok[/]   {markup_escape(str(path))} (policy)", highlight=False)
+        except ConfigError as exc:
             failures += 1
-            err.print(f"[red]FAIL[/] {path}: {exc}", highlight=False)
+            _report(path, exc)
     return failures
 
 
@@ -112,15 +140,32 @@ def sweep(
                                                help="MLflow store; beats tracking.uri and $MLFLOW_TRACKING_URI (default sqlite:///<cwd>/mlflow.db)."),
     storage: Optional[str] = typer.Option(None, "--storage", help="Ray storage path (shared on multi-node)."),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
+    wait: bool = typer.Option(False, "--wait", help="If another sweep of this campaign is running in the same "
+                                                   "directory, wait for it to end instead of refusing."),
 ) -> None:
     """Run a campaign: one Ray Tune trial per block, a receipt per arm, MLflow parent + child runs."""
+    import math
+
+    from rich.markup import escape
+
+    from ablate.sweep.layout import SweepLocked
     from ablate.sweep.run import run_sweep
+    from ablate.tracking.uri import TrackingStoreError
 
     try:
-        summary = run_sweep(campaign, resume=resume, tracking_uri=tracking_uri, storage=storage, progress=progress)
+        summary = run_sweep(campaign, resume=resume, tracking_uri=tracking_uri, storage=storage, progress=progress,
+                            lock_wait_s=math.inf if wait else 0.0)
     except ConfigError as exc:
         _fail(str(exc))
-    console.print(summary.render())
+    except (SweepLocked, TrackingStoreError) as exc:
+        _fail(escape(str(exc)))
+    except KeyboardInterrupt:
+        # Only a Ctrl+C outside Tune's run (start-up, final bookkeeping) gets here; receipts are files first.
+        _fail(escape(f"interrupted: receipts already written are on disk; `ablate sweep {campaign} --resume` logs "
+                     f"them to MLflow and continues (or `ablate receipts sync <campaign dir>`)"), code=130)
+    except OSError as exc:  # the campaign directory refuses its metadata or lock (read-only, full)
+        _fail(escape(f"cannot write {exc.filename or 'the campaign directory'}: {exc.strerror or exc}"))
+    console.print(summary.render(), markup=False, highlight=False, soft_wrap=True)
     if summary.exit_code:
         raise typer.Exit(summary.exit_code)
 
@@ -138,12 +183,21 @@ def _load_source(source: Optional[Path], tracking_uri: Optional[str], experiment
     if source is not None:
         from ablate.receipts.store import load_receipts
 
+        if not source.exists():  # a typo, not "no receipts": every command says so the same way
+            _fail(markup_escape(f"--source {source}: no such file or directory; allowed: a receipt directory, "
+                                f"a receipt JSON file or a spool JSONL file"))
         receipts, rejected = load_receipts(source)
         links: dict = {}
     else:
-        from ablate.tracking.mlflow_store import load_receipts_from_mlflow
+        from rich.markup import escape
 
-        receipts, rejected, links = load_receipts_from_mlflow(default_tracking_uri(tracking_uri), experiment)
+        from ablate.tracking.mlflow_store import load_receipts_from_mlflow
+        from ablate.tracking.uri import TrackingStoreError
+
+        try:
+            receipts, rejected, links = load_receipts_from_mlflow(default_tracking_uri(tracking_uri), experiment)
+        except TrackingStoreError as exc:  # damaged, missing (never re-created empty) or unreachable store
+            _fail(escape(str(exc)))
     _print_rejected(rejected)
     if sweep_name:
         keep = set(sweep_name)
@@ -203,21 +257,25 @@ def receipts_sync(
     from rich.markup import escape
 
     from ablate.redact import redact_text
-    from ablate.tracking.mlflow_store import sync
+    from ablate.tracking.mlflow_store import store_failure, sync
+    from ablate.tracking.uri import TrackingStoreError
 
     if not sweep_dir.exists():
         _fail(escape(f"{sweep_dir}: no such sweep directory or receipt file"))
     uri = default_tracking_uri(tracking_uri)
     try:
         result = sync(sweep_dir, uri)
+    except TrackingStoreError as exc:
+        _fail(escape(str(exc)), code=1)
     except Exception as exc:  # noqa: BLE001 - store unreachable: a one-line reason, never a traceback with the URI
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        _fail(escape(redact_text(f"MLflow at {redact_uri(uri)} failed ({type(exc).__name__}: {first}); the "
-                                 f"receipts on disk are untouched, run the sync again")), code=1)
+        _fail(escape(redact_text(f"{store_failure(uri, exc)}; the receipts on disk are untouched, run the sync "
+                                 f"again")), code=1)
     summary, *lines = str(result).splitlines()
     console.print(summary, markup=False, highlight=False, soft_wrap=True)
     for line in lines:
         err.print(line.strip(), markup=False, highlight=False, soft_wrap=True)
+    if result.differs:  # edited after logging: which copy is true is the user's call, so the exit says so
+        raise typer.Exit(1)
 
 
 # --- promote ---
@@ -242,7 +300,17 @@ def promote(
     from ablate import promote as promotion
     from ablate.promote.defaults_writer import num_promoted
     from ablate.promote.git_pr import REPORT_DIR
+    from ablate.promote.policy import load_policy
 
+    # Checked before any receipt is read: a bad policy or a file in the report's place fails in a second, with
+    # the key (or path) named, not after the analysis.
+    if out is not None and out.exists() and not out.is_dir():
+        _fail(markup_escape(f"--out {out}: got an existing file; allowed: a directory for the report (existing "
+                            f"or new)"))
+    try:
+        load_policy(policy)
+    except ConfigError as exc:
+        _fail(markup_escape(str(exc)))
     receipts, rejected, links = _load_source(source, tracking_uri, experiment, sweep_name)
     if not receipts:
         _fail(f"no valid receipts found in {source or redact_uri(default_tracking_uri(tracking_uri))}"
@@ -303,8 +371,21 @@ def promote(
 def doctor(
     tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri"),
     address: Optional[str] = typer.Option(None, "--address", help="Ray cluster address (default $RAY_ADDRESS)."),
+    deep: bool = typer.Option(False, "--deep", help="Run every kernel backend on this node's device against its "
+                                                    "reference twin, time it, and compile one block per family."),
+    device: str = typer.Option("auto", "--device", help="--deep: cpu, cuda or auto."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="--deep: also write the full result here."),
+    ops: Optional[list[str]] = typer.Option(None, "--op", help="--deep: only these ops (repeatable)."),
+    sizes: str = typer.Option("small,lane", "--sizes", help="--deep: example shapes to check."),
+    dtypes: str = typer.Option("fp32,bf16", "--dtypes", help="--deep: precisions to check."),
+    families: str = typer.Option("AEMR", "--families", help="--deep: block families to compile ('' for none)."),
+    repeats: int = typer.Option(5, "--repeats", min=1, help="--deep: timed rounds per backend (median)."),
+    compile_backend: str = typer.Option("inductor", "--compile-backend", help="--deep: torch.compile backend."),
 ) -> None:
-    """Hardware (nvidia-ml-py), torch/CUDA, Ray and MLflow reachability, package versions."""
+    """Hardware (nvidia-ml-py), torch/CUDA, Ray and MLflow reachability, package versions; --deep: the backends."""
+    if deep:
+        _doctor_deep(device, json_out, ops, sizes, dtypes, families, repeats, compile_backend)
+        return
     from ablate.doctor import run_checks, versions
 
     table = Table("check", "ok", "detail")
@@ -317,9 +398,72 @@ def doctor(
         raise typer.Exit(1)
 
 
+def _csv(value: str, allowed: tuple[str, ...], key: str) -> tuple[str, ...]:
+    items = tuple(v.strip() for v in value.split(",") if v.strip())
+    bad = [v for v in items if v not in allowed]
+    if bad:
+        raise ConfigError(key, bad[0], ", ".join(allowed))
+    return items
+
+
+def _doctor_deep(device_name: str, json_out: Optional[Path], ops: Optional[list[str]], sizes: str, dtypes: str,
+                 families: str, repeats: int, compile_backend: str) -> None:
+    import json
+
+    from ablate.deep_check import DTYPES, FAMILY_BACKENDS, resolve_device, run_deep
+    from kernels.examples import EXAMPLES, SIZES
+
+    for op in ops or []:
+        if op not in EXAMPLES:
+            raise ConfigError("doctor --op", op, ", ".join(sorted(EXAMPLES)))
+    bad = [f for f in families if f not in FAMILY_BACKENDS]
+    if bad:
+        raise ConfigError("doctor --families", bad[0], f"letters of {''.join(FAMILY_BACKENDS)}")
+    report = run_deep(resolve_device(device_name), ops or None, _csv(sizes, SIZES, "doctor --sizes"),
+                      _csv(dtypes, tuple(DTYPES), "doctor --dtypes"), families, repeats, compile_backend)
+    table = Table("op", "backend", "ran", "status", "max rel. error (tolerance)", "speed-up vs reference",
+                  "why", title=f"backends on {report.device} ({report.device_name}, torch {report.torch_version}, "
+                               f"{report.threads} threads)")
+    colour = {"ok": "green", "wrong": "red", "unavailable": "yellow", "interpreted": "cyan"}
+    for row in report.backends:
+        errors = "; ".join(f"{p.size}/{p.dtype} {'-' if p.rel_error is None else f'{p.rel_error:.1e}'}"
+                           f" ({p.tolerance:.0e}){'' if p.ok else ' FAIL ' + p.error}" for p in row.parity)
+        speed = "-" if row.speedup is None else f"{row.speedup:.2f}x ({row.ref_ms:.2f} / {row.backend_ms:.2f} ms)"
+        table.add_row(row.op, row.backend, row.observed, f"[{colour[row.status]}]{row.status}[/]",
+                      markup_escape(errors or "-"), speed, markup_escape(row.reason))
+    console.print(table)
+    if report.families:
+        fam = Table("family", "fast backend", "graph breaks", "graphs", "max rel. error", "ok", "detail",
+                    title=f"one block per family, torch.compile(fullgraph=True, backend={compile_backend!r})")
+        for f in report.families:
+            fam.add_row(f.family, f.features, str(f.graph_breaks), str(f.graphs),
+                        "-" if f.rel_error is None else f"{f.rel_error:.1e}",
+                        "[green]yes[/]" if f.ok else "[red]no[/]", markup_escape(f.detail))
+        console.print(fam)
+    console.print(f"NVML: {json.dumps(report.nvml)}", markup=False, highlight=False)
+    if json_out is not None:
+        json_out.write_text(json.dumps(report.as_dict(), indent=2))
+        console.print(f"wrote {json_out}", markup=False, highlight=False)
+    if not report.ok:
+        err.print("[bold red]error:[/] a backend this node would run fails its reference twin or its graph "
+                  "(rows marked wrong / not ok above)", highlight=False)
+        raise typer.Exit(1)
+
+
 def main() -> None:
+    # The boundary: user errors are one `error:` line, never a traceback. ConfigError (bad campaign, policy or
+    # defaults) exits 2 like typer's usage errors; any other ValueError or OSError that reaches here (a file that
+    # cannot be written, a branch that exists) exits 1 and names its type, so a bug stays traceable.
     try:
         app()
     except ConfigError as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        err.print(f"[bold red]error:[/] {markup_escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(2)
+    except (ValueError, OSError) as exc:
+        if isinstance(exc, OSError) and exc.strerror:
+            what = f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+        else:
+            what = str(exc).splitlines()[0] if str(exc) else ""
+        err.print(f"[bold red]error:[/] {markup_escape(f'{type(exc).__name__}: {what}')}", highlight=False,
+                  soft_wrap=True)
+        sys.exit(1)

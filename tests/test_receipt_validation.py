@@ -80,6 +80,25 @@ FORGERIES = {
     "created_at not a date": (lambda d: d["identity"].__setitem__("created_at", "not-a-date"), "created_at"),
     "non-finite step time": (lambda d: d["steps"]["step_s"].__setitem__(3, float("nan")), "finite"),
     "pre-horizon schema": (lambda d: d.__setitem__("schema_version", "1.1.0"), "re-run the campaign"),
+    # Issue 17: figures no measurement produces are refused by name, before any arithmetic could crash on them.
+    "tokens: 0": (lambda d: d["throughput"].__setitem__("tokens", 0), "throughput.tokens is 0"),
+    "Infinity wall tokens/s": (lambda d: d["throughput"].__setitem__("wall_tokens_per_s", float("inf")),
+                               "throughput.wall_tokens_per_s is inf"),
+    "NaN projected tokens/s": (lambda d: d["projection"].__setitem__("tokens_per_s", float("nan")),
+                               "projection.tokens_per_s is nan"),
+    "NaN in a diagnostic figure": (lambda d: d["throughput"].__setitem__("mfu", float("nan")), "throughput.mfu"),
+    "negative projected tokens/s": (_scale("projection.tokens_per_s", -1.0), "never negative"),
+    "negative step time": (lambda d: d["steps"]["step_s"].__setitem__(1, -0.1), "steps.step_s[1]"),
+    "negative graph breaks": (lambda d: d["observed"]["compile"].__setitem__("graph_breaks", -1),
+                              "observed.compile.graph_breaks"),
+    "family share above 1": (lambda d: d["family_share"].__setitem__("E", 1.5), "at most 1"),
+    "created_at without UTC offset": (lambda d: d["identity"].__setitem__("created_at", "2026-03-02T09:00:00"),
+                                      "UTC offset"),
+    "created_at a bare date": (lambda d: d["identity"].__setitem__("created_at", "2026-03-02"), "UTC offset"),
+    "created_at in another zone": (lambda d: d["identity"].__setitem__("created_at", "2026-03-02T11:00:00+02:00"),
+                                   "UTC offset"),
+    "created_at in the future": (lambda d: d["identity"].__setitem__("created_at", "2999-01-01T00:00:00+00:00"),
+                                 "in the future"),
 }
 
 

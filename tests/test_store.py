@@ -145,3 +145,153 @@ def test_receipts_list_prints_every_unusable_file_and_no_traceback(tmp_path: Pat
         line = next((l for l in out.stderr.splitlines() if l.startswith(f"rejected {campaign / 'receipts' / name}")),
                     None)
         assert line is not None and reason in line, out.stderr
+
+
+# --- digest ---
+
+SMOKE_RECEIPTS = REPO / "tests" / "promote" / "assets" / "smoke_run" / "receipts"
+
+
+def test_a_receipt_is_written_with_its_digest_and_a_copy_edited_since_is_refused(tmp_path: Path) -> None:
+    import json
+
+    from ablate.receipts.store import content_digest, receipt_digest
+
+    campaign, good = _campaign(tmp_path)
+    path = campaign / "receipts" / "r-0001.json"
+    data = json.loads(path.read_text())
+    assert data["digest"] == content_digest(data) == receipt_digest(good), "sealed when written"
+    # Canonical JSON: the same content re-indented with other key order is the same receipt.
+    path.write_text(json.dumps(dict(reversed(list(data.items())))))
+    assert [r.identity.receipt_id for r in load_receipts(campaign)[0]] == ["r-0001"]
+    data["identity"]["host"] = "node-9"  # edited after it was written; the numbers still validate
+    path.write_text(json.dumps(data))
+    receipts, rejected = load_receipts(campaign)
+    assert receipts == [] and len(rejected) == 1
+    assert "content does not match its digest" in rejected[0][1]
+    assert data["digest"][:16] in rejected[0][1] and content_digest(data)[:16] in rejected[0][1]
+
+
+def test_a_sealed_and_an_unsealed_copy_of_one_receipt_count_once(tmp_path: Path) -> None:
+    """A sweep begun before digests and resumed after: its spool holds the receipt without one, receipts/ with."""
+    campaign, good = _campaign(tmp_path)
+    (campaign / SPOOL_FILE).write_text(good.model_copy(update={"digest": None}).model_dump_json() + "\n")
+    receipts, rejected = load_receipts(campaign)
+    assert rejected == [] and [r.identity.receipt_id for r in receipts] == ["r-0001"]
+
+
+def test_receipts_of_schema_2_0_without_a_digest_still_load() -> None:
+    receipts, rejected = load_receipts(SMOKE_RECEIPTS)
+    assert rejected == [] and len(receipts) == len(list(SMOKE_RECEIPTS.glob("*.json"))) > 0
+    assert {r.schema_version for r in receipts} == {"2.0.0"} and all(r.digest is None for r in receipts)
+
+
+# --- a receipt its directory refuses goes to a fallback, never nowhere ---
+
+
+@pytest.mark.parametrize("kind", ["full", "read-only"])
+def test_a_receipt_its_directory_refuses_goes_to_the_fallback_named_in_one_line(
+        kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Before the fix a full disk left a 0-byte .receipt-*.tmp and raised out of the driver's callback (the sweep
+    aborted with a cascade of tracebacks); a read-only receipts/ dropped every later receipt."""
+    from fsfaults import fault_dir
+
+    from ablate.receipts.store import FALLBACK_ENV, write_receipt_or_fallback
+
+    fallback = tmp_path / "fallback"
+    monkeypatch.setenv(FALLBACK_ENV, str(fallback))
+    receipt = _receipt("r-0042")
+    with fault_dir(kind, tmp_path, monkeypatch) as (campaign, how):
+        with caplog.at_level("ERROR", logger="ablate.receipts.store"):
+            where, why = write_receipt_or_fallback(receipt, campaign / "receipts")
+            spooled = append_spool(receipt, campaign)
+        left = sorted(p.name for p in (campaign / "receipts").iterdir())
+        assert left == [], f"{how}: nothing, not even a temporary file, is left in the refused directory"
+        assert not (campaign / SPOOL_FILE).exists() or (campaign / SPOOL_FILE).stat().st_size == 0
+    assert where == fallback / "c" / "receipts" / "r-0042.json" and spooled == fallback / "c" / SPOOL_FILE
+    assert why in ("No space left on device", "Read-only file system", "Permission denied"), why
+    found, rejected = load_receipts(fallback / "c")
+    assert rejected == [] and [r.identity.receipt_id for r in found] == ["r-0042"], "a valid, sealed receipt"
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 2, errors  # one line per receipt written elsewhere, no traceback
+    assert str(campaign / "receipts") in errors[0] and str(where) in errors[0] and why in errors[0]
+    assert f"ablate receipts sync {fallback / 'c'}" in errors[0]
+    assert all(record.exc_info is None for record in caplog.records)
+
+
+def test_a_spool_append_that_fails_part_way_leaves_no_half_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    import errno
+    import os
+
+    from ablate.receipts.store import FALLBACK_ENV
+
+    monkeypatch.setenv(FALLBACK_ENV, str(tmp_path / "fallback"))
+    campaign, _ = _campaign(tmp_path)
+    append_spool(_receipt("r-0002"), campaign)
+    before = (campaign / SPOOL_FILE).read_bytes()
+    real_write = os.write
+
+    def half_then_full(fd: int, data: bytes) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}") == str(campaign / SPOOL_FILE) and len(data) > 100:
+            real_write(fd, bytes(data[:100]))  # the disk fills up in the middle of the line
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", half_then_full)
+    where = append_spool(_receipt("r-0003"), campaign)
+    monkeypatch.undo()
+    assert (campaign / SPOOL_FILE).read_bytes() == before, "the half-written line was cut off again"
+    assert where == tmp_path / "fallback" / "c" / SPOOL_FILE
+    assert [r.identity.receipt_id for r in load_receipts(where)[0]] == ["r-0003"]
+
+
+def test_when_no_directory_takes_a_receipt_the_error_names_every_place_tried(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from fsfaults import inject_errno
+
+    from ablate.receipts.store import FALLBACK_ENV, ReceiptNotSaved, fallback_roots, write_receipt_or_fallback
+
+    monkeypatch.setenv(FALLBACK_ENV, str(tmp_path / "fallback"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    inject_errno(monkeypatch, tmp_path)  # everything under tmp_path is "full"
+    with pytest.raises(ReceiptNotSaved) as info:
+        write_receipt_or_fallback(_receipt("r-0007"), tmp_path / "c" / "receipts")
+    message = str(info.value)
+    assert "r-0007" in message and "No space left on device" in message and FALLBACK_ENV in message
+    assert all(str(root) in message for root in fallback_roots())
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()], "no temporary file anywhere"
+
+
+def test_an_arm_scratch_dir_moves_to_tmp_when_receipts_is_read_only(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from fsfaults import fault_dir
+
+    from ablate.receipts.store import arm_scratch
+
+    with fault_dir("read-only", tmp_path, monkeypatch) as (campaign, _):
+        work = arm_scratch(campaign / "receipts", "r-0005")
+        assert work.is_dir() and not str(work).startswith(str(campaign)) and work.name == "r-0005"
+    work.rmdir()
+
+
+def test_unfinished_writes_of_a_killed_process_are_completed_or_removed_on_resume(tmp_path: Path) -> None:
+    """A driver killed with SIGKILL during a receipt write leaves a .receipt-*.tmp (the write now ends with an
+    fsync, so the window is real); a resumed sweep renames a whole one into place and removes partial ones."""
+    from ablate.receipts.store import settle_unfinished_writes
+
+    campaign, good = _campaign(tmp_path)
+    receipts_dir = campaign / "receipts"
+    whole = _receipt("r-0009")
+    write_receipt(whole, tmp_path / "elsewhere")
+    (receipts_dir / ".receipt-aaa.tmp").write_bytes((tmp_path / "elsewhere" / "r-0009.json").read_bytes())
+    (receipts_dir / ".receipt-bbb.tmp").write_bytes((receipts_dir / "r-0001.json").read_bytes()[:200])
+    (receipts_dir / ".receipt-ccc.tmp").write_bytes((receipts_dir / "r-0001.json").read_bytes())
+    actions = {tmp.name: what for tmp, what in settle_unfinished_writes(receipts_dir)}
+    assert actions == {".receipt-aaa.tmp": "completed: renamed to r-0009.json",
+                       ".receipt-bbb.tmp": "removed: a partial write",
+                       ".receipt-ccc.tmp": "removed: r-0001.json is already whole"}
+    receipts, rejected = load_receipts(campaign)
+    assert rejected == [] and sorted(r.identity.receipt_id for r in receipts) == ["r-0001", "r-0009"]

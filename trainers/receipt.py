@@ -18,6 +18,7 @@ from typing import Any, Optional
 from ablate.config.features import FEATURES
 from ablate.config.load import flatten, lane_to_dict
 from ablate.receipts.derive import project
+from ablate.receipts.store import seal
 from ablate.receipts.schema import (FAMILIES, TIME_TOLERANCE_FLOOR_S, UNATTRIBUTED_LIMIT, ArmRole, BackendRecord,
                                     Code, CompileRecord, Disqualifier, ErrorInfo, HostLoad, Identity, Memory, Observed,
                                     Projection, Quality, Receipt, Requested, Severity, Status, StepStats, Throughput,
@@ -261,7 +262,8 @@ def build_receipt(spec: ArmSpec, result: Optional[WorkerResult], launch: LaunchI
               {family: _letters(spec).count(family) for family in FAMILIES})
     params = (result.params if result is not None else None) or {}
 
-    return Receipt(
+    # Sealed here (digest over the content), so every copy, the one sent to the driver included, can be checked.
+    return seal(Receipt(
         identity=Identity(
             receipt_id=spec.receipt_id, sweep_id=spec.sweep_id, campaign=spec.campaign, block_id=spec.block_id,
             arm=ArmRole(spec.arm), arm_index=spec.arm_index, order=spec.order, feature=spec.feature,
@@ -303,4 +305,4 @@ def build_receipt(spec: ArmSpec, result: Optional[WorkerResult], launch: LaunchI
         disqualifiers=disqualifiers,
         error=ErrorInfo(type=str(error.get("type")), message=redact_text(str(error.get("message")))) if error else None,
         env=(result.env if result is not None and result.env else capture_env()),
-    )
+    ))

@@ -13,8 +13,9 @@ the result to the final checkpoint, because Train persists only checkpoint-attac
 reports exactly once. By default the worker group is pinned to the caller's node (label selector on
 ``ray.io/node-id`` plus STRICT_PACK), so both arms of a block run on the same machine.
 
-``run_arm`` never raises for an arm that fails: the receipt says failed and why. It raises only when it cannot
-write a receipt at all (e.g. ``receipt_dir`` is not writable).
+``run_arm`` never raises for an arm that fails: the receipt says failed and why. A ``receipt_dir`` that refuses
+the receipt (full disk, read-only) sends it to a fallback directory (``ablate.receipts.store``); when no
+directory at all takes it, an error line says so and the receipt is still returned to the caller.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ablate.receipts.schema import Receipt
-from ablate.receipts.store import ARM_SCRATCH_DIR, write_receipt
-from ablate.redact import redact_text
+from ablate.receipts.store import ARM_SCRATCH_DIR, ReceiptNotSaved, arm_scratch, write_receipt
+from ablate.redact import process_env, process_env_only, redact_text
 from trainers.provenance import code_fingerprint, git_state, host_name, software_versions
 from trainers.pairing import ENV_CPUS as PAIR_CPUS_ENV, ENV_FD as TURN_FD_ENV, TurnCoordinator, cpu_slot
 from trainers.receipt import LaunchInfo, build_receipt
@@ -69,6 +70,13 @@ def _private_caches(work: Path) -> dict[str, str]:
     return {"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache"), "TRITON_CACHE_DIR": str(work / "triton-cache")}
 
 
+def _arm_env(work: Path, **extra: str) -> dict[str, str]:
+    """A worker process's environment: allowlisted variables only (``ablate.redact.process_env``: no secret-named
+    variable, no credentials inside a URI), this checkout on ``PYTHONPATH``, the arm's private caches. The arm's
+    receipt records what it saw, so nothing it was never given can leak from it."""
+    return {**process_env(os.environ), "PYTHONPATH": _pythonpath(), **_private_caches(work), **extra}
+
+
 def _worker_command(spec_path: Path, result_path: Path, attempt: int) -> list[str]:
     return [sys.executable, "-m", "trainers.worker", str(spec_path), str(result_path), str(attempt)]
 
@@ -91,7 +99,7 @@ def _run_subprocess(spec: ArmSpec, work: Path, max_failures: int, timeout_s: Opt
                     launch: LaunchInfo) -> Optional[WorkerResult]:
     spec_path = work / "spec.json"
     spec_path.write_text(spec.to_json())
-    env = dict(os.environ, PYTHONPATH=_pythonpath(), **_private_caches(work))
+    env = _arm_env(work)
     result: Optional[WorkerResult] = None
     for index in range(max_failures + 1):
         result_path = work / f"result-{index}.state"
@@ -172,7 +180,8 @@ def _run_ray_train(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchI
     from ray.train.torch import TorchConfig, TorchTrainer
 
     if not ray.is_initialized():
-        ray.init(runtime_env={"env_vars": {"PYTHONPATH": _pythonpath()}})
+        with process_env_only():  # a local runtime's processes inherit the environment: allowlisted variables only
+            ray.init(runtime_env={"env_vars": {"PYTHONPATH": _pythonpath()}})
     lane = spec.lane
     if use_gpu is None:
         use_gpu = lane.hardware.device.value != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
@@ -249,8 +258,7 @@ def _with_absolute_paths(spec: ArmSpec) -> ArmSpec:
 def _prepare(spec: ArmSpec, executor: str, run_start: float) -> tuple[ArmSpec, Path, LaunchInfo]:
     spec = dataclasses.replace(spec, receipt_id=spec.receipt_id or uuid.uuid4().hex)
     assert spec.receipt_id is not None
-    work = Path(spec.receipt_dir) / WORK_DIR / spec.receipt_id
-    work.mkdir(parents=True, exist_ok=True)
+    work = arm_scratch(spec.receipt_dir, spec.receipt_id)  # elsewhere when receipt_dir is read-only
     sha, dirty = git_state(REPO_ROOT)
     try:
         code = code_fingerprint(REPO_ROOT)
@@ -274,7 +282,10 @@ def _finish(spec: ArmSpec, work: Path, launch: LaunchInfo, result: Optional[Work
                           "message": redact_text(f"receipt assembly failed: {exc}\n{traceback.format_exc(limit=6)}")}
         launch.software = launch.software or software_versions()
         receipt = build_receipt(spec, None, launch)
-    write_receipt(receipt, spec.receipt_dir)
+    try:
+        write_receipt(receipt, spec.receipt_dir)  # or a fallback directory, named in an error line
+    except ReceiptNotSaved as exc:  # no disk took it: the caller (the sweep driver) still gets it, and says so
+        print(f"error: {exc}", file=sys.stderr, flush=True)
     shutil.rmtree(work, ignore_errors=True)
     try:
         work.parent.rmdir()  # only when no other arm is using the scratch root
@@ -354,7 +365,7 @@ def _run_pair(specs: tuple[ArmSpec, ArmSpec], timeout_s: Optional[float],
             spec_path.write_text(_with_absolute_paths(spec).to_json())
             result_path, log_path = work / "result-0.state", work / "worker-0.log"
             paths.append((result_path, log_path))
-            env = dict(os.environ, PYTHONPATH=_pythonpath(), **_private_caches(work), **{TURN_FD_ENV: str(fd)})
+            env = _arm_env(work, **{TURN_FD_ENV: str(fd)})
             if slot is not None:
                 env[PAIR_CPUS_ENV] = ",".join(str(c) for c in slot)
             with log_path.open("w") as log:

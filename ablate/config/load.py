@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import glob
 import re
 import typing
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
+from ruamel.yaml.nodes import MappingNode, SequenceNode
 
 from ablate.config.features import FEATURES, feature
 from ablate.config.lane_shape import lane_shape
@@ -27,17 +29,80 @@ from ablate.config.schema import ConfigError, LaneConfig, SweepConfig
 T = TypeVar("T")
 
 
+MAX_ALIAS_NODES = 10_000
+"""How many nodes the aliases (``*name``) of one YAML document may add when expanded. A campaign or policy that
+reuses a lane block a few times stays far below; a 300-byte "billion laughs" document expands to ~10^9 nodes,
+which the typing below would walk one by one (it stalled ``validate`` for 17 s and more)."""
+
+
+def _children(node: Any) -> list[Any]:
+    if isinstance(node, MappingNode):
+        return [part for pair in node.value for part in pair]
+    if isinstance(node, SequenceNode):
+        return list(node.value)
+    return []
+
+
+def _check_aliases(root: Any, where: str) -> None:
+    """Refuse a composed document whose aliases expand beyond ``MAX_ALIAS_NODES`` extra nodes, or into themselves.
+
+    The composer already shares one node object per anchor, so the expanded size is counted on the small graph
+    (memoised by node identity, iteratively so deep nesting cannot overflow the stack): nothing is expanded.
+    Aliases are bounded rather than banned: anchors are the YAML way to reuse a lane block in a campaign.
+    """
+    size: dict[int, int] = {}
+    open_nodes: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        key = id(node)
+        if finished:
+            size[key] = 1 + sum(size[id(child)] for child in _children(node))
+            open_nodes.discard(key)
+            continue
+        if key in size:
+            continue
+        if key in open_nodes:  # reached again from inside itself: `&a [*a]`
+            raise ConfigError(where, f"alias *{getattr(node, 'anchor', None) or '?'} refers to itself",
+                              "YAML without recursive aliases")
+        open_nodes.add(key)
+        stack.append((node, True))
+        stack.extend((child, False) for child in _children(node))
+    added = size[id(root)] - len(size)
+    if added > MAX_ALIAS_NODES:
+        raise ConfigError(where, f"aliases that expand to {added:,} extra nodes",
+                          f"YAML whose aliases (*name) add at most {MAX_ALIAS_NODES:,} nodes when expanded "
+                          f"(an alias bomb is refused before it is typed)")
+
+
 def read_yaml(path: str | Path) -> Any:
+    """The parsed YAML document at ``path``; every problem (missing file, not UTF-8, malformed YAML, an alias
+    bomb) is a ``ConfigError`` naming the file."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(str(path), "missing file", "a path to an existing YAML file")
     try:
-        return YAML(typ="safe").load(path.read_text())
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(str(path), f"unreadable ({exc.strerror or exc})", "a readable YAML file") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(str(path), f"byte {data[exc.start:exc.start + 1]!r} at offset {exc.start}",
+                          "UTF-8 text (YAML files are UTF-8)") from None
+    try:
+        root = YAML(typ="safe").compose(text)
+        if root is None:
+            return None
+        _check_aliases(root, str(path))
+        return YAML(typ="safe").load(text)
     except YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "unknown position"
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"{path} ({where})", problem, "well-formed YAML") from None
+    except RecursionError:
+        raise ConfigError(str(path), "nesting too deep to read", "YAML nested a few levels deep") from None
 
 
 def _field_type(schema: Any, full_key: str) -> Any:
@@ -293,11 +358,39 @@ def apply_defaults(lane: LaneConfig, defaults: Defaults, explicit: dict[str, Any
     return lane
 
 
+# The same resolution as trainers.data.resolve_text_files (which imports torch, so it cannot be used here); the
+# relative path resolves against the working directory, as trainers.run resolves it for the arms.
+_TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
+
+
+def check_data_path(lane: LaneConfig) -> None:
+    """A text lane's ``data.path`` must name at least one file now, on the machine that plans the sweep: an empty
+    glob would otherwise fail every arm (each after its own start-up) instead of the campaign, once."""
+    if lane.data.source.value != "text" or not lane.data.path:
+        return
+    candidate = Path(lane.data.path).expanduser()
+    if candidate.is_file():
+        return
+    if candidate.is_dir():
+        found = any(p.is_file() and p.suffix in _TEXT_SUFFIXES for p in candidate.rglob("*"))
+    else:
+        found = any(Path(p).is_file() for p in glob.iglob(str(candidate), recursive=True))
+    if not found:
+        raise ConfigError("lane.data.path", lane.data.path,
+                          f"a file, a directory with {', '.join(_TEXT_SUFFIXES)} files, or a glob matching at least "
+                          f"one file (relative paths start at {Path.cwd()})")
+
+
 def load_sweep(path: str | Path) -> tuple[SweepConfig, Defaults]:
     """Read a campaign file, type it, put the defaults under its lane, and validate every planned arm."""
     path = Path(path)
     data = read_yaml(path)
+    if data is None or data == {}:
+        # Typing an empty document would give a nameless A/A-only campaign called "sweep": surely a mistake.
+        raise ConfigError(str(path), data, "a campaign mapping with at least a name (and the features to test); "
+                                           "the file is empty")
     sweep = structured(SweepConfig, data)
+    check_data_path(sweep.lane)
     defaults_path = Path(sweep.defaults)
     if not defaults_path.is_absolute():
         defaults_path = path.parent / defaults_path
@@ -333,8 +426,15 @@ def validate_features(sweep: SweepConfig, defaults: Optional[Defaults] = None,
         if not isinstance(values, list) or not values:
             raise ConfigError(f"features.{name}", values, "a non-empty list of candidate values")
         baseline = spec.get(sweep.lane)
+        seen: dict[str, Any] = {}
         for value in values:
             candidate_lane = with_feature(sweep.lane, name, value)
+            typed = str(spec.get(candidate_lane))  # as the lane reads it: 100 and 100.0 are one value
+            if typed in seen:
+                same = "" if str(seen[typed]) == str(value) else f" (as {seen[typed]!r})"
+                raise ConfigError(f"features.{name}", value, f"each candidate value once: it is already listed"
+                                                             f"{same}, and a repeat would double its blocks")
+            seen[typed] = value
             if spec.get(candidate_lane) == baseline:
                 moved = None if defaults is None or spec.path in pinned else defaults.moved_to(name, value, shape)
                 if moved is None:

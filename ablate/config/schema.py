@@ -12,6 +12,8 @@ what is allowed. Per-field choices use ``Enum`` so OmegaConf itself rejects unkn
 from __future__ import annotations
 
 import enum
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -28,14 +30,30 @@ class ConfigError(ValueError):
         return (type(self), (self.key, self.value, self.allowed))
 
 
+# YAML has .nan and .inf, and every comparison with NaN is False: range checks must refuse non-finite values
+# explicitly, or `lr: .nan` passes `value <= 0` unnoticed and reaches the trainer.
+
 def _positive(key: str, value: float) -> None:
-    if value <= 0:
-        raise ConfigError(key, value, "a positive number (> 0)")
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(key, value, "a finite positive number (> 0)")
 
 
 def _non_negative(key: str, value: float) -> None:
-    if value < 0:
-        raise ConfigError(key, value, "a number >= 0")
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(key, value, "a finite number >= 0")
+
+
+def _at_most(key: str, value: int, limit: int, why: str) -> None:
+    if value > limit:
+        raise ConfigError(key, value, f"at most {limit:,} ({why})")
+
+
+MAX_BLOCKS = 1000
+"""Upper bound of ``blocks`` and ``aa_blocks``: a block is two training runs, and evidence needs tens of blocks
+per round, not thousands; a bound keeps a typo (``blocks: 5000``) from planning and queueing ten thousand arms."""
+CAMPAIGN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+"""A campaign name is one path component (``ablate_runs/<name>/``, the Ray experiment, MLflow tags): ASCII
+letters, digits, ``_``, ``.`` and ``-``, starting with a letter or digit, at most 100 characters, no ``..``."""
 
 
 # --- feature toggles: one Enum per toggle; the registry in ablate.config.features maps names to fields ---
@@ -159,6 +177,8 @@ class ModelConfig:
             _positive(f"lane.model.{name}", getattr(self, name))
         _positive("lane.model.capacity_factor", self.capacity_factor)
         _non_negative("lane.model.aux_loss_weight", self.aux_loss_weight)
+        _positive("lane.model.norm_eps", self.norm_eps)
+        _positive("lane.model.rope_theta", self.rope_theta)
         if self.top_k > self.n_experts:
             raise ConfigError("lane.model.top_k", self.top_k,
                               f"an integer between 1 and lane.model.n_experts ({self.n_experts})")
@@ -270,6 +290,9 @@ class HardwareConfig:
     threads: int = 0
     """torch intra-op threads per worker; 0 = divide the node's CPUs among the arm's workers."""
 
+    def __post_init__(self) -> None:
+        _non_negative("lane.hardware.threads", self.threads)
+
 
 @dataclass
 class LaneConfig:
@@ -345,9 +368,22 @@ class SweepConfig:
     """Seeds the per-block arm order."""
 
     def __post_init__(self) -> None:
+        if not CAMPAIGN_NAME.match(self.name) or ".." in self.name:
+            raise ConfigError("name", self.name, "a campaign name usable as one directory name: ASCII letters, "
+                                                 "digits, '_', '.', '-', starting with a letter or digit, at most "
+                                                 "100 characters, no '..'")
         _positive("blocks", self.blocks)
+        _at_most("blocks", self.blocks, MAX_BLOCKS, "blocks per tested value")
         _non_negative("aa_blocks", self.aa_blocks)
+        _at_most("aa_blocks", self.aa_blocks, MAX_BLOCKS, "A/A blocks per lane")
         _non_negative("max_failures", self.max_failures)
+        budget = self.lane.budget
+        if budget.min_steady_steps > budget.steps:
+            # Checked for the campaign, not in BudgetConfig: every arm of it would be disqualified for too few
+            # steady steps, so it is refused before any runs. A single arm built directly may still ask for it
+            # (the receipt then carries INSUFFICIENT_STEADY_STEPS).
+            raise ConfigError("lane.budget.min_steady_steps", budget.min_steady_steps,
+                              f"at most lane.budget.steps ({budget.steps}): only measured steps can be steady")
         hardware = self.lane.hardware
         if hardware.device is Device.cuda and not hardware.cpu_fallback and self.resources.gpus_per_worker < 1:
             raise ConfigError("resources.gpus_per_worker", self.resources.gpus_per_worker,

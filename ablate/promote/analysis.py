@@ -62,6 +62,8 @@ class RoundRow:
     speedup: Optional[float]
     first_at: str
     counted: bool
+    note: str = ""
+    """Why several sweeps count as this one round (they ran at the same time or too close together)."""
 
 
 @dataclass
@@ -322,6 +324,10 @@ def _counter_violations(blocks: list[Block], policy: Policy) -> list[str]:
             cand, base = block.candidate.counters.get(name), block.baseline.counters.get(name)
             if cand is not None and base is not None and cand > base:
                 found.append(f"{name} {cand} > baseline {base} in block {block.block_id}")
+            elif (cand is None or base is None) and not block.candidate.failed and not block.baseline.failed:
+                # An unrecorded counter cannot be shown not to exceed the other arm's (the match gate refuses
+                # such arms too; this keeps the clause honest for any block built without it).
+                found.append(f"{name} not recorded (candidate {cand}, baseline {base}) in block {block.block_id}")
     return found
 
 
@@ -373,10 +379,12 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
     counted = {r.round_id for r in test.counted_rounds}
     verdict.n_rounds = len(counted)
     rounds = np.asarray([b.round_id for b, _ in rows], dtype=object)
-    verdict.rounds = [RoundRow(round_id=r.round_id, blocks=int((rounds == r.round_id).sum()),
-                               speedup=_ratio(hodges_lehmann(d[rounds == r.round_id]))
-                               if (rounds == r.round_id).any() else None,
-                               first_at=r.first_at, counted=r.counted) for r in test.rounds]
+    verdict.rounds = []
+    for r in test.rounds:
+        inside = np.isin(rounds, list(r.members or (r.round_id,)))
+        verdict.rounds.append(RoundRow(round_id=r.round_id, blocks=int(inside.sum()),
+                                       speedup=_ratio(hodges_lehmann(d[inside])) if inside.any() else None,
+                                       first_at=r.first_at, counted=r.counted, note=r.note))
     loss_rows = [(b.host, b.loss_delta()) for b in usable if not b.candidate.failed and not b.baseline.failed]
     loss_rows = [(h, x) for h, x in loss_rows if x is not None]
     loss = np.asarray([x for _, x in loss_rows], dtype=float)

@@ -244,6 +244,7 @@ def _replace_value_comment(entry: CommentedMap, text: str) -> Optional[str]:
     mislabel the promoted one. Its column is kept so the file stays aligned, and any full-line comments that
     ruamel stores in the same token (the lines right below) are kept too.
     """
+    text = re.sub(r"[\r\n\v\f\x1c-\x1e\x85\u2028\u2029]+", " ", text)  # a comment is one line, or YAML
     slot = entry.ca.items.get("value")
     token = slot[2] if slot and len(slot) > 2 else None
     old, rest, column = None, "", 25

@@ -17,8 +17,9 @@ fingerprint, with A/A calibration; 4. measure each test (clustered bootstrap); 5
 from __future__ import annotations
 
 import hashlib
+import re
 import statistics
-from collections import Counter
+from collections import Counter, defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
@@ -35,11 +36,16 @@ from ablate.receipts.schema import InvalidReceipt, Receipt, validate_receipt
 
 
 def _validated(receipts: Iterable[Receipt | Mapping[str, Any]]) -> tuple[list[Receipt], list[tuple[str, str]]]:
-    valid: dict[str, Receipt] = {}
+    """Parsed receipts, each id once, and (id, why) for the rest.
+
+    Identical copies of one receipt id count once; copies whose contents differ are a conflict and every copy
+    is refused (nothing says which one is the true record; ``load_receipts`` does the same for files).
+    """
+    copies: dict[str, list[tuple[int, Receipt, dict[str, Any]]]] = defaultdict(list)
     rejected: list[tuple[str, str]] = []
     for index, item in enumerate(receipts):
         if isinstance(item, Receipt):
-            receipt = item
+            receipt = item  # made by validate_receipt (load_receipts, the MLflow reader): checked once there
         else:
             try:
                 receipt = validate_receipt(dict(item))
@@ -47,8 +53,16 @@ def _validated(receipts: Iterable[Receipt | Mapping[str, Any]]) -> tuple[list[Re
                 rid = (item.get("identity") or {}).get("receipt_id") if isinstance(item, Mapping) else None
                 rejected.append((str(rid or f"receipts[{index}]"), str(exc)))
                 continue
-        valid.setdefault(receipt.identity.receipt_id, receipt)
-    return list(valid.values()), rejected
+        copies[receipt.identity.receipt_id].append((index, receipt, receipt.model_dump(mode="json")))
+    valid: list[Receipt] = []
+    for rid, found in copies.items():
+        if all(content == found[0][2] for _, _, content in found[1:]):
+            valid.append(found[0][1])
+            continue
+        where = ", ".join(f"receipts[{i}]" for i, _, _ in found)
+        rejected += [(rid, f"conflicting copies of receipt {rid} ({where}) differ in content: every copy is "
+                           f"refused until the wrong one is removed") for _ in found]
+    return valid, rejected
 
 
 def _report_id(campaigns: list[str], receipts: list[Receipt], policy: Policy) -> str:
@@ -58,6 +72,9 @@ def _report_id(campaigns: list[str], receipts: list[Receipt], policy: Policy) ->
         digest.update(rid.encode())
     digest.update(policy.ref.encode())
     name = campaigns[0] if len(campaigns) == 1 else f"{len(campaigns)}-campaigns"
+    # The id names files (reports/promotions/<id>.md) and a YAML comment: a campaign name from a receipt must
+    # not bring a path separator, a line break or anything a shell or Markdown would read.
+    name = re.sub(r"[^0-9A-Za-z_.-]+", "_", name).strip("._")[:64] or "campaign"
     return f"promote-{name}-{digest.hexdigest()[:10]}"
 
 

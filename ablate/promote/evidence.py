@@ -5,6 +5,10 @@ feature value in one lane across rounds (sweeps). Evidence only counts under the
 fingerprint (the one of its most recent block): a changed fingerprint restarts the round count, and the
 older blocks are kept aside as ``superseded`` so the report can say what was dropped and why.
 
+A round is a separate run in time, not a sweep id: sweeps that started less than ``evidence.min_round_gap_s``
+apart, or while the previous one was still writing receipts, are merged into one round (``merge_sweeps``), and
+the report says which and why.
+
 Calibration (departing from promotion-rule.md §5.3, see ``ThresholdPolicy``): the A/A blocks bound the lane's
 *systematic* bias — the Hodges-Lehmann of their signed log ratios and its bootstrap interval; the bias bound is
 the larger end of that interval in absolute value — and show whether the A/A interval contains 1 (calibrated).
@@ -19,6 +23,7 @@ import math
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any, Optional
 
 import numpy as np
@@ -37,11 +42,45 @@ STARTUP_FLAG_FLOOR = math.log(1.25)
 @dataclass(frozen=True)
 class RoundInfo:
     round_id: str
+    """The sweep id, or the sweep ids joined by `` + `` when several sweeps were one run in time."""
     num_blocks: int
     first_at: str
     last_at: str
     counted: bool
     """False when the round has fewer blocks than ``evidence.min_blocks_per_round``."""
+    members: tuple[str, ...] = ()
+    """The sweep ids (``Block.round_id``) this round is made of."""
+    note: str = ""
+    """Why several sweeps count as this one round (empty for a round of one sweep)."""
+
+
+@dataclass(frozen=True)
+class SweepWindow:
+    """When a sweep ran: its first arm's start (receipt time minus the arm's wall time) to its last receipt."""
+
+    sweep_id: str
+    start: float
+    end: float
+
+
+def _epoch(stamp: str) -> float:
+    # The validator accepted the stamp as ISO-8601; a naive one is read as UTC (the project writes UTC).
+    moment = datetime.fromisoformat(stamp)
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.timestamp()
+
+
+def sweep_windows(blocks: list[Block]) -> dict[str, SweepWindow]:
+    """Each sweep's time window over all its blocks (every feature and lane it ran), by sweep id."""
+    spans: dict[str, list[float]] = {}
+    for block in blocks:
+        for arm in (block.baseline, block.candidate):
+            end = _epoch(arm.created_at)
+            start = end - (arm.wall_s or 0.0)
+            span = spans.setdefault(block.round_id, [start, end])
+            span[0], span[1] = min(span[0], start), max(span[1], end)
+    return {sweep: SweepWindow(sweep, start, end) for sweep, (start, end) in spans.items()}
 
 
 @dataclass
@@ -132,17 +171,55 @@ class TestEvidence:
         return [r for r in self.rounds if r.counted]
 
 
-def _rounds(blocks: list[Block], policy: Policy) -> list[RoundInfo]:
+OVERLAP_SLACK_S = 1.0
+"""Clock slack when asking whether a sweep started before the previous one's last receipt was written."""
+
+
+def merge_sweeps(sweeps: list[str], windows: dict[str, SweepWindow], policy: Policy) -> list[tuple[list[str], str]]:
+    """Group sweep ids into rounds: separate runs in time. Returns (sweep ids, why merged) per round, oldest first.
+
+    A sweep joins the round before it when it started less than ``evidence.min_round_gap_s`` after that round's
+    first start, or before that round's last receipt was written (they ran at the same time, or one run was
+    relabelled into two sweep ids): neither is a repetition at another time, which is what a round is for.
+    """
+    ordered = sorted(sweeps, key=lambda s: (windows[s].start, s))
+    groups: list[tuple[list[str], list[str]]] = []
+    start = end = 0.0
+    for sweep in ordered:
+        w = windows[sweep]
+        if groups:
+            gap = w.start - start
+            if gap < policy.evidence.min_round_gap_s:
+                groups[-1][0].append(sweep)
+                groups[-1][1].append(f"{sweep} started {gap:.0f} s after {groups[-1][0][0]} (less than "
+                                     f"evidence.min_round_gap_s = {policy.evidence.min_round_gap_s:g} s)")
+                end = max(end, w.end)
+                continue
+            if w.start < end - OVERLAP_SLACK_S:
+                groups[-1][0].append(sweep)
+                groups[-1][1].append(f"{sweep} started {end - w.start:.0f} s before {groups[-1][0][-2]}'s "
+                                     f"last receipt: the sweeps ran at the same time")
+                end = max(end, w.end)
+                continue
+        groups.append(([sweep], []))
+        start, end = w.start, w.end
+    return [(members, "; ".join(notes)) for members, notes in groups]
+
+
+def _rounds(blocks: list[Block], policy: Policy, windows: Optional[dict[str, SweepWindow]] = None) -> list[RoundInfo]:
     by_round: dict[str, list[Block]] = defaultdict(list)
     for block in blocks:
         by_round[block.round_id].append(block)
+    windows = windows or sweep_windows(blocks)
     rounds = []
-    for round_id, members in by_round.items():
+    for sweeps, note in merge_sweeps(list(by_round), windows, policy):
+        members = [b for sweep in sweeps for b in by_round[sweep]]
         stamps = sorted(b.created_at for b in members)
-        rounds.append(RoundInfo(round_id=round_id, num_blocks=len(members), first_at=stamps[0],
+        rounds.append(RoundInfo(round_id=" + ".join(sweeps), num_blocks=len(members), first_at=stamps[0],
                                 last_at=stamps[-1],
-                                counted=len(members) >= policy.evidence.min_blocks_per_round))
-    return sorted(rounds, key=lambda r: (r.first_at, r.round_id))
+                                counted=len(members) >= policy.evidence.min_blocks_per_round,
+                                members=tuple(sweeps), note=note))
+    return rounds
 
 
 def _calibrate(lane_key: str, fingerprint: str, blocks: list[Block], policy: Policy) -> Calibration:
@@ -200,7 +277,7 @@ def _lane_states(blocks: list[Block], policy: Policy) -> dict[str, LaneState]:
         by_lane[block.lane_key].append(block)
     states = {}
     for lane_key, members in by_lane.items():
-        members.sort(key=lambda b: (b.created_at, b.round_id))
+        members.sort(key=lambda b: (_epoch(b.created_at), b.round_id))
         fingerprints: list[str] = []
         for block in members:
             if block.software_fingerprint not in fingerprints:
@@ -230,6 +307,7 @@ def organise(blocks: list[Block], policy: Policy) -> tuple[list[TestEvidence], d
         grouped[(str(block.feature), json.dumps(block.value, default=str), block.lane_key)].append(block)
     calibrations = {lane_key: _calibrate(lane_key, state.current_fingerprint, aa_current.get(lane_key, []), policy)
                     for lane_key, state in lanes.items()}
+    windows = sweep_windows(blocks)
     tests = []
     for (feature, _, lane_key), members in sorted(grouped.items()):
         current = lanes[lane_key].current_fingerprint
@@ -239,5 +317,5 @@ def organise(blocks: list[Block], policy: Policy) -> tuple[list[TestEvidence], d
         tests.append(TestEvidence(
             feature=feature, value=first.value, baseline_value=first.baseline_value, kind=first.kind,
             lane_key=lane_key, software_fingerprint=current, blocks=kept, superseded=old,
-            rounds=_rounds(kept, policy)))
+            rounds=_rounds(kept, policy, windows)))
     return tests, calibrations, lanes

@@ -48,8 +48,11 @@ def _git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProc
 def _title(result: PromotionResult) -> str:
     promoted = [f"{v.feature}={v.value}" for v in result.promoted]
     if promoted:
-        return f"promote: {', '.join(promoted[:4])}{' …' if len(promoted) > 4 else ''} ({result.campaign})"
-    return f"promotion report {result.report_id} (no change)"
+        title = f"promote: {', '.join(promoted[:4])}{' …' if len(promoted) > 4 else ''} ({result.campaign})"
+    else:
+        title = f"promotion report {result.report_id} (no change)"
+    # A commit subject and a PR title are one line: nothing from a receipt may start a second one.
+    return " ".join(title.split())
 
 
 def pr_commands(result: PromotionResult, branch: str, base: Optional[str], body_file: str) -> list[list[str]]:

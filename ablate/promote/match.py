@@ -12,11 +12,17 @@ The block's statistic is the log ratio of the two arms' projected time to the la
 enters it. Gates are exact on every candidate arm, failed or not: any code of a gated severity except
 ARM_FAILED (the failure itself, a loss in the failure rates), a requested backend that did not run, a missing
 exact counter, and an *observed* inert toggle (the candidate's execution record equals its own baseline's).
+
+Two kinds of receipt never pair at all: one stating a feature value the registry does not know (it would be
+promoted into ``defaults.yaml`` and printed into the report verbatim), and one whose per-step timings are
+identical to another receipt id's (a replayed measurement: both copies are refused, by name).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import json
 import math
 from collections import Counter, defaultdict
@@ -24,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from ablate.config.features import FEATURES
+from ablate.config.load import with_feature
+from ablate.config.schema import ConfigError, LaneConfig
 from ablate.promote.policy import Policy
 from ablate.receipts.derive import project_time
 from ablate.receipts.schema import Receipt
@@ -33,6 +41,10 @@ _SHARED_IDENTITY = ("sweep_id", "campaign", "lane_key", "feature", "kind", "host
                     "code_fingerprint", "hardware_fingerprint")
 FAILURE_CODE = "ARM_FAILED"
 """The only code a failed arm is spared at the gate: it *is* the failure, which counts as a loss instead."""
+WARN_CODES = frozenset({"HOST_CONTENDED"})
+"""The only codes the trainer writes at ``warn`` (trainers/receipt.py); every other code is a fact about what ran
+(a fallback, a graph break, an inert toggle), written ``fatal``. Severity is not the receipt's to choose: any
+other code gates whatever severity it carries, so editing BACKEND_FALLBACK down to ``warn`` changes nothing."""
 
 
 @dataclass(frozen=True)
@@ -187,7 +199,8 @@ def _arm_view(receipt: Receipt, policy: Policy) -> ArmView:
     ident = receipt.identity
     failed = ident.status.value == "failed"
     gated = {d.code.value for d in receipt.disqualifiers
-             if d.severity.value in policy.gates.severities and d.code.value != FAILURE_CODE}
+             if (d.severity.value in policy.gates.severities or d.code.value not in WARN_CODES)
+             and d.code.value != FAILURE_CODE}
     details = [f"{d.code.value}: {d.detail[:160]}" for d in receipt.disqualifiers
                if d.code.value in gated]
     # Requested is not observed: a backend that fell back is never evidence for the value that asked for it,
@@ -283,6 +296,81 @@ def _check_pair(base: Receipt, cand: Receipt, check_order: bool = True) -> Optio
     if str(ran_base) == str(ran_cand):
         return f"both arms ran {spec.path}={ran_base!r}: the candidate does not differ from its baseline"
     return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _unregistered(name: str, encoded: str) -> Optional[str]:
+    """What the lane field of feature ``name`` allows, when the JSON-encoded value is not one of them; else None.
+
+    Exact: the lane must hold the value itself, not a coercion of it (OmegaConf reads ``"true"`` and ``1`` as a
+    bool, ``"25"`` as a float, ``"MoEDispatch.jagged"`` as ``jagged``): a receipt's value is written into
+    ``defaults.yaml`` and the report verbatim, so only the registry's own spelling is evidence.
+    """
+    value = json.loads(encoded)
+    try:
+        got = FEATURES[name].get(with_feature(LaneConfig(), name, value))
+    except ConfigError as exc:
+        return exc.allowed
+    if isinstance(got, bool) != isinstance(value, bool) or type(value) not in (str, int, float, bool) or \
+            got != value:
+        try:  # what the field allows, as the loader words it: provoke its error with a value nothing accepts
+            with_feature(LaneConfig(), name, "\x00")
+        except ConfigError as exc:
+            return f"{exc.allowed}, spelled exactly so; this value only coerces to {got!r}"
+        return f"values spelled exactly as the lane field holds them; this one only coerces to {got!r}"
+    return None
+
+
+def unregistered_values(receipt: Receipt) -> list[str]:
+    """Every feature value the receipt states (its lane, its tested and baseline value) that the feature registry
+    does not know, described; empty when all are registered. Such a value never pairs, never reaches a report
+    heading or ``defaults.yaml``."""
+    ident = receipt.identity
+    stated: list[tuple[str, str, Any]] = [(f"requested.lane[{spec.path!r}]", name, receipt.requested.lane[spec.path])
+                                          for name, spec in FEATURES.items() if spec.path in receipt.requested.lane]
+    if ident.feature is not None:
+        if ident.feature not in FEATURES:
+            return [f"identity.feature {ident.feature!r} is not a registered feature; registered: "
+                    f"{', '.join(sorted(FEATURES))}"]
+        stated += [("identity.feature_value", ident.feature, ident.feature_value),
+                   ("identity.baseline_value", ident.feature, ident.baseline_value)]
+    problems = []
+    for where, name, value in stated:
+        if value is None and where.startswith("identity."):
+            continue  # older receipts leave the identity's values out; the lane (checked too) says what ran
+        try:
+            encoded = json.dumps(value, sort_keys=True, allow_nan=False)
+        except (TypeError, ValueError):
+            problems.append(f"{where} = {value!r} is not a registered value of {name}")
+            continue
+        allowed = _unregistered(name, encoded)
+        if allowed is not None:
+            problems.append(f"{where} = {value!r} is not a registered value of {name} (allowed: {allowed})")
+    return problems
+
+
+def _measurement_key(receipt: Receipt) -> Optional[str]:
+    """Digest of the arm's raw per-step timings, or None when there are too few to identify a measurement.
+
+    Wall-clock step times are measured to the nanosecond: two real arms never record the same series, so two
+    receipt ids carrying one series are one measurement filed twice (a round copied as another round, a sweep
+    relabelled), whatever their ids, timestamps or sweep ids say.
+    """
+    st = receipt.steps
+    if len([s for s in st.step_s if s > 0]) < 2:
+        return None
+    text = json.dumps([st.step_s, st.cadence_s, st.data_s, st.phase_s], allow_nan=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def find_replays(receipts: Iterable[Receipt]) -> dict[str, list[str]]:
+    """Receipt id -> the other receipt ids carrying the identical per-step timing series (replayed evidence)."""
+    by_key: dict[str, set[str]] = defaultdict(set)
+    for receipt in receipts:
+        key = _measurement_key(receipt)
+        if key is not None:
+            by_key[key].add(receipt.identity.receipt_id)
+    return {rid: sorted(ids - {rid}) for ids in by_key.values() if len(ids) > 1 for rid in ids}
 
 
 def _select_attempt(receipts: list[Receipt]) -> tuple[dict[int, Receipt], dict[str, int], bool, Optional[str]]:
@@ -409,12 +497,26 @@ def _enforce_lane_consistency(blocks: list[Block], policy: Policy) -> tuple[list
 def match_blocks(receipts: Iterable[Receipt], policy: Policy) -> tuple[list[Block], list[Refusal]]:
     """Group receipts by block id, check each pair, and return (matched blocks, refusals with reasons)."""
     # Block ids restart in every sweep (b000, b001, ...): a block is identified by its round and its id.
+    receipts = list(receipts)
     by_block: dict[str, list[Receipt]] = defaultdict(list)
     for receipt in receipts:
         by_block[f"{receipt.identity.sweep_id}/{receipt.identity.block_id}"].append(receipt)
+    replays = find_replays(receipts)
     blocks: list[Block] = []
     refusals: list[Refusal] = []
     for block_id, members in by_block.items():
+        copied = [(r.identity.receipt_id, replays[r.identity.receipt_id]) for r in members
+                  if r.identity.receipt_id in replays]
+        if copied:
+            shown = "; ".join(f"{rid} has the per-step timings of {', '.join(others[:3])}" for rid, others in copied)
+            refusals.append(_refuse(f"replayed measurements: {shown}. A measurement filed under two receipt ids (a "
+                                    f"round copied as another round, a relabelled sweep) is not new evidence; "
+                                    f"neither copy counts", members, block_id))
+            continue
+        unknown = [f"{r.identity.receipt_id}: {p}" for r in members for p in unregistered_values(r)]
+        if unknown:
+            refusals.append(_refuse("unregistered feature value: " + "; ".join(unknown[:3]), members, block_id))
+            continue
         made = _make_block(block_id, members, policy)
         (refusals if isinstance(made, Refusal) else blocks).append(made)  # type: ignore[arg-type]
     blocks, inconsistent = _enforce_lane_consistency(blocks, policy)

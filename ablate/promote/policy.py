@@ -8,13 +8,18 @@ cannot silently fall back to a number hidden in code; reports quote ``policy.ref
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from ablate.config.features import FEATURES
+from ablate.config.lane_shape import REPLICATION_KEYS
 from ablate.config.load import read_yaml
+from ablate.config.schema import ConfigError
+from ablate.receipts.schema import CompileRecord, Quality, Severity
 
 PROFILES = ("multi_host", "single_node")
 
@@ -46,6 +51,8 @@ class EvidencePolicy:
     min_rounds: int
     """Rounds are sweeps (sweep_id) under one software fingerprint; a fingerprint change restarts the count."""
     min_blocks_per_round: int
+    min_round_gap_s: float
+    """Sweeps starting closer than this (or overlapping in time) are one round: a round is a separate run in time."""
 
 
 @dataclass(frozen=True)
@@ -167,22 +174,38 @@ class Policy:
         return self.profile == "single_node"
 
 
+def _error(key: str, value: Any, allowed: str) -> ConfigError:
+    # A ConfigError (a ValueError) like the campaign's: key, value and what is allowed, one line at the CLI.
+    return ConfigError(f"policy {key}", value, allowed)
+
+
 def _build(cls: type, data: Any, prefix: str) -> Any:
     """Type one section: every field required (except ``path``), no unknown keys, scalars coerced and checked."""
     if not isinstance(data, Mapping):
-        raise ValueError(f"policy {prefix or '<root>'}: expected a mapping, got {data!r}")
+        raise _error(prefix.rstrip(".") or "<root>", data, f"a mapping of {cls.__name__} keys")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)} - {"path"}
-    unknown = sorted(set(data) - names)
+    unknown = sorted(set(data) - names, key=str)
     if unknown:
-        raise ValueError(f"policy {prefix}{unknown[0]}: unknown key; known keys: {', '.join(sorted(names))}")
+        raise _error(f"{prefix}{unknown[0]}", data[unknown[0]],
+                     f"known keys: {', '.join(sorted(names))} (unknown key)")
     missing = sorted(n for n in names if n not in data and n != "budgets")
     if missing:
-        raise ValueError(f"policy {prefix}{missing[0]}: missing; every threshold must be in the policy file")
+        raise _error(f"{prefix}{missing[0]}", None, "a value: every threshold must be in the policy file (missing)")
     values: dict[str, Any] = {}
     for name in names & set(data):
         values[name] = _coerce(hints[name], data[name], f"{prefix}{name}")
     return cls(**values)
+
+
+def _number(hint: Any, value: Any, key: str) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _error(key, value, "an integer" if hint is int else "a number")
+    if not math.isfinite(value):
+        raise _error(key, value, "a finite number")
+    if hint is int and float(value) != int(value):
+        raise _error(key, value, "an integer")
+    return hint(value)
 
 
 def _coerce(hint: Any, value: Any, key: str) -> Any:
@@ -190,55 +213,126 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         return _build(hint, value, f"{key}.")
     origin = typing.get_origin(hint)
     if origin is tuple:
-        if not isinstance(value, list):
-            raise ValueError(f"policy {key}: expected a list, got {value!r}")
-        return tuple(str(v) for v in value)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise _error(key, value, "a list of names")
+        return tuple(value)
     if origin is dict:
         if not isinstance(value, Mapping):
-            raise ValueError(f"policy {key}: expected a mapping, got {value!r}")
-        return {str(k): float(v) for k, v in value.items()}
+            raise _error(key, value, "a mapping of name -> number")
+        return {str(k): _number(float, v, f"{key}.{k}") for k, v in value.items()}
     if origin in (typing.Union, types.UnionType):
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     if hint is bool:
         if not isinstance(value, bool):
-            raise ValueError(f"policy {key}: expected true or false, got {value!r}")
+            raise _error(key, value, "true or false")
         return value
     if hint in (int, float):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"policy {key}: expected a number, got {value!r}")
-        if hint is int and float(value) != int(value):
-            raise ValueError(f"policy {key}: expected an integer, got {value!r}")
-        return hint(value)
-    return str(value)
+        return _number(hint, value, key)
+    if not isinstance(value, str):
+        raise _error(key, value, "a string")
+    return value
+
+
+_OPEN_FRACTION = (0.0, False, 1.0, False, "a fraction in (0, 1)")
+_RANGES: dict[str, tuple[float, bool, float, bool, str]] = {
+    # dotted key: (low, low included, high, high included, what is allowed)
+    "version": (1, True, math.inf, False, "an integer >= 1"),
+    "family_alpha": _OPEN_FRACTION,
+    "threshold.min_effect": (0.0, True, 1.0, False, "a fraction in [0, 1) (0.01 = a 1% speed-up)"),
+    "threshold.bias_confidence": _OPEN_FRACTION,
+    "threshold.noise_quantile": _OPEN_FRACTION,
+    "threshold.min_aa_blocks": (2, True, math.inf, False, "an integer >= 2 (one A/A block bounds nothing)"),
+    "evidence.min_blocks": (1, True, math.inf, False, "an integer >= 1"),
+    "evidence.min_hosts": (1, True, math.inf, False, "an integer >= 1 (a block runs on a host)"),
+    "evidence.min_seeds": (1, True, math.inf, False, "an integer >= 1"),
+    "evidence.min_rounds": (1, True, math.inf, False, "an integer >= 1"),
+    "evidence.min_blocks_per_round": (1, True, math.inf, False, "an integer >= 1"),
+    "evidence.min_round_gap_s": (0.0, True, math.inf, False, "a number of seconds >= 0"),
+    "consistency.min_win_fraction": (0.0, False, 1.0, True, "a fraction in (0, 1]"),
+    "order.max_effect_in_thresholds": (0.0, False, math.inf, False, "a positive multiple of the threshold"),
+    "order.alpha": _OPEN_FRACTION,
+    "quality.alpha": _OPEN_FRACTION,
+    "quality.spread_quantile": _OPEN_FRACTION,
+    "quality.min_epsilon": (0.0, True, math.inf, False, "a loss difference >= 0"),
+    "failures.max_candidate_rate": (0.0, True, 1.0, True, "a fraction in [0, 1]"),
+    "failures.fisher_alpha": _OPEN_FRACTION,
+    "failures.failed_log_ratio": (-10.0, True, 0.0, False,
+                                  "a negative log ratio >= -10 (a failed candidate is a loss, so it must be negative; "
+                                  "-10 is already a 22,000x slow-down)"),
+    "suspicious.max_speedup": (1.0, False, math.inf, False, "a speed-up ratio > 1"),
+    "suspicious.amdahl_slack": (0.0, True, math.inf, False, "a fraction >= 0"),
+    "suspicious.confirming_rounds": (0, True, math.inf, False, "an integer >= 0"),
+    "bootstrap.resamples": (100, True, math.inf, False, "at least 100 resamples"),
+    "bootstrap.loss_resamples": (100, True, math.inf, False, "at least 100 resamples"),
+    "bootstrap.seed": (0, True, math.inf, False, "an integer >= 0 (a numpy seed)"),
+    "taxes.confidence": _OPEN_FRACTION,
+    "taxes.default_budget": _OPEN_FRACTION,
+}
+"""Every numeric threshold's range. Keys a policy class does not have (yet) are skipped."""
+
+SEVERITIES: tuple[str, ...] = tuple(s.value for s in Severity)
+EXACT_COUNTERS: tuple[str, ...] = tuple(
+    name for name, info in CompileRecord.model_fields.items() if info.annotation in (Optional[int], int))
+"""The integer counters of a receipt's ``observed.compile`` record; a misspelled one would read as None on every
+receipt and silently turn the exact-counter gate off."""
+QUALITY_METRICS: tuple[str, ...] = tuple(Quality.model_fields)
+DEVICE_CLASSES = ("cpu", "cuda")
+"""Observed device types a receipt can carry (``ablate.promote.match`` reads it from observed.hardware)."""
+REPLICATION_KEYS_ALLOWED: tuple[str, ...] = REPLICATION_KEYS
+"""Replication keys may only be the lane's seeds (``seed``, ``data.seed``): the keys ``lane_shape`` leaves out.
+Every other lane field (model, batch, precision, compile, engine, data path, budget, hardware) defines the lane or
+is a feature toggle; letting one differ between the blocks of a lane would pool measurements of different lanes
+into one verdict, which rule 1 (report the lane you measured) forbids."""
+
+
+def _dotted(policy: Policy, key: str) -> Any:
+    node: Any = policy
+    for part in key.split("."):
+        if not hasattr(node, part):
+            return None
+        node = getattr(node, part)
+    return node
+
+
+def _names(key: str, values: tuple[str, ...], allowed: tuple[str, ...], what: str) -> None:
+    for value in values:
+        if value not in allowed:
+            raise _error(key, value, f"{what}: {', '.join(allowed)}")
+    if len(set(values)) != len(values):
+        raise _error(key, list(values), "each name once")
 
 
 def _check(policy: Policy) -> None:
-    """Cross-field sanity: values that would make the rule meaningless are refused with the key named."""
+    """Ranges and names: values that would make the rule meaningless are refused with the key named."""
     if policy.profile not in PROFILES:
-        raise ValueError(f"policy profile: got {policy.profile!r}; allowed: one of {', '.join(PROFILES)}")
+        raise _error("profile", policy.profile, f"one of {', '.join(PROFILES)}")
+    for key, (low, low_in, high, high_in, allowed) in _RANGES.items():
+        value = _dotted(policy, key)
+        if value is None:
+            continue
+        above = value >= low if low_in else value > low
+        below = value <= high if high_in else value < high
+        if not (above and below):
+            raise _error(key, value, allowed)
     if policy.profile == "multi_host" and policy.evidence.min_hosts < 2:
-        raise ValueError("policy evidence.min_hosts: a multi_host profile needs >= 2 hosts; use single_node")
-    fractions = {"family_alpha": policy.family_alpha, "quality.alpha": policy.quality.alpha,
-                 "threshold.noise_quantile": policy.threshold.noise_quantile,
-                 "threshold.bias_confidence": policy.threshold.bias_confidence, "order.alpha": policy.order.alpha,
-                 "quality.spread_quantile": policy.quality.spread_quantile,
-                 "consistency.min_win_fraction": policy.consistency.min_win_fraction,
-                 "taxes.confidence": policy.taxes.confidence}
-    for key, value in fractions.items():
-        if not 0.0 < value < 1.0 and not (key == "consistency.min_win_fraction" and value == 1.0):
-            raise ValueError(f"policy {key}: got {value!r}; allowed: a fraction in (0, 1)")
-    if policy.bootstrap.resamples < 100 or policy.bootstrap.loss_resamples < 100:
-        raise ValueError("policy bootstrap.resamples: at least 100 resamples")
-    if policy.evidence.min_blocks < 1 or policy.evidence.min_rounds < 1:
-        raise ValueError("policy evidence: min_blocks and min_rounds must be >= 1")
-    if not 0.0 <= policy.threshold.min_effect < 1.0:
-        raise ValueError(f"policy threshold.min_effect: got {policy.threshold.min_effect!r}; allowed: a fraction in "
-                         f"[0, 1) (0.01 = a 1% speed-up)")
-    if policy.threshold.min_aa_blocks < 2:
-        raise ValueError(f"policy threshold.min_aa_blocks: got {policy.threshold.min_aa_blocks!r}; allowed: an "
-                         f"integer >= 2 (one A/A block bounds nothing)")
-    if policy.failures.failed_log_ratio >= 0:
-        raise ValueError("policy failures.failed_log_ratio: must be negative (a failed candidate is a loss)")
+        raise _error("evidence.min_hosts", policy.evidence.min_hosts,
+                     ">= 2: a multi_host profile needs >= 2 hosts; use profile single_node for one")
+    if not policy.name.strip():
+        raise _error("name", policy.name, "a non-empty name (reports quote name@version)")
+    _names("gates.severities", policy.gates.severities, SEVERITIES, "disqualifier severities")
+    _names("gates.exact_counters", policy.gates.exact_counters, EXACT_COUNTERS,
+           "counters of a receipt's observed.compile record")
+    if policy.quality.metric not in QUALITY_METRICS:
+        raise _error("quality.metric", policy.quality.metric, f"a Receipt.quality field: {', '.join(QUALITY_METRICS)}")
+    _names("matching.replication_keys", policy.matching.replication_keys, REPLICATION_KEYS_ALLOWED,
+           "seed-like lane keys that do not define the lane")
+    _names("scope.global_device_classes", policy.scope.global_device_classes, DEVICE_CLASSES, "device classes")
+    taxes = tuple(sorted(name for name, spec in FEATURES.items() if spec.kind == "tax"))
+    for name, budget in policy.taxes.budgets.items():
+        if name not in taxes:
+            raise _error(f"taxes.budgets.{name}", name, f"a tax feature: {', '.join(taxes)}")
+        if not 0.0 < budget < 1.0:
+            raise _error(f"taxes.budgets.{name}", budget, "a fraction in (0, 1) (0.05 = 5% throughput)")
 
 
 def policy_from_mapping(data: Mapping[str, Any], path: Optional[str] = None) -> Policy:
@@ -253,10 +347,11 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     for part in parts[:-1]:
         if not isinstance(node.get(part), dict):
-            raise ValueError(f"policy override {dotted}: {part} is not a section")
+            raise _error(dotted, value, f"an override of a key inside a section ({part} is not a section)")
         node = node[part]
     if parts[-1] not in node:
-        raise ValueError(f"policy override {dotted}: unknown key")
+        raise _error(dotted, value, f"an override of a known key: {', '.join(sorted(map(str, node)))} "
+                                    f"(unknown key)")
     node[parts[-1]] = value
 
 
@@ -264,7 +359,7 @@ def load_policy(path: str | Path, overrides: Optional[Mapping[str, Any]] = None)
     """Read and check a policy file; ``overrides`` maps dotted keys to values (for tests and what-ifs)."""
     data = read_yaml(path)
     if not isinstance(data, dict):
-        raise ValueError(f"policy {path}: expected a mapping at the top level")
+        raise ConfigError(f"policy {path}", data, "a mapping of policy sections at the top level")
     for dotted, value in (overrides or {}).items():
         _set_dotted(data, dotted, value)
     return policy_from_mapping(data, path=str(path))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -87,7 +88,8 @@ class PromotionResult:
                 continue
             curves = [(f"{v.feature}={v.value} ({v.verdict})", v.curve) for v in verdicts]
             path = horizon_png(curves, lane.horizon_steps or verdicts[0].horizon_steps,
-                               lane.calibration.delta(self.policy), directory / f"lane-{lane.lane_key[:12]}.png",
+                               lane.calibration.delta(self.policy),
+                               directory / f"lane-{re.sub(r'[^0-9A-Za-z_-]', '_', lane.lane_key[:12])}.png",
                                f"lane {lane.lane_key[:12]}: {lane.label()}")
             if path is not None:
                 written[lane.lane_key] = path
@@ -172,8 +174,38 @@ def _short(text: Any, width: int = 12) -> str:
     return text if len(text) <= width else text[:width] + "…"
 
 
+_BREAKS = re.compile(r"[\r\n\v\f\x1c-\x1e\x85\u2028\u2029]+")
+"""Every character Markdown (or Python's splitlines) may read as a line break."""
+
+
+def _t(value: Any) -> str:
+    """Text from receipts, sweeps or files, made inert in a Markdown line: no line break (so no heading, list
+    item or table row can start inside it), no HTML tag, no link or image, no code span it could close."""
+    text = _BREAKS.sub(" ", str(value))
+    return (text.replace("\\", "\\\\").replace("`", "\\`").replace("<", "&lt;").replace(">", "&gt;")
+            .replace("[", "\\[").replace("]", "\\]"))
+
+
+def _c(value: Any) -> str:
+    """``value`` as a code span: one line, no backtick of its own (it would end the span)."""
+    return "`" + _BREAKS.sub(" ", str(value)).replace("`", "'") + "`"
+
+
+_PLAIN_URL = re.compile(r"[A-Za-z0-9._~:/?#@!$&'*+,;=%-]+")
+
+
+def _url(value: Any) -> str:
+    """A link destination with its parentheses: plain when nothing in it can end it early, else in ``<...>``
+    (no line break, no angle bracket) so a space or a parenthesis from a path cannot break out of the link."""
+    text = str(value)
+    if _PLAIN_URL.fullmatch(text):
+        return f"({text})"
+    return "(<" + _BREAKS.sub("", text).replace("<", "%3C").replace(">", "%3E") + ">)"
+
+
 def _cell(text: Any) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    """A table cell: ``text`` is already-rendered Markdown; a line break or a bare pipe would end the row."""
+    return _BREAKS.sub(" ", str(text)).replace("|", "\\|")
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
@@ -209,17 +241,23 @@ def _loss(v: FeatureVerdict) -> str:
 def _header(result: PromotionResult) -> list[str]:
     p = result.policy
     git = result.git
-    lines = [f"## ablate promotion report `{result.report_id}`", "",
-             f"- **Campaign:** {result.campaign} · **date:** {result.date} · **receipts:** {result.num_receipts} "
-             f"({len(result.refusals)} block(s) refused, {len(result.rejected)} invalid receipt(s))",
-             "- **Rounds:** " + (", ".join(f"`{r['round_id']}` ({r['first_at'][:10]}, {r['blocks']} blocks)"
-                                         for r in result.rounds) or "none"),
-             f"- **Git SHAs:** baseline {', '.join(f'`{s}`' for s in git['baseline']) or 'unknown'} · candidate "
-             f"{', '.join(f'`{s}`' for s in git['candidate']) or 'unknown'}" + (" · **dirty tree**" if git["dirty"]
-                                                                                 else ""),
-             f"- **Policy:** `{p.ref}` ({p.profile}) from `{p.path}` · family α {p.family_alpha} with Holm over "
-             f"{result.holm_family} feature × lane test(s) · {p.bootstrap.resamples} bootstrap resamples",
+    lines = [f"## ablate promotion report {_c(result.report_id)}", "",
+             f"- **Campaign:** {_t(result.campaign)} · **date:** {_t(result.date)} · **receipts:** "
+             f"{result.num_receipts} ({len(result.refusals)} block(s) refused, {len(result.rejected)} invalid "
+             f"receipt(s))",
+             "- **Rounds:** " + (", ".join(f"{_c(r['round_id'])} ({_t(str(r['first_at'])[:10])}, {r['blocks']} "
+                                           f"blocks)" for r in result.rounds) or "none"),
+             f"- **Git SHAs:** baseline {', '.join(_c(s) for s in git['baseline']) or 'unknown'} · candidate "
+             f"{', '.join(_c(s) for s in git['candidate']) or 'unknown'}" + (" · **dirty tree**" if git["dirty"]
+                                                                             else ""),
+             f"- **Policy:** {_c(p.ref)} ({_t(p.profile)}) from {_c(p.path)} · family α {p.family_alpha} with Holm "
+             f"over {result.holm_family} feature × lane test(s) · {p.bootstrap.resamples} bootstrap resamples",
              f"- **Interval:** {_bootstrap_note(result)}"]
+    merged = sorted({f"{r.round_id}: {r.note}" for v in result.verdicts for r in v.rounds if r.note})
+    if merged:
+        lines.append("- **Sweeps counted as one round** (a round is a separate run in time, policy "
+                     f"`evidence.min_round_gap_s` = {p.evidence.min_round_gap_s:g} s): "
+                     + "; ".join(_t(m) for m in merged))
     if p.single_node:
         lines += ["", "> **Single-node profile.** One host is allowed, so the interval is a block bootstrap within "
                       "that host: it cannot tell a host-specific effect from a real one. Scope: the lanes below."]
@@ -229,36 +267,36 @@ def _header(result: PromotionResult) -> list[str]:
 def _defaults_diff(result: PromotionResult) -> list[str]:
     lines = ["", "### Defaults diff", ""]
     if not result.changes:
-        return lines + ["No change to `" + result.defaults_path + "`: nothing was promoted. Ties keep the incumbent."]
+        return lines + [f"No change to {_c(result.defaults_path)}: nothing was promoted. Ties keep the incumbent."]
     rows = []
     for c in result.changes:
         if c.scope == "global":
-            rows.append([f"`{c.feature}`", f"`{c.old}`", f"`{c.new}`", "global", ", ".join(_short(x) for x in c.lanes)])
+            rows.append([_c(c.feature), _c(c.old), _c(c.new), "global", ", ".join(_t(_short(x)) for x in c.lanes)])
         else:
             values = ", ".join(sorted({str(e['value']) for e in c.evidence}))
-            rows.append([f"`{c.feature}`", f"`{c.old}`", f"`{c.old}` (lane override: `{values}`)", "lane",
-                         ", ".join(_short(x) for x in c.lanes)])
+            rows.append([_c(c.feature), _c(c.old), f"{_c(c.old)} (lane override: {_c(values)})", "lane",
+                         ", ".join(_t(_short(x)) for x in c.lanes)])
     lines += _table(["feature", "old", "new", "scope", "lanes validated"], rows)
-    rollback = "; ".join(f"`features.{c.feature}.value: {c.old}`" for c in result.changes if c.scope == "global")
+    rollback = "; ".join(_c(f"features.{c.feature}.value: {c.old}") for c in result.changes if c.scope == "global")
     if rollback:
-        lines += ["", f"Rollback: set {rollback} in `{result.defaults_path}` (or revert this PR)."]
+        lines += ["", f"Rollback: set {rollback} in {_c(result.defaults_path)} (or revert this PR)."]
     return lines
 
 
 def _lane_label(result: PromotionResult, lane_key: str) -> str:
     lane = next((lane for lane in result.lanes if lane.lane_key == lane_key), None)
-    return f"{lane.label()} `{_short(lane_key, 8)}`" if lane else f"`{_short(lane_key)}`"
+    return f"{_t(lane.label())} {_c(_short(lane_key, 8))}" if lane else _c(_short(lane_key))
 
 
 def _summary(result: PromotionResult) -> list[str]:
     rows = []
     for v in result.speed_verdicts:
         unit = "" if v.bootstrap_unit == "host" else " (block bootstrap)"
-        rows.append([f"`{v.feature}`→`{v.value}`", f"**{v.verdict}**", _lane_label(result, v.lane_key),
+        rows.append([f"{_c(v.feature)}→{_c(v.value)}", f"**{v.verdict}**", _lane_label(result, v.lane_key),
                      f"{_x(v.speedup)} {_interval(v.ci95)}{unit}", _x(v.lower_adj),
                      f"{v.delta * 100:.2f}%", f"{v.n_blocks}/{v.n_hosts}/{v.n_seeds}/{v.n_rounds}",
                      "–" if v.win_fraction is None else f"{v.win_fraction:.0%}", _loss(v),
-                     _disq(v.disqualifiers), _amdahl(v), v.reason if v.verdict != PROMOTE else "–"])
+                     _t(_disq(v.disqualifiers)), _t(_amdahl(v)), _t(v.reason) if v.verdict != PROMOTE else "–"])
     header = ["feature", "verdict", "lane", "speed-up at horizon [95% CI]", "Holm lower", "δ",
               "blocks/hosts/seeds/rounds", "win", "LM loss Δ", "flags cand/base", "Amdahl bound",
               "first failing clause"]
@@ -278,8 +316,8 @@ def _tradeoff(result: PromotionResult) -> list[str]:
         one = _seconds(v.one_time_delta_s)
         if v.one_time_ci95 is not None:
             one += f" [{v.one_time_ci95[0]:+.2f}, {v.one_time_ci95[1]:+.2f}]"
-        rows.append([f"`{v.feature}`→`{v.value}`", f"{_x(v.steady_speedup)} {_interval(v.steady_ci95)}", one,
-                     v.break_even.get("text", "–"), f"{v.horizon_steps:,}",
+        rows.append([f"{_c(v.feature)}→{_c(v.value)}", f"{_x(v.steady_speedup)} {_interval(v.steady_ci95)}", one,
+                     _t(v.break_even.get("text", "–")), f"{v.horizon_steps:,}",
                      f"{_x(v.speedup)} {_interval(v.ci95)}", f"**{v.verdict}**"])
     if not rows:
         return []
@@ -294,8 +332,8 @@ def _tradeoff(result: PromotionResult) -> list[str]:
     plotted = [(lane, result.plots[lane.lane_key]) for lane in result.lanes if lane.lane_key in result.plots]
     for lane, path in plotted:
         where = result.plot_locations.get(lane.lane_key)
-        lines += ["", f"![speed-up against horizon, lane {lane.lane_key[:12]}]({path})"
-                      + (f" (also on MLflow: {where})" if where else "")]
+        lines += ["", f"![speed-up against horizon, lane {_t(lane.lane_key[:12])}]{_url(path)}"
+                      + (f" (also on MLflow: {_t(where)})" if where else "")]
     return lines
 
 
@@ -304,7 +342,7 @@ def _startup_notes(result: PromotionResult) -> list[str]:
     for lane in result.lanes:
         if lane.startup_share is None or lane.startup_share < STARTUP_DOMINATES:
             continue
-        notes.append(f"- Lane `{_short(lane.lane_key, 8)}` ({lane.label()}): executor start-up is "
+        notes.append(f"- Lane {_c(_short(lane.lane_key, 8))} ({_t(lane.label())}): executor start-up is "
                      f"{lane.startup_share:.0%} of each arm's wall time (median {lane.startup_s or 0:.2f} s of "
                      f"{lane.wall_s or 0:.2f} s). It is excluded from the verdict, but it is most of what every arm "
                      f"costs: raise `lane.budget.steps` so the recurring step time is estimated from more steady "
@@ -324,12 +362,12 @@ def _amdahl(v: FeatureVerdict) -> str:
 def _taxes(result: PromotionResult) -> list[str]:
     if not result.tax_verdicts:
         return []
-    rows = [[f"`{v.feature}`→`{v.value}`", f"`{_short(v.lane_key)}`",
+    rows = [[f"{_c(v.feature)}→{_c(v.value)}", _c(_short(v.lane_key)),
              f"{_x(v.speedup)} {_interval(v.ci95)}", f"≥ {1 - (v.budget or 0):.3f}×",
              {True: "within budget", False: "**over budget**", None: "–"}[v.within_budget],
              "–" if v.loss_delta is None else f"{v.loss_delta:+.4f}",
              "–" if v.memory_ratio is None else _x(v.memory_ratio), f"{v.n_blocks}/{v.n_hosts}",
-             _disq(v.disqualifiers)] for v in result.tax_verdicts]
+             _t(_disq(v.disqualifiers))] for v in result.tax_verdicts]
     header = ["tax", "lane", f"throughput ratio [{result.policy.taxes.confidence:.0%} CI, two-sided]", "budget",
               "status", "loss Δ", "memory ratio", "blocks/hosts", "flags cand/base"]
     return (["", "### Taxes (never promoted; opt-in only)", ""] + _table(header, rows) +
@@ -339,8 +377,8 @@ def _taxes(result: PromotionResult) -> list[str]:
 def _revalidations(result: PromotionResult) -> list[str]:
     if not result.revalidations:
         return []
-    rows = [[f"`{r.feature}`=`{r.value}`", f"`{_short(r.lane_key)}`", f"`{_short(r.recorded_fingerprint)}`",
-             f"`{_short(r.current_fingerprint)}`", r.report or "–"] for r in result.revalidations]
+    rows = [[f"{_c(r.feature)}={_c(r.value)}", _c(_short(r.lane_key)), _c(_short(r.recorded_fingerprint)),
+             _c(_short(r.current_fingerprint)), _t(r.report or "–")] for r in result.revalidations]
     return (["", "### Needs revalidation (software fingerprint changed)", ""] +
             _table(["default", "lane", "recorded fingerprint", "current fingerprint", "report"], rows))
 
@@ -348,7 +386,7 @@ def _revalidations(result: PromotionResult) -> list[str]:
 def _not_run(result: PromotionResult) -> list[str]:
     if not result.not_run:
         return []
-    rows = [[f"`{_cell(n['what'])}`", _cell(n["why"]), _cell(n.get("rounds", ""))] for n in result.not_run[:30]]
+    rows = [[_c(n['what']), _t(n["why"]), _t(n.get("rounds", ""))] for n in result.not_run[:30]]
     return (["", "### Refused before any arm ran", ""] + _table(["toggle", "why", "rounds"], rows) +
             ([f"… and {len(result.not_run) - 30} more in the JSON report."] if len(result.not_run) > 30 else []))
 
@@ -357,13 +395,13 @@ def _refusals(result: PromotionResult) -> list[str]:
     if not result.refusals and not result.rejected:
         return []
     lines = ["", "### Refused (never paired, never counted)", ""]
-    rows = [[f"`{r.block_id}`", r.feature or "A/A", f"`{_short(r.lane_key)}`", r.round_id or "–", r.reason]
+    rows = [[_c(r.block_id), _t(r.feature or "A/A"), _c(_short(r.lane_key)), _t(r.round_id or "–"), _t(r.reason)]
             for r in result.refusals[:50]]
     lines += _table(["block", "feature", "lane", "round", "reason"], rows) if rows else []
     if len(result.refusals) > 50:
         lines.append(f"… and {len(result.refusals) - 50} more in the JSON report.")
     if result.rejected:
-        lines += ["", "Invalid receipts:", ""] + [f"- `{o}`: {r}" for o, r in result.rejected[:20]]
+        lines += ["", "Invalid receipts:", ""] + [f"- {_c(o)}: {_t(r)}" for o, r in result.rejected[:20]]
     return lines
 
 
@@ -377,18 +415,18 @@ def _lane_detail(result: PromotionResult, lane: LaneSummary) -> list[str]:
                 f"[{math.exp(cal.aa_interval_log[0]):.4f}, {math.exp(cal.aa_interval_log[1]):.4f}]")
     calibrated = {True: "contains 1 (no systematic bias detected)", False: "excludes 1: systematic bias, added "
                   "to delta", None: "not enough A/A blocks"}[cal.contains_one]
-    lines = ["", f"<details><summary>Lane <code>{lane.lane_key}</code>: {lane.label()}</summary>", "",
-             f"- software fingerprint `{lane.software_fingerprint}`" +
-             (f" (earlier: {', '.join(f'`{f}`' for f in lane.fingerprints[:-1])}; their evidence no longer counts)"
+    lines = ["", f"<details><summary>Lane <code>{_t(lane.lane_key)}</code>: {_t(lane.label())}</summary>", "",
+             f"- software fingerprint {_c(lane.software_fingerprint)}" +
+             (f" (earlier: {', '.join(_c(f) for f in lane.fingerprints[:-1])}; their evidence no longer counts)"
               if len(lane.fingerprints) > 1 else ""),
-             f"- lane: {', '.join(f'{k}={v}' for k, v in shown.items())}; horizon {lane.horizon_steps:,} steps; "
-             f"hosts: {', '.join(lane.hosts)}",
+             f"- lane: {_t(', '.join(f'{k}={v}' for k, v in shown.items()))}; horizon {lane.horizon_steps:,} steps; "
+             f"hosts: {_t(', '.join(lane.hosts))}",
              f"- A/A: {cal.num_blocks} block(s); bias HL interval {interval} {calibrated}; bias bound {bias}; "
              f"delta {cal.delta(result.policy):.2%}; single-block spread {spread}"
              f", loss spread {'–' if cal.loss_spread is None else f'{cal.loss_spread:.4g}'}"
-             f" (measured {(cal.first_at or '–')[:10]} to {(cal.last_at or '–')[:10]})"]
+             f" (measured {_t((cal.first_at or '–')[:10])} to {_t((cal.last_at or '–')[:10])})"]
     for v in [v for v in result.verdicts if v.lane_key == lane.lane_key]:
-        lines += ["", f"**`{v.feature}` → `{v.value}` (baseline `{v.baseline_value}`): {v.verdict}**", ""]
+        lines += ["", f"**{_c(v.feature)} → {_c(v.value)} (baseline {_c(v.baseline_value)}): {v.verdict}**", ""]
         tp = v.throughput
         for role in ("baseline", "candidate"):
             if role in tp:
@@ -400,32 +438,34 @@ def _lane_detail(result: PromotionResult, lane: LaneSummary) -> list[str]:
                          f"baseline-first" + ("" if effect is None else f", effect {effect * 100:+.2f}%"))
         lines.append(f"- failures: candidate {v.failures['candidate']['failed']}/{v.failures['candidate']['arms']}, "
                      f"baseline {v.failures['baseline']['failed']}/{v.failures['baseline']['arms']}; "
-                     f"disqualifiers: {v.disqualifiers}")
+                     f"disqualifiers: {_t(v.disqualifiers)}")
         if v.suspicious:
             lines.append("- **suspicious win**: needs a confirming round and a look at the kernel traces")
         if v.amdahl.get("note"):
-            lines.append(f"- Amdahl: {v.amdahl['note']}")
+            lines.append(f"- Amdahl: {_t(v.amdahl['note'])}")
         for what, items in (("gated candidate arms", v.gated_arms),
                             ("blocks whose arms' start-up differ beyond the lane's usual spread", v.startup_flags),
                             ("blocks measured under foreign CPU load (HOST_CONTENDED)", v.contended_blocks)):
             if items:
-                lines.append(f"- {what}: " + "; ".join(_cell(i) for i in items[:6])
+                lines.append(f"- {what}: " + "; ".join(_t(i) for i in items[:6])
                              + (f"; and {len(items) - 6} more" if len(items) > 6 else ""))
         if v.superseded.get("blocks"):
-            lines.append(f"- {v.superseded['blocks']} block(s) from rounds {v.superseded['rounds']} ignored: "
-                         f"software fingerprint {v.superseded['fingerprints']} changed, count restarted")
+            lines.append(f"- {v.superseded['blocks']} block(s) from rounds {_t(v.superseded['rounds'])} ignored: "
+                         f"software fingerprint {_t(v.superseded['fingerprints'])} changed, count restarted")
         if v.hosts:
             lines += [""] + _table(["host", "blocks", "median speedup", "candidate failures"],
-                                   [[h.host, h.blocks, _x(h.median_speedup), h.candidate_failures] for h in v.hosts])
+                                   [[_t(h.host), h.blocks, _x(h.median_speedup), h.candidate_failures]
+                                    for h in v.hosts])
         if v.rounds:
             lines += [""] + _table(["round", "started", "blocks", "HL speedup", "counted"],
-                                   [[r.round_id, r.first_at[:19], r.blocks, _x(r.speedup), "yes" if r.counted else
-                                     "no"] for r in v.rounds])
+                                   [[_t(r.round_id), _t(r.first_at[:19]), r.blocks, _x(r.speedup),
+                                     ("yes" if r.counted else "no") + (f" (one round: {_t(r.note)})" if r.note else "")]
+                                    for r in v.rounds])
         if v.clauses:
-            lines += [""] + [f"- {'✅' if c.passed else '❌'} `{c.name}`: {c.detail}" for c in v.clauses]
+            lines += [""] + [f"- {'✅' if c.passed else '❌'} {_c(c.name)}: {_t(c.detail)}" for c in v.clauses]
         links = [(rid, result.run_links[rid]) for rid in v.receipt_ids if rid in result.run_links]
         if links:
-            shown_links = ", ".join(f"[{_short(rid, 8)}]({url})" for rid, url in links[:MAX_LINKS_PER_TEST])
+            shown_links = ", ".join(f"[{_t(_short(rid, 8))}]{_url(url)}" for rid, url in links[:MAX_LINKS_PER_TEST])
             more = f" and {len(links) - MAX_LINKS_PER_TEST} more in the JSON" if len(links) > MAX_LINKS_PER_TEST else ""
             lines.append(f"- MLflow runs: {shown_links}{more}")
     return lines + ["", "</details>"]
@@ -434,7 +474,8 @@ def _lane_detail(result: PromotionResult, lane: LaneSummary) -> list[str]:
 def render_markdown(result: PromotionResult) -> str:
     head = (_header(result) + _defaults_diff(result) + _summary(result) + _tradeoff(result) + _taxes(result)
             + _startup_notes(result) + _not_run(result) + _revalidations(result) + _refusals(result))
-    footer = ["", f"<sub>Decided under policy `{result.policy.ref}`; full numbers in `{result.report_id}.json`. "
+    footer = ["", f"<sub>Decided under policy {_c(result.policy.ref)}; full numbers in "
+                  f"{_c(result.report_id + '.json')}. "
                   "Verdicts: PROMOTE (every clause holds), HOLD (inconclusive: the incumbent stays), REJECT.</sub>"]
     used = sum(len(line) + 1 for line in head + footer) + 400
     detail = ["", "### Per-lane detail"]
@@ -451,5 +492,5 @@ def render_markdown(result: PromotionResult) -> str:
         used += size
     if omitted:
         detail += ["", f"{omitted} lane(s) omitted to stay under GitHub's PR body limit; see "
-                       f"`{result.report_id}.json`."]
+                       f"{_c(result.report_id + '.json')}."]
     return "\n".join(head + detail + footer) + "\n"

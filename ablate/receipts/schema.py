@@ -22,8 +22,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ablate.receipts import derive
 from ablate.receipts.derive import Projection
 
-SCHEMA_VERSION = "2.0.0"
-"""2.0: the arm's time splits into executor start-up (``startup``), feature-dependent ``setup`` and per-step
+SCHEMA_VERSION = "2.1.0"
+"""2.1: ``digest``, the sha256 of the receipt's canonical JSON without it (``ablate.receipts.store``), set when
+the receipt is written and checked when it is read; optional, so 2.0 receipts (which have none) still validate.
+2.0: the arm's time splits into executor start-up (``startup``), feature-dependent ``setup`` and per-step
 records (phase, label, compile events, step/data/cadence seconds, tokens), from which ``projection`` (the
 promotion metric at the lane's horizon) and every other derived figure is recomputed on validation; ``other``
 is replaced by measured ``sampling``/``restart``/``teardown`` and a checked ``unattributed``; ``host`` records
@@ -33,6 +35,8 @@ SUPPORTED_MAJORS = frozenset({2})
 TIME_TOLERANCE = 0.01
 """Goodput plus badput must equal wall time within 1% (plus a 50 ms floor for very short arms)."""
 TIME_TOLERANCE_FLOOR_S = 0.05
+FUTURE_SLACK = dt.timedelta(hours=1)
+"""A receipt written later than now (plus clock skew between nodes) cannot be real: it is refused."""
 UNATTRIBUTED_LIMIT = 0.02
 """An arm that finished may leave at most 2% of its wall time (or the floor) unexplained by measured parts."""
 
@@ -315,6 +319,9 @@ class Receipt(_Model):
     error: Optional[ErrorInfo] = None
     env: dict[str, str] = Field(default_factory=dict)
     """Allowlisted, redacted environment (CUDA_*, NCCL_*, OMP_*, ...): never secrets."""
+    digest: Optional[str] = None
+    """sha256 of the canonical JSON of everything else (``ablate.receipts.store.content_digest``), set when the
+    receipt is written; a copy whose content no longer matches it is refused on read. None in 2.0 receipts."""
 
     def codes(self) -> set[str]:
         return {d.code.value for d in self.disqualifiers}
@@ -445,6 +452,46 @@ def derived_figure_errors(receipt: "Receipt") -> list[str]:
     return errors
 
 
+_NON_NEGATIVE = ("throughput", "steps", "memory", "projection", "family_share", "observed.compile")
+"""Sections whose every number is a count, a duration, a size, a rate or a share: never below zero."""
+_SIGNED = frozenset({"steps.loss_series", "steps.time_to_first_step_s"})
+"""Numbers in those sections that may be negative: a loss, and the one span measured across two machines' clocks
+(the driver's scheduling stamp to the worker's first step), which clock skew can turn negative; refusing such a
+receipt would drop a real arm (a failed one included) from the evidence, so the skew is kept visible instead."""
+
+
+def _numbers(node: Any, path: str) -> list[tuple[str, float]]:
+    if isinstance(node, bool) or node is None or isinstance(node, str):
+        return []
+    if isinstance(node, (int, float)):
+        return [(path, node)]
+    if isinstance(node, dict):
+        return [x for k, v in node.items() for x in _numbers(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(node, (list, tuple)):
+        return [x for i, v in enumerate(node) for x in _numbers(v, f"{path}[{i}]")]
+    return []
+
+
+def figure_errors(receipt: "Receipt") -> list[str]:
+    """Numbers no measurement produces: NaN or infinity anywhere (the trainer writes null for what it could not
+    measure), a negative count, duration, size, rate or share, a family share above 1."""
+    data = receipt.model_dump(mode="python", exclude={"digest"})
+    errors = [f"{path} is {value!r}: a receipt holds finite numbers only (null for what was not measured)"
+              for path, value in _numbers(data, "") if not math.isfinite(value)]
+    if errors:
+        return errors
+    for section in _NON_NEGATIVE:
+        node: Any = data
+        for part in section.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        for path, value in _numbers(node, section):
+            if value < 0 and path.split("[")[0] not in _SIGNED:
+                errors.append(f"{path} is {value!r}: a count, duration, size, rate or share is never negative")
+    errors += [f"family_share.{k} is {v!r}: a share of step time is at most 1"
+               for k, v in receipt.family_share.items() if v is not None and v > 1.0 + 1e-9]
+    return errors
+
+
 def schema_major(version: str) -> int:
     try:
         return int(str(version).split(".")[0])
@@ -481,6 +528,19 @@ def validate_receipt(obj: dict[str, Any] | Receipt) -> Receipt:
         dt.datetime.fromisoformat(receipt.identity.created_at)
     except ValueError:
         raise InvalidReceipt(f"identity.created_at {receipt.identity.created_at!r} is not an ISO-8601 time") from None
+    moment = dt.datetime.fromisoformat(receipt.identity.created_at)
+    if moment.tzinfo is None or moment.utcoffset() != dt.timedelta(0) or "T" not in receipt.identity.created_at:
+        # Rounds are told apart by these times and receipts are ordered by them (the newest picks a lane's current
+        # software): a bare date, a time without its offset or one in another zone is not on the one clock the
+        # trainer writes (ISO-8601 UTC, +00:00).
+        raise InvalidReceipt(f"identity.created_at {receipt.identity.created_at!r} is not an ISO-8601 date and time "
+                             f"with a UTC offset of +00:00 (e.g. 2026-11-22T18:07:17+00:00)")
+    if moment > dt.datetime.now(dt.timezone.utc) + FUTURE_SLACK:
+        raise InvalidReceipt(f"identity.created_at {receipt.identity.created_at!r} is in the future: no arm has run "
+                             f"then")
+    errors = figure_errors(receipt)
+    if errors:
+        raise InvalidReceipt("; ".join(errors[:4]))
     failed = receipt.identity.status is Status.failed
     errors = time_accounting_errors(receipt.time, finished=not failed)
     if errors and not failed:

@@ -23,17 +23,34 @@ Duplicates: the same receipt id may legitimately be on disk twice (``receipts/<i
 ``spool.jsonl``; a resumed driver spooling it again). Identical copies count once. Copies whose contents differ
 are a conflict: every copy is rejected, naming the others and the fields that differ, and the receipt is not
 used, since nothing says which copy is the true record.
+
+Digest: every receipt written here carries ``digest``, the sha256 of its canonical JSON without that field
+(``content_digest``). A copy whose content no longer matches its digest (edited after it was written) is
+rejected with both values; 2.0 receipts, written before digests, have none and are read as they are.
+
+A receipt that cannot be written where it belongs (disk full, read-only or unwritable directory) is never
+dropped: ``write_receipt`` and ``append_spool`` put it in a fallback campaign directory,
+``<fallback root>/<campaign>/receipts/`` or ``.../spool.jsonl``, and log one error line naming it. The fallback
+root is ``$ABLATE_FALLBACK_DIR``, else ``$XDG_STATE_HOME/ablate/fallback`` (``~/.local/state/...``), else
+``<tmp>/ablate-fallback-<uid>``: the first one that takes the write. ``ablate receipts sync <that campaign dir>``
+replays it into MLflow. A failed write leaves no temporary file behind.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import logging
 import os
+import re
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator, NamedTuple, Union
+from typing import Any, Iterable, Iterator, NamedTuple, Optional, Union
 
 from ablate.receipts.schema import InvalidReceipt, Receipt, validate_receipt
+
+log = logging.getLogger(__name__)
 
 RECEIPTS_DIR = "receipts"
 SPOOL_FILE = "spool.jsonl"
@@ -47,28 +64,218 @@ NOT_RECEIPT_DIRS = frozenset({"_tune", "_train"})
 CAMPAIGN_META = frozenset({"sweeps", "LATEST"})
 """A campaign's own bookkeeping next to ``receipts/``: sweep metadata and the resume pointer."""
 _MAX_DIFF_PATHS = 5
+DIGEST_FIELD = "digest"
+FALLBACK_ENV = "ABLATE_FALLBACK_DIR"
+"""Overrides the first place a receipt goes when it cannot be written where it belongs."""
+
+
+# --- digest ---
+
+
+def content_digest(data: dict[str, Any]) -> str:
+    """sha256 (hex) of a receipt's canonical JSON (sorted keys, no whitespace) without its ``digest`` field.
+    Computed on the parsed JSON, so the writer and every reader hash exactly the same values."""
+    body = {key: value for key, value in data.items() if key != DIGEST_FIELD}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def receipt_digest(receipt: Receipt) -> str:
+    """The content digest of a receipt object (whatever its ``digest`` field says)."""
+    return content_digest(json.loads(receipt.model_dump_json()))
+
+
+def seal(receipt: Receipt) -> Receipt:
+    """The receipt with ``digest`` set to its content digest (the same object when it already is)."""
+    digest = receipt_digest(receipt)
+    return receipt if receipt.digest == digest else receipt.model_copy(update={DIGEST_FIELD: digest})
+
+
+def short(digest: Optional[str]) -> str:
+    return digest[:16] if digest else "none"
+
+
+def digest_problem(raw: Any) -> Optional[str]:
+    """Why a parsed receipt's content does not match its stored digest, or None (no digest: a 2.0 receipt)."""
+    if not isinstance(raw, dict) or raw.get(DIGEST_FIELD) is None:
+        return None
+    stored, actual = raw[DIGEST_FIELD], content_digest(raw)
+    if stored == actual:
+        return None
+    return (f"content does not match its digest (stored {short(str(stored))}, content {short(actual)}): the "
+            f"receipt was edited after it was written; restore the original copy (MLflow keeps one) or re-run its "
+            f"block")
+
+
+# --- writing, with a fallback that never drops a receipt ---
+
+
+class ReceiptNotSaved(OSError):
+    """Neither the receipt's own place nor any fallback location took the write; the message names them all."""
+
+
+def _reason(exc: OSError) -> str:
+    return exc.strerror or str(exc) or type(exc).__name__
+
+
+def fallback_roots() -> list[Path]:
+    """Where receipts go when their own directory refuses them, in order of preference."""
+    roots = []
+    if os.environ.get(FALLBACK_ENV):
+        roots.append(Path(os.environ[FALLBACK_ENV]).expanduser())
+    state = os.environ.get("XDG_STATE_HOME")
+    if not state:
+        with contextlib.suppress(RuntimeError, KeyError):
+            state = str(Path.home() / ".local" / "state")
+    if state:
+        roots.append(Path(state) / "ablate" / "fallback")
+    uid = os.getuid() if hasattr(os, "getuid") else "user"
+    roots.append(Path(tempfile.gettempdir()) / f"ablate-fallback-{uid}")
+    return roots
+
+
+def _campaign_dirname(campaign: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", campaign).strip("-.") or "campaign"
+
+
+def fallback_dirs(campaign: str) -> list[Path]:
+    """The fallback campaign directories of ``campaign`` that exist (where its refused receipts went)."""
+    return [root / _campaign_dirname(campaign) for root in fallback_roots()
+            if (root / _campaign_dirname(campaign)).is_dir()]
+
+
+def _atomic_write(target: Path, text: str) -> None:
+    """Write ``target`` through a temporary file and a rename; on any failure the temporary file is removed."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".receipt-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())  # a full disk can also surface only here
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _append_line(path: Path, line: str) -> None:
+    """Append one line with O_APPEND; a write that fails part-way is cut back off (no half line is left)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        start = os.fstat(fd).st_size
+        try:
+            view = memoryview(line.encode("utf-8"))
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)
+            raise
+    finally:
+        os.close(fd)
+
+
+def _to_fallback(receipt: Receipt, relative: str, write: Any, where: Path, reason: str) -> Path:
+    tried = []
+    for root in fallback_roots():
+        target = root / _campaign_dirname(receipt.identity.campaign) / relative
+        try:
+            write(target)
+        except OSError as exc:
+            tried.append(f"{target.parent} ({_reason(exc)})")
+            continue
+        log.error("receipt %s could not be written to %s (%s); it is in %s instead: replay it with `ablate receipts "
+                  "sync %s`", receipt.identity.receipt_id, where, reason, target, target.parent.parent
+                  if relative.startswith(RECEIPTS_DIR + "/") else target.parent)
+        return target
+    raise ReceiptNotSaved(f"receipt {receipt.identity.receipt_id} could not be written to {where} ({reason}) nor "
+                          f"to any fallback: {'; '.join(tried)}; set {FALLBACK_ENV} to a writable directory")
+
+
+def write_receipt_or_fallback(receipt: Receipt, directory: str | Path) -> tuple[Path, Optional[str]]:
+    """(where the receipt is, None) or, when ``directory`` refused it, (its fallback path, why); see the module
+    docstring. Raises ``ReceiptNotSaved`` only when no fallback location took it either."""
+    receipt = seal(receipt)
+    text = receipt.model_dump_json(indent=2)
+    name = f"{receipt.identity.receipt_id}.json"
+    directory = Path(directory)
+    try:
+        _atomic_write(directory / name, text)
+        return directory / name, None
+    except OSError as exc:
+        reason = _reason(exc)
+    return _to_fallback(receipt, f"{RECEIPTS_DIR}/{name}", lambda t: _atomic_write(t, text), directory,
+                        reason), reason
 
 
 def write_receipt(receipt: Receipt, directory: str | Path) -> Path:
-    """Atomically write ``<directory>/<receipt_id>.json`` (a crash never leaves half a receipt)."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    target = directory / f"{receipt.identity.receipt_id}.json"
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".receipt-", suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        handle.write(receipt.model_dump_json(indent=2))
-    os.replace(tmp, target)
-    return target
+    """Atomically write ``<directory>/<receipt_id>.json`` with its digest (a crash never leaves half a receipt);
+    returns where it landed, which is a fallback location when ``directory`` refused it."""
+    return write_receipt_or_fallback(receipt, directory)[0]
+
+
+def append_spool_or_fallback(receipt: Receipt, sweep_dir: str | Path) -> tuple[Path, Optional[str]]:
+    """Append the receipt (with its digest) to ``<sweep_dir>/spool.jsonl``, or to a fallback spool; as
+    ``write_receipt_or_fallback``."""
+    receipt = seal(receipt)
+    line = receipt.model_dump_json() + "\n"
+    path = Path(sweep_dir) / SPOOL_FILE
+    try:
+        _append_line(path, line)
+        return path, None
+    except OSError as exc:
+        reason = _reason(exc)
+    return _to_fallback(receipt, SPOOL_FILE, lambda t: _append_line(t, line), path, reason), reason
 
 
 def append_spool(receipt: Receipt, sweep_dir: str | Path) -> Path:
-    path = Path(sweep_dir) / SPOOL_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as handle:
-        handle.write(receipt.model_dump_json() + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    return path
+    return append_spool_or_fallback(receipt, sweep_dir)[0]
+
+
+def settle_unfinished_writes(directory: str | Path) -> list[tuple[Path, str]]:
+    """Deal with ``.receipt-*.tmp`` files a killed process left in a receipts directory (only call this while no
+    other process writes there, e.g. under the sweep lock on resume): a complete, valid receipt whose
+    ``<receipt_id>.json`` is missing is renamed into place (it was killed just before its rename); anything else
+    is a partial write and removed. Returns (file, what was done)."""
+    done = []
+    for tmp in sorted(Path(directory).glob(".receipt-*.tmp")):
+        raw = _read_bytes(tmp)
+        parsed = raw if isinstance(raw, Unreadable) else _decode(raw)
+        try:
+            receipt = _validate(parsed) if not isinstance(parsed, Unreadable) else None
+        except InvalidReceipt:
+            receipt = None
+        target = Path(directory) / f"{receipt.identity.receipt_id}.json" if receipt is not None else None
+        try:
+            if target is not None and not target.exists():
+                os.replace(tmp, target)
+                done.append((tmp, f"completed: renamed to {target.name}"))
+            else:
+                tmp.unlink()
+                done.append((tmp, "removed: a partial write" if target is None else
+                             f"removed: {target.name} is already whole"))
+        except OSError as exc:
+            done.append((tmp, f"left: {_reason(exc)}"))
+    return done
+
+
+def arm_scratch(receipt_dir: str | Path, receipt_id: str) -> Path:
+    """``<receipt_dir>/.work/<receipt_id>``, created; a per-user temporary directory instead when ``receipt_dir``
+    refuses it (read-only, unwritable), so the arm still runs and leaves its receipt (then in a fallback)."""
+    work = Path(receipt_dir) / ARM_SCRATCH_DIR / receipt_id
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+        return work
+    except OSError as exc:
+        uid = os.getuid() if hasattr(os, "getuid") else "user"
+        elsewhere = Path(tempfile.gettempdir()) / f"ablate-scratch-{uid}" / receipt_id
+        elsewhere.mkdir(parents=True, exist_ok=True)
+        log.warning("arm %s: no scratch in %s (%s); using %s", receipt_id, work.parent, _reason(exc), elsewhere)
+        return elsewhere
 
 
 # --- reading ---
@@ -223,12 +430,16 @@ def _validate(raw: Any) -> Receipt:
         keys = ", ".join(sorted(map(str, raw))[:6]) or "none"
         raise InvalidReceipt(f"not a receipt: a JSON object without 'schema_version' or 'identity' (keys: {keys})")
     try:
-        return validate_receipt(raw)
+        receipt = validate_receipt(raw)
     except InvalidReceipt:
         raise
     except (TypeError, ValueError, AttributeError, KeyError) as exc:
         # A value of the wrong JSON type where the validator expects another (e.g. a list as schema_version).
         raise InvalidReceipt(f"not a receipt: {type(exc).__name__}: {exc}") from exc
+    problem = digest_problem(raw)
+    if problem:
+        raise InvalidReceipt(problem)
+    return receipt
 
 
 def _differing_paths(a: Any, b: Any, prefix: str = "") -> list[str]:
@@ -263,8 +474,10 @@ def load_receipts_from(sources: Iterable[str | Path]) -> tuple[list[Receipt], li
             except InvalidReceipt as exc:
                 rejected.append((origin, str(exc)))
                 continue
-            copies.setdefault(receipt.identity.receipt_id, []).append(
-                (origin, receipt, receipt.model_dump(mode="json")))
+            # Compared without the digest (each copy's own was checked): a sealed copy and an unsealed one from
+            # before digests existed, of the same content, are the same receipt.
+            content = {k: v for k, v in receipt.model_dump(mode="json").items() if k != DIGEST_FIELD}
+            copies.setdefault(receipt.identity.receipt_id, []).append((origin, receipt, content))
     receipts: list[Receipt] = []
     for receipt_id, found in copies.items():
         first = found[0][2]

@@ -6,6 +6,7 @@
     <storage>/<campaign>/spool.jsonl                   receipts MLflow has not taken yet (``ablate receipts sync``)
     <storage>/<campaign>/sweeps/<sweep_id>.json        what each sweep was: plan fingerprint, experiment, paths
     <storage>/<campaign>/LATEST                        the sweep id ``--resume`` continues
+    <storage>/<campaign>/.sweep.lock                   held (flock) by the driver of the sweep running now
     <storage>/_tune/<campaign>/<sweep_id>/             Ray Tune's experiment (kept apart: its result.json files
                                                        are not receipts)
 
@@ -16,15 +17,22 @@ submitted with ``ray job submit`` (whose working directory is temporary) loses n
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import re
+import socket
 import tempfile
+import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 LOCAL_ROOT = "ablate_runs"
 TUNE_DIR = "_tune"
 LATEST = "LATEST"
+LOCK_FILE = ".sweep.lock"
 
 
 def safe_name(name: str) -> str:
@@ -128,3 +136,107 @@ class Layout:
             return None
         with fs.open_input_stream(target) as stream:
             return stream.read().decode()
+
+
+class SweepLocked(RuntimeError):
+    """Another live sweep driver holds the campaign directory; the message names it (PID, host, sweep id)."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SweepLock:
+    """One sweep driver per campaign directory: two sweeps of one campaign side by side would measure each other
+    (and interleave their receipts and ``LATEST``). An exclusive ``flock`` on ``<campaign>/.sweep.lock``, which
+    records its holder (PID, host, sweep id, start). The kernel drops the lock when its holder dies (kill -9
+    included), so a lock file whose holder is gone is stale and simply taken over. The descriptor is not
+    inherited by Ray's processes (Python opens files non-inheritable), so a dead driver's Ray workers cannot keep
+    it. On a filesystem without ``flock`` support the sweep runs unlocked, with a warning."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = Path(directory) / LOCK_FILE
+        self._fd: Optional[int] = None
+        self.stale: Optional[dict[str, Any]] = None
+        """The holder a stale lock file named (a driver that died without releasing it), when taken over."""
+
+    def holder(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text() or "{}")
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    @staticmethod
+    def describe(holder: dict[str, Any]) -> str:
+        if not holder:
+            return "an unknown process"
+        return (f"sweep {holder.get('sweep_id', '?')} (PID {holder.get('pid', '?')} on host {holder.get('host', '?')}, "
+                f"started {holder.get('started_at', '?')})")
+
+    def acquire(self, sweep_id: str, wait_s: float = 0.0, on_wait: Optional[Callable[[str], None]] = None,
+                poll_s: float = 1.0) -> "SweepLock":
+        """Take the lock, waiting up to ``wait_s`` seconds (``math.inf``: until it is free); raise ``SweepLocked``
+        naming the holder when it stays taken."""
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + wait_s
+        told = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = self.holder()
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    raise SweepLocked(
+                        f"campaign directory {self.path.parent} is in use by {self.describe(holder)}: two sweeps of "
+                        f"one campaign would measure each other. Wait for it with `ablate sweep ... --wait`, or stop "
+                        f"it (its lock is {self.path})") from None
+                if on_wait is not None and not told:
+                    on_wait(f"waiting for {self.describe(holder)} to finish: it holds {self.path}")
+                    told = True
+                time.sleep(poll_s if math.isinf(wait_s) else min(poll_s, max(0.0, deadline - time.monotonic())))
+            except OSError as exc:  # no flock on this filesystem (some network/FUSE mounts)
+                os.close(fd)
+                if on_wait is not None:
+                    on_wait(f"warning: cannot lock {self.path} ({exc.strerror}); the sweep runs without a lock")
+                return self
+        previous = self.holder()
+        if previous.get("pid") is not None and previous.get("released_at") is None:
+            # Locked by nobody, yet never released: its driver died (kill -9, power loss, a full disk).
+            self.stale = previous
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "sweep_id": sweep_id,
+                  "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(record).encode(), 0)
+        except OSError:
+            pass  # a full disk: the lock holds without its description (holders are then "an unknown process")
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        import fcntl
+
+        try:
+            record = self.holder()
+            record["released_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, json.dumps(record).encode(), 0)
+        except OSError:
+            pass  # a full or read-only disk: the lock itself still goes with the descriptor
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import random
 import sys
 from dataclasses import dataclass, field
@@ -37,6 +38,9 @@ INERT_PREFIX = "refused, inert in this lane: "
 """Start of the reason a statically inert value is left out of the plan (reports list these as refused)."""
 AA_KIND = "aa"
 """Receipt ``kind`` of A/A arms (speed and tax come from the feature registry)."""
+MAX_PLANNED_BLOCKS = 10_000
+"""The most blocks one campaign may plan (20,000 training runs). Counted before anything is planned, so a grid
+over many features (whose contexts multiply) or a typo in ``blocks`` is refused at once, naming the count."""
 
 
 def lane_key(lane: LaneConfig) -> str:
@@ -142,6 +146,9 @@ class _Group:
     candidate_lane: LaneConfig
     context: dict[str, Any]
     repeats: int
+    lane_key: str
+    """``lane_key(baseline_lane)``, hashed once per group: every block of the group shares it (hashing a lane
+    types it through OmegaConf, ~tens of ms, so per block it made a large campaign's planning take minutes)."""
 
 
 def _normalised(name: str, lane: LaneConfig) -> Any:
@@ -186,10 +193,31 @@ def _apply(lane: LaneConfig, values: dict[str, Any]) -> LaneConfig:
     return lane
 
 
+def _check_size(sweep: SweepConfig, tested_values: dict[str, list[Any]]) -> None:
+    """Refuse a campaign that would plan more than ``MAX_PLANNED_BLOCKS`` blocks, from counts alone."""
+    tests = sum(len(values) for values in tested_values.values())
+    if sweep.design is Design.grid:
+        axes = {name: 1 + len(values) for name, values in tested_values.items() if values}
+        every = math.prod(axes.values())
+        # A tested feature's contexts are the combinations of the others' axes; A/A lanes at most all of them.
+        num_blocks = sum(len(tested_values[name]) * (every // size) for name, size in axes.items()) * sweep.blocks
+        num_blocks += every * sweep.aa_blocks
+        how = f"{tests} tested value(s) over a grid of {every:,} context lane(s)"
+    else:
+        num_blocks = tests * sweep.blocks + sweep.aa_blocks
+        how = f"{tests} tested value(s)"
+    if num_blocks > MAX_PLANNED_BLOCKS:
+        raise ConfigError("blocks", sweep.blocks,
+                          f"a campaign of at most {MAX_PLANNED_BLOCKS:,} blocks; this one would plan {num_blocks:,} "
+                          f"({how} x {sweep.blocks} blocks, plus A/A blocks): lower blocks, test fewer values, "
+                          f"or use design: one_at_a_time")
+
+
 def _groups(sweep: SweepConfig, skipped: list[tuple[str, str]], defaults: Optional[Defaults]) -> list[_Group]:
     groups: list[_Group] = []
     aa_lanes: dict[str, tuple[LaneConfig, dict[str, Any]]] = {}
     tested_values = _tested_values(sweep, defaults, skipped)
+    _check_size(sweep, tested_values)
     for name, values in tested_values.items():
         if not values:
             continue  # every value skipped: its contexts would only add A/A lanes that no test uses
@@ -197,7 +225,8 @@ def _groups(sweep: SweepConfig, skipped: list[tuple[str, str]], defaults: Option
         contexts = _contexts(sweep, tested_values, name) if sweep.design is Design.grid else [{}]
         for context in contexts:
             base = _apply(sweep.lane, context)
-            aa_lanes.setdefault(lane_key(base), (base, context))
+            base_key = lane_key(base)
+            aa_lanes.setdefault(base_key, (base, context))
             for value in values:
                 candidate = with_feature(base, name, value)
                 inert = spec.inert_reason(candidate, _normalised(name, base))
@@ -206,7 +235,8 @@ def _groups(sweep: SweepConfig, skipped: list[tuple[str, str]], defaults: Option
                     where = f" in {context}" if context else ""
                     skipped.append((f"{name}={value}{where}", f"{INERT_PREFIX}{inert}"))
                     continue
-                groups.append(_Group(name, _normalised(name, candidate), base, candidate, context, sweep.blocks))
+                groups.append(_Group(name, _normalised(name, candidate), base, candidate, context, sweep.blocks,
+                                     base_key))
     if not any(tested_values.values()):
         aa_lanes.setdefault(lane_key(sweep.lane), (sweep.lane, {}))
         if sweep.features:
@@ -217,8 +247,8 @@ def _groups(sweep: SweepConfig, skipped: list[tuple[str, str]], defaults: Option
             skipped.append((f"every test of campaign {sweep.name!r}",
                             f"each tested value is already this lane's default: {runs}"))
     if sweep.aa_blocks:
-        for base, context in aa_lanes.values():
-            groups.append(_Group(None, None, base, base, context, sweep.aa_blocks))
+        for key, (base, context) in aa_lanes.items():
+            groups.append(_Group(None, None, base, base, context, sweep.aa_blocks, key))
     return groups
 
 
@@ -256,7 +286,7 @@ def plan_sweep(sweep: SweepConfig, sweep_id: str, defaults: Optional[Defaults] =
     width = max(3, len(str(max(len(scheduled) - 1, 0))))
     blocks = []
     for index, (group, repeat, order) in enumerate(scheduled):
-        key = lane_key(group.baseline_lane)
+        key = group.lane_key
         if group.feature is None:
             arms = (ArmPlan("aa", 0, group.baseline_lane, None), ArmPlan("aa", 1, group.baseline_lane, None))
             kind, baseline_value = AA_KIND, None
@@ -287,8 +317,12 @@ def _main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m ablate.sweep.plan <campaign.yaml>", file=sys.stderr)
         return 2
-    sweep, defaults = load_sweep(argv[0])
-    plan = plan_sweep(sweep, sweep_id="preview", defaults=defaults)
+    try:
+        sweep, defaults = load_sweep(argv[0])
+        plan = plan_sweep(sweep, sweep_id="preview", defaults=defaults)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     for block in plan.blocks:
         first = block.arms[block.order[0]]
         print(f"{block.label():60s} lane {block.lane_key}  first: "

@@ -26,8 +26,9 @@ import os
 import sys
 import time
 import dataclasses
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 from ablate.config.schema import ConfigError, Device, LaneConfig, ResourcesConfig
 from ablate.sweep.plan import Block
@@ -254,11 +255,43 @@ def local_ray_init_kwargs(num_cpus: Optional[int] = None, num_gpus: Optional[int
     return {"num_cpus": cpus, "num_gpus": gpus, "resources": resources, "runtime_env": {"env_vars": env}}
 
 
+@contextmanager
+def tune_env_filter() -> Iterator[None]:
+    """Around ``Tuner.fit``: Tune copies some driver variables into the runtime env of every trial actor
+    (``ray.tune.execution.class_cache.ENV_VARS_TO_PROPAGATE``: ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+    ``AWS_SESSION_TOKEN``, ``RAY_TRAIN_*``, ...) and Ray's ``runtime_env_agent.log`` prints that runtime env
+    verbatim. For the duration the set loses every secret-named variable. ``os.environ`` stays untouched:
+    the driver's MLflow writer thread still needs its credentials. Trials on S3/GCS storage find theirs by
+    reference (``AWS_PROFILE``, instance profile, ``GOOGLE_APPLICATION_CREDENTIALS``)."""
+    from ablate.redact import is_secret_name
+
+    try:
+        from ray.tune.execution import class_cache
+    except ImportError:  # pragma: no cover - another Ray layout; tests/faults greps Ray's logs for the result
+        yield
+        return
+    names = getattr(class_cache, "ENV_VARS_TO_PROPAGATE", None)
+    if not isinstance(names, (set, frozenset)):
+        yield
+        return
+    class_cache.ENV_VARS_TO_PROPAGATE = {name for name in names if not is_secret_name(name)}
+    try:
+        yield
+    finally:
+        class_cache.ENV_VARS_TO_PROPAGATE = names
+
+
 def _main() -> int:
     import ray
 
+    from ablate.redact import process_env_only
+
     if not ray.is_initialized():
-        ray.init(**(local_ray_init_kwargs() if not os.environ.get("RAY_ADDRESS") else {}))
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init()
+        else:
+            with process_env_only():  # Ray's processes inherit the environment: allowlisted variables only
+                ray.init(**local_ray_init_kwargs())
     for workers in (1, 2):
         need = BlockNeed(workers=workers, cpus_per_worker=1, gpus_per_worker=0)
         print(f"{workers} worker(s) per arm, 1 CPU each:")

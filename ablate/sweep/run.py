@@ -17,10 +17,22 @@ The pieces:
 5. ``--resume``: ``Tuner.restore`` of the sweep named in ``LATEST``. Finished blocks are not rerun, including
    blocks whose receipts exist although the killed driver never saved Tune's state after them; unfinished and
    errored blocks continue as a new attempt.
+
+Faults that must not lose a receipt:
+- one driver per campaign directory (``SweepLock``): a second sweep of the campaign is refused, naming the
+  holder, or waits for it (``lock_wait_s``); a lock left by a dead driver is taken over with a warning;
+- a damaged embedded MLflow store is refused before anything runs (``check_sqlite_store``);
+- a receipt the campaign directory refuses (full disk, read-only) goes to a fallback directory
+  (``ablate.receipts.store``), and so does a spool line; the summary names where and what to run next;
+- Ctrl+C: Tune saves its state and stops the trials; the driver then (after stopping a Ray it started, so no
+  trial writes later) logs or spools every receipt of the sweep on disk that it had not taken yet (an arm that
+  finished while the driver stopped listening), and the summary says ``ablate sweep <campaign> --resume``
+  instead of Tune's ``Tuner.restore`` hint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -30,21 +42,24 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 from ray.tune import Callback
 
 from ablate.config.load import flatten, lane_to_dict, load_sweep
 from ablate.config.schema import ConfigError, SweepConfig
 from ablate.receipts.schema import InvalidReceipt, Receipt, Status, validate_receipt
-from ablate.receipts.store import SPOOL_FILE, write_receipt
-from ablate.sweep.layout import LATEST, Layout
+from ablate.receipts.store import (RECEIPTS_DIR, SPOOL_FILE, ReceiptNotSaved, digest_problem, fallback_dirs,
+                                   load_receipts, settle_unfinished_writes, write_receipt_or_fallback)
+from ablate.sweep.layout import LATEST, Layout, SweepLock
 from ablate.sweep.plan import SweepPlan, plan_sweep
-from ablate.sweep.resources import Capacity, block_need, check_cluster, gpu_resources, local_ray_init_kwargs
+from ablate.redact import process_env_only
+from ablate.sweep.resources import (Capacity, block_need, check_cluster, gpu_resources, local_ray_init_kwargs,
+                                    tune_env_filter)
 from ablate.sweep.trial import (block_progress, clear_interrupted_scratch, run_block, start_clock, trial_dirname,
                                 trial_name)
 from ablate.tracking.mlflow_store import MAX_TAG_CHARS, SKIPPED_TAG, SWEEPS_DIR, MlflowStore, gather
-from ablate.tracking.uri import resolve_tracking_uri, shown
+from ablate.tracking.uri import check_sqlite_store, resolve_tracking_uri, shown
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +111,10 @@ class _Recorder(Callback):
         self.layout, self.store, self.clock = layout, store, clock
         self.receipts: list[Receipt] = []
         self.rejected: list[tuple[str, str]] = []
+        self.fallbacks: list[tuple[str, str, str]] = []
+        """(receipt id, where it is, why not in receipts/): receipts the campaign directory refused."""
+        self.unsaved: list[tuple[str, str]] = []
+        """(receipt id, why): receipts no directory took (still sent to MLflow or the spool)."""
         self.timeline: dict[str, dict[str, Any]] = {}
         # One writer thread: MLflow calls (0.5-1 s per arm on 2 cores) stay off Tune's event loop, and SQLite
         # still sees a single writer. The receipt file is written synchronously before anything is queued.
@@ -103,11 +122,12 @@ class _Recorder(Callback):
 
     def _track(self, receipt: Receipt) -> None:
         try:
-            if self.store.log_receipt(receipt) is None:
+            if self.store.log_receipt(receipt) is None and (self.layout.local_dir / SPOOL_FILE).is_file():
                 self.layout.publish(self.layout.local_dir / SPOOL_FILE)
-        except Exception:  # noqa: BLE001 - a worker-thread error would vanish silently; the receipt file exists
-            log.exception("receipt %s: tracking failed; it is on disk, `ablate receipts sync` replays it",
-                          receipt.identity.receipt_id)
+        except Exception as exc:  # noqa: BLE001 - a worker-thread error would vanish silently; the file exists
+            log.error("receipt %s: tracking failed (%s: %s); it is on disk, `ablate receipts sync %s` replays it",
+                      receipt.identity.receipt_id, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
+                      self.layout.local_dir)
 
     def flush(self) -> None:
         """Wait until every queued receipt is in MLflow or the spool."""
@@ -130,14 +150,21 @@ class _Recorder(Callback):
         if result.get("event") != "arm":
             return
         try:
-            receipt = validate_receipt(json.loads(result["receipt"]))
+            raw = json.loads(result["receipt"])
+            receipt = validate_receipt(raw)
+            if digest_problem(raw):
+                raise InvalidReceipt(f"as received from the trial: {digest_problem(raw)}")
         except (InvalidReceipt, json.JSONDecodeError) as exc:
             where = f"{trial.config['block_id']}-{result.get('arm_index')}-attempt{result.get('attempt')}"
             self.rejected.append((where, str(exc)))
             log.error("block %s: arm %s sent an invalid receipt (kept in rejected/): %s", trial.config["block_id"],
                       result.get("arm"), exc)
             # Kept verbatim for forensics; never a receipt (promotion and sync read receipts/ only).
-            self.layout.write(f"rejected/{where}.json.txt", result["receipt"])
+            try:
+                self.layout.write(f"rejected/{where}.json.txt", result["receipt"])
+            except OSError as exc:
+                log.error("block %s: the refused receipt could not be kept in rejected/ (%s)",
+                          trial.config["block_id"], exc.strerror or exc)
             return
         self.receipts.append(receipt)
         entry["arms"].append({k: result[k] for k in ("arm", "order", "attempt", "status", "scheduled_at",
@@ -145,8 +172,32 @@ class _Recorder(Callback):
                              | {"receipt_id": receipt.identity.receipt_id,
                                 "time_to_first_step_s": receipt.steps.time_to_first_step_s,
                                 "wall_s": receipt.time.wall_s})
-        self.layout.publish(write_receipt(receipt, self.layout.receipts_dir))
+        self._write(receipt)
         self._writer.submit(self._track, receipt)
+
+    def _write(self, receipt: Receipt) -> None:
+        """The receipt into the campaign dir, or a fallback dir (then named in the summary); never raises."""
+        rid = receipt.identity.receipt_id
+        try:
+            where, why = write_receipt_or_fallback(receipt, self.layout.receipts_dir)
+        except ReceiptNotSaved as exc:
+            self.unsaved.append((rid, str(exc)))
+            log.error("%s", exc)
+            return
+        if why is None:
+            self.layout.publish(where)
+            return
+        self.fallbacks.append((rid, str(where), why))
+        # The sweep's metadata beside it, so `ablate receipts sync <fallback dir>` finds the experiment name.
+        meta = f"{SWEEPS_DIR}/{receipt.identity.sweep_id}.json"
+        target = where.parent.parent / meta
+        try:
+            text = self.layout.read(meta)
+            if text is not None and not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(text)
+        except OSError:
+            pass  # the receipt itself is safe; sync then uses the default experiment
 
     def on_trial_complete(self, trial: Any, **info: Any) -> None:
         self.timeline.setdefault(trial.config["block_id"], {"arms": []})["trial_ended_at"] = time.time()
@@ -181,10 +232,23 @@ class SweepSummary:
     receipt_ids: list[str] = field(default_factory=list)
     timeline: dict[str, dict[str, Any]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    resume_command: str = ""
+    interrupted: bool = False
+    """Ctrl+C (SIGINT): Tune stopped the running trials; ``--resume`` continues."""
+    caught_up: int = 0
+    """Receipts on disk the driver had not taken (an arm that finished as it stopped), logged or spooled at the end."""
+    fallbacks: list[tuple[str, str, str]] = field(default_factory=list)
+    """(receipt id, where it is, why) for receipts the campaign directory refused."""
+    unsaved: list[tuple[str, str]] = field(default_factory=list)
+    spools: dict[str, Optional[str]] = field(default_factory=dict)
+    """Spool file -> why it is a fallback spool (None: the campaign's own)."""
+    fatal: Optional[str] = None
+    """Ray Tune itself stopped with an error (e.g. it could not save its state on a full disk)."""
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.blocks_errored or self.blocks_done < self.blocks_total else 0
+        return 1 if (self.blocks_errored or self.blocks_done < self.blocks_total or self.fallbacks or self.unsaved
+                     or self.fatal) else 0
 
     def __rich__(self) -> str:
         return self.render()
@@ -198,9 +262,32 @@ class SweepSummary:
             f"receipts: {self.sweep_dir}/receipts",
             f"MLflow:   {self.tracking_uri} experiment {self.experiment!r}, parent run {self.parent_run_id}",
         ]
-        if self.spooled:
-            lines.append(f"spooled:  {self.spooled} receipt(s) in {self.sweep_dir}/{SPOOL_FILE} "
-                         f"({self.offline_reason}); replay with: ablate receipts sync {self.sweep_dir}")
+        spools = self.spools or ({f"{self.sweep_dir}/{SPOOL_FILE}": None} if self.spooled else {})
+        for spool, why in sorted(spools.items()):
+            where = str(Path(spool).parent)
+            lines.append(f"spooled:  {self.spooled} receipt(s) in {spool} ({self.offline_reason}"
+                         f"{f'; not in {self.sweep_dir}: {why}' if why else ''}); replay with: "
+                         f"ablate receipts sync {where}")
+        if self.fallbacks:
+            homes = sorted({str(Path(where).parent) for _, where, _ in self.fallbacks})
+            reasons = sorted({why for _, _, why in self.fallbacks})
+            lines.append(f"error:    {len(self.fallbacks)} receipt(s) could not be written to {self.sweep_dir}/receipts "
+                         f"({'; '.join(reasons)}); they are in {', '.join(homes)}")
+            for home in homes:
+                lines.append(f"next:     ablate receipts sync {Path(home).parent}   (MLflow), and once "
+                             f"{self.sweep_dir}/receipts takes writes again: mv {home}/*.json {self.sweep_dir}/receipts/")
+        lines += [f"error:    receipt {rid} was not saved anywhere: {why}" for rid, why in self.unsaved]
+        if self.caught_up:
+            lines.append(f"note:     {self.caught_up} receipt(s) on disk the driver had not received (arms that "
+                         f"finished as it stopped) were {'spooled' if self.spooled else 'logged to MLflow'} at the end")
+        if self.fatal:
+            lines.append(f"error:    {self.fatal}")
+        if self.interrupted:
+            left = self.blocks_total - self.blocks_done
+            lines.append(f"interrupted: {left} block(s) not finished; every receipt written so far is in MLflow or "
+                         f"the spool. Continue with: {self.resume_command or 'ablate sweep <campaign> --resume'}")
+            lines.append(f"          (an arm still running elsewhere writes its receipt to {self.sweep_dir}/receipts: "
+                         f"--resume, or ablate receipts sync {self.sweep_dir}, logs it)")
         lines += [f"error:    block {block}: {message}" for block, message in sorted(self.errors.items())]
         return "\n".join(lines)
 
@@ -248,7 +335,8 @@ def ensure_ray() -> bool:
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
         init = local_ray_init_kwargs()
         init["runtime_env"]["env_vars"]["PYTHONPATH"] = path
-        ray.init(address="local", include_dashboard=False, **init)
+        with process_env_only():  # Ray's processes inherit the environment: only allowlisted variables, no secrets
+            ray.init(address="local", include_dashboard=False, **init)
     return True
 
 
@@ -302,21 +390,120 @@ def _tuner(trainable: Any, sweep: SweepConfig, layout: Layout, plan: SweepPlan, 
             callbacks=[_Relay(plan.sweep_id)]))
 
 
+class _TuneInterrupted(logging.Filter):
+    """On ``ray.tune.tune``'s logger while ``fit()`` runs: notes that Tune was interrupted (SIGINT) and drops its
+    "Resume experiment with: Tuner.restore(...)" hint, which is not how an ablate sweep resumes (the summary
+    names ``ablate sweep ... --resume``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "has been interrupted" in message or "Tuner.restore" in message:
+            self.seen = True
+            return False
+        return True
+
+
+_DISK_FAULTS = ("No space left on device", "database or disk is full", "Read-only file system", "Disk quota exceeded")
+_NOISY_LOGGERS = ("ray.tune.execution.tune_controller", "ray.tune.execution.experiment_state", "ray.train",
+                  "mlflow.store.db.utils", "mlflow.system_metrics.system_metrics_monitor", "mlflow.tracking")
+
+
+class _DiskFaultLines(logging.Filter):
+    """A full or read-only disk makes Ray Tune and MLflow log a traceback per failed write (trial checkpoints,
+    Tune's state, every SQLite insert): a cascade that buries the one thing to act on. While a sweep runs, such a
+    record becomes one line, its first, plus the fault; the summary then says where the receipts are."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            text += "\n" + str(record.exc_info[1])
+        fault = next((f for f in _DISK_FAULTS if f in text), None)
+        if fault is not None:
+            first = text.strip().splitlines()[0] if text.strip() else ""
+            record.msg, record.args = f"{first[:300]} ({fault})", None
+            record.exc_info, record.exc_text, record.stack_info = None, None, None
+        return True
+
+
+@contextlib.contextmanager
+def _disk_faults_in_one_line() -> Iterator[None]:
+    quiet = _DiskFaultLines()
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(quiet)
+
+
+def _found_in_fallback(campaign: str, sweep_id: str, known: set[str], recorder: _Recorder) -> list[Receipt]:
+    """This sweep's receipts that arms wrote to a fallback directory and the driver never received (it stopped
+    listening, or Tune could not hand them over): they join the summary's fallbacks and the catch-up."""
+    found = []
+    for home in fallback_dirs(campaign):
+        for receipt in load_receipts(home / RECEIPTS_DIR)[0] if (home / RECEIPTS_DIR).is_dir() else []:
+            rid = receipt.identity.receipt_id
+            if receipt.identity.sweep_id == sweep_id and rid not in known:
+                known.add(rid)
+                found.append(receipt)
+                recorder.fallbacks.append((rid, str(home / RECEIPTS_DIR / f"{rid}.json"),
+                                           "written there by its arm; the driver never received it"))
+    return found
+
+
+def _catch_up(store: MlflowStore, on_disk: list[Receipt]) -> int:
+    """Log (or spool) this sweep's receipts on disk that the store has neither logged nor spooled: arms that wrote
+    their receipt while the driver was no longer listening (Ctrl+C). Returns how many."""
+    missing = [r for r in on_disk if r.identity.receipt_id not in store.logged
+               and r.identity.receipt_id not in store.spooled_ids]
+    for receipt in missing:
+        store.log_receipt(receipt)
+    return len(missing)
+
+
 def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[str] = None,
               storage: Optional[str] = None, progress: bool = True,
-              inject: Optional[Mapping[str, dict[str, Any]]] = None) -> SweepSummary:
+              inject: Optional[Mapping[str, dict[str, Any]]] = None, lock_wait_s: float = 0.0) -> SweepSummary:
     """Run (or, with ``resume``, continue) the campaign in ``path``; see the module docstring.
 
-    ``inject`` is for tests only: block id -> fault injection for the first arm of that block's first attempt.
+    ``lock_wait_s``: how long to wait for another sweep of the campaign to end (``math.inf``: until it does)
+    before refusing with ``SweepLocked``. ``inject`` is for tests only: block id -> fault injection for the first
+    arm of that block's first attempt.
     """
+    started = time.monotonic()
+    path = Path(path)
+    sweep, layout, plan, meta = _sweep_identity(path, resume, storage)
+    sweep_id = plan.sweep_id
+    uri = resolve_tracking_uri(tracking_uri or sweep.tracking.uri)
+    check_sqlite_store(uri)  # a damaged embedded store: refused before anything runs (TrackingStoreError)
+    lock = SweepLock(layout.local_dir).acquire(sweep_id, wait_s=lock_wait_s, on_wait=log.warning)
+    if lock.stale:
+        log.warning("took over the lock of %s: that driver is gone (killed?); `ablate sweep %s --resume` continues "
+                    "a sweep it left unfinished", SweepLock.describe(lock.stale), path)
+    resume_command = " ".join(["ablate sweep", str(path), "--resume"] + (["--storage", storage] if storage else [])
+                              + (["--tracking-uri", shown(uri)] if tracking_uri else []))
+    try:
+        with _disk_faults_in_one_line():
+            return _run_locked(path, sweep, layout, plan, meta, uri, resume=resume, progress=progress,
+                               inject=inject, started=started, resume_command=resume_command)
+    finally:
+        lock.release()
+
+
+def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan, meta: dict[str, Any], uri: str, *,
+                resume: bool, progress: bool, inject: Optional[Mapping[str, dict[str, Any]]], started: float,
+                resume_command: str) -> SweepSummary:
     import ray
     from ray import tune
 
     from ablate.sweep.progress import SweepProgress
 
-    started = time.monotonic()
-    path = Path(path)
-    sweep, layout, plan, meta = _sweep_identity(path, resume, storage)
     sweep_id = plan.sweep_id
     started_ray = ensure_ray()
     store: Optional[MlflowStore] = None
@@ -325,7 +512,6 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
         need = block_need(plan.blocks, sweep.resources)
         capacity = check_cluster(need, campaign=sweep.name, max_concurrent_blocks=sweep.resources.max_concurrent_blocks,
                                  num_blocks=len(plan.blocks))
-        uri = resolve_tracking_uri(tracking_uri or sweep.tracking.uri)
         params = _parent_params(sweep, plan, capacity, path)
         if not resume:
             meta = {"sweep_id": sweep_id, "campaign": sweep.name, "campaign_file": str(path.resolve()),
@@ -343,6 +529,9 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
                                "ablate.storage": shown(layout.storage),
                                # What the plan refused before any arm ran: promotion reports list it.
                                SKIPPED_TAG: json.dumps([[w, r] for w, r in plan.skipped])[:MAX_TAG_CHARS]})
+        if resume:  # under the lock: no other driver writes here
+            for leftover, action in settle_unfinished_writes(layout.receipts_dir):
+                log.info("%s: a receipt write a killed process never finished: %s", leftover.name, action)
         earlier = [r for r in gather(layout.local_dir)[0] if r.identity.sweep_id == sweep_id] if resume else []
         for receipt in earlier:
             # Receipts a killed driver wrote (or spooled) but never logged: MLflow catches up before new work.
@@ -362,34 +551,61 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
                    "block_mode": sweep.block_mode.value,
                    "run_arm": _run_arm_options(sweep, layout, sweep_id)}
         trainable = tune.with_resources(tune.with_parameters(run_block, context=context), need.trial_resources())
+        interrupted = _TuneInterrupted()
+        tune_log = logging.getLogger("ray.tune.tune")
+        tune_log.addFilter(interrupted)
+        grid: Any = None
+        fatal: Optional[str] = None
         try:
-            grid = _tuner(trainable, sweep, layout, plan, capacity, resume).fit()
+            with tune_env_filter():  # Tune would copy AWS_* keys into every trial's logged runtime env
+                grid = _tuner(trainable, sweep, layout, plan, capacity, resume).fit()
+        except KeyboardInterrupt:  # a second Ctrl+C: Tune skipped its last save; still account for every receipt
+            interrupted.seen = True
+        except Exception as exc:  # noqa: BLE001 - e.g. Tune cannot save its state on a full disk: a line, then the
+            # receipts are accounted for as after any other end (the traceback is kept at debug level)
+            fatal = f"Ray Tune stopped: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:500]}"
+            log.debug("Ray Tune stopped", exc_info=True)
         finally:
+            tune_log.removeFilter(interrupted)
             _LIVE.pop(sweep_id, None)
             display.close()
             recorder.flush()
-        errors = {(r.config or {}).get("block_id", Path(r.path).name): str(r.error).splitlines()[0]
-                  for r in grid if r.error}
-        mine = recorder.receipts
-        on_disk = [r for r in gather(layout.local_dir)[0] if r.identity.sweep_id == sweep_id]
         # After SIGINT, Tune ends the trials it stopped TERMINATED without an error, like finished ones (and never
         # calls on_trial_complete for them). A block is done only when its receipts show a complete attempt (both
         # arms, none failed) and its trial, if it ran in this session, completed (as SweepProgress counts).
         stopped = {block for block, entry in recorder.timeline.items() if "trial_started_at" in entry
                    and "trial_ended_at" not in entry and "trial_errored_at" not in entry}
+        if (interrupted.seen or stopped or fatal) and started_ray:
+            # Stop the trials for good before looking at the disk: an arm of a Ray started here can then no longer
+            # write a receipt after the catch-up below (on a cluster, --resume or `receipts sync` picks those up).
+            ray.shutdown()
+        results = list(grid) if grid is not None else []
+        errors = {(r.config or {}).get("block_id", Path(r.path).name): str(r.error).splitlines()[0]
+                  for r in results if r.error}
+        if grid is None:  # Tune stopped before handing back its results: the driver's own timeline says which erred
+            errors = {block: "its trial errored (Ray Tune's results could not be read back)"
+                      for block, entry in recorder.timeline.items() if "trial_errored_at" in entry}
+        mine = recorder.receipts
+        on_disk = [r for r in gather(layout.local_dir)[0] if r.identity.sweep_id == sweep_id]
+        seen = {r.identity.receipt_id for r in on_disk}
+        on_disk += [r for r in mine if r.identity.receipt_id not in seen]  # those in a fallback directory
+        on_disk += _found_in_fallback(sweep.name, sweep_id, {r.identity.receipt_id for r in on_disk}, recorder)
+        caught_up = _catch_up(store, on_disk)
         finished = set(block_progress(on_disk, sweep_id)[0]) - stopped
-        store.close_sweep(sweep_id, on_disk, failed=bool(errors))
+        store.close_sweep(sweep_id, on_disk, failed=bool(errors) or fatal is not None)
         return SweepSummary(
             sweep_id=sweep_id, campaign=sweep.name, sweep_dir=str(layout.local_dir),
             tune_path=layout.tune_path(sweep_id), tracking_uri=shown(uri), experiment=sweep.tracking.experiment,
             parent_run_id=store.parent_run_id, resumed=resume, executor=need.executor,
             max_concurrent=capacity.max_concurrent, blocks_total=len(plan.blocks),
-            blocks_done=sum(1 for r in grid if r.error is None and (r.config or {}).get("block_id") in finished),
+            blocks_done=sum(1 for r in results if r.error is None and (r.config or {}).get("block_id") in finished),
             blocks_errored=len(errors), arms_logged=len(mine),
             arms_failed=sum(r.identity.status is Status.failed for r in mine),
             arms_disqualified=sum(r.identity.status is Status.disqualified for r in mine),
             spooled=store.spooled, offline_reason=store.offline_reason, elapsed_s=time.monotonic() - started,
-            receipt_ids=[r.identity.receipt_id for r in mine], timeline=recorder.timeline, errors=errors)
+            receipt_ids=[r.identity.receipt_id for r in mine], timeline=recorder.timeline, errors=errors,
+            resume_command=resume_command, interrupted=interrupted.seen or bool(stopped), caught_up=caught_up,
+            fallbacks=recorder.fallbacks, unsaved=recorder.unsaved, spools=dict(store.spool_paths), fatal=fatal)
     finally:
         if store is not None:
             store.stop_monitor()  # interrupted or not: the parent run stays resumable, the sampler thread ends

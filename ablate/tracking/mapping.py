@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import Optional
 
 from ablate.receipts.schema import Receipt
+from ablate.receipts.store import receipt_digest
 from ablate.redact import redact_uri
 
 TAG = "ablate."
@@ -45,6 +46,8 @@ def receipt_tags(receipt: Receipt) -> dict[str, str]:
         "warmup.resolved": receipt.observed.compile.warmup_resolved, "pairing": ident.pairing,
         "code_fingerprint": ident.code_fingerprint or "", "hardware_fingerprint": ident.hardware_fingerprint or "",
         "clock": receipt.time.clock, "contended": str(receipt.host_load.contended).lower(),
+        # The content digest of the copy logged here: `receipts sync` compares it with the file on disk.
+        "digest": receipt_digest(receipt),
     }
     mismatched = []
     for backend in receipt.observed.backends:

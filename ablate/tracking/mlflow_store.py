@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from ablate.receipts.schema import InvalidReceipt, Receipt, Status, validate_receipt
-from ablate.receipts.store import SPOOL_FILE, append_spool, load_receipts
+from ablate.receipts.store import (SPOOL_FILE, append_spool_or_fallback, digest_problem, load_receipts,
+                                   receipt_digest, seal, short)
 from ablate.redact import redact_uri
 from ablate.tracking.mapping import (
     ROLE_ARM,
@@ -47,7 +48,7 @@ from ablate.tracking.mapping import (
     run_name,
 )
 from ablate.tracking.plots import goodput_png, summary_png
-from ablate.tracking.uri import resolve_tracking_uri, sqlite_path
+from ablate.tracking.uri import TrackingStoreError, check_sqlite_store, resolve_tracking_uri, sqlite_path
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ SKIPPED_TAG = TAG + "skipped"
 MAX_TAG_CHARS = 5000
 _PARAMS_PER_BATCH, _METRICS_PER_BATCH, _TAGS_PER_BATCH = 100, 1000, 100
 _PROGRESS_BAR_ENV = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+_STORE_FAULTS = ("disk is full", "No space left", "Read-only", "readonly", "not a database", "malformed",
+                 "unable to open")
 
 
 def _q(key: str) -> str:
@@ -159,7 +162,7 @@ class TrackingClient:
         self._log_batch(run_id, params=receipt_params(receipt), metrics=metrics)
         with tempfile.TemporaryDirectory(prefix="ablate-mlflow-") as tmp:
             path = Path(tmp) / "receipt.json"
-            path.write_text(receipt.model_dump_json(indent=2))
+            path.write_text(seal(receipt).model_dump_json(indent=2))
             self.client.log_artifact(run_id, str(path))
             self.client.log_artifact(run_id, str(goodput_png(receipt, Path(tmp) / "goodput.png",
                                                              title=run_name(receipt))))
@@ -199,6 +202,9 @@ class MlflowStore:
         self.parent_run_id: Optional[str] = None
         self.offline_reason: Optional[str] = None
         self.spooled = 0
+        self.spooled_ids: set[str] = set()
+        self.spool_paths: dict[str, Optional[str]] = {}
+        """Spool file -> why it is not ``<sweep dir>/spool.jsonl`` (None when it is): a full or read-only disk."""
         self.logged: dict[str, str] = {}
         self._monitor: Any = None
 
@@ -207,7 +213,10 @@ class MlflowStore:
         return self.offline_reason is None
 
     def _go_offline(self, exc: BaseException) -> None:
-        self.offline_reason = redact_uri(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        # SQLAlchemy puts its own advice first; the line naming the fault (a full disk, a damaged file) says more.
+        telling = next((line for line in lines if any(word in line for word in _STORE_FAULTS)), None)
+        self.offline_reason = redact_uri(f"{type(exc).__name__}: {(telling or (lines or [''])[0])[:300]}")
         log.warning("MLflow at %s unreachable (%s); receipts are spooled to %s; replay them with "
                     "`ablate receipts sync %s`", redact_uri(self.tracking_uri), self.offline_reason,
                     self.sweep_dir / SPOOL_FILE, self.sweep_dir)
@@ -244,6 +253,8 @@ class MlflowStore:
         rid = receipt.identity.receipt_id
         if rid in self.logged:
             return self.logged[rid]
+        if rid in self.spooled_ids:
+            return None
         if self.online and self.client is not None and self.parent_run_id is not None:
             try:
                 run_id, _ = self.client.log_receipt(receipt, self.parent_run_id)
@@ -251,13 +262,18 @@ class MlflowStore:
                 return run_id
             except Exception as exc:  # noqa: BLE001
                 self._go_offline(exc)
-        append_spool(receipt, self.sweep_dir)
+        path, fallback_reason = append_spool_or_fallback(receipt, self.sweep_dir)
+        self.spool_paths.setdefault(str(path), fallback_reason)
+        self.spooled_ids.add(rid)
         self.spooled += 1
         return None
 
     def stop_monitor(self) -> None:
         if self._monitor is not None:
-            self._monitor.finish()
+            try:
+                self._monitor.finish()
+            except Exception as exc:  # noqa: BLE001 - optional telemetry; a full disk must not end the sweep here
+                log.info("MLflow system metrics did not stop cleanly: %s", exc)
             self._monitor = None
 
     def close_sweep(self, sweep_id: str, receipts: list[Receipt], failed: bool) -> None:
@@ -283,14 +299,19 @@ class SyncResult:
     already: list[str] = field(default_factory=list)
     rejected: list[tuple[str, str]] = field(default_factory=list)
     parents: dict[str, str] = field(default_factory=dict)
+    differs: list[tuple[str, str, str, str]] = field(default_factory=list)
+    """(receipt id, MLflow run id, logged digest, digest on disk): receipts edited after they were logged."""
 
     def __rich__(self) -> str:
         return str(self)
 
     def __str__(self) -> str:
         lines = [f"MLflow {redact_uri(self.tracking_uri)} experiment {self.experiment!r}: {len(self.logged)} "
-                 f"receipt(s) logged, {len(self.already)} already there, {len(self.rejected)} rejected, "
-                 f"{len(self.parents)} sweep(s)"]
+                 f"receipt(s) logged, {len(self.already)} already there, {len(self.differs)} differ from the logged "
+                 f"copy, {len(self.rejected)} rejected, {len(self.parents)} sweep(s)"]
+        lines += [f"  differs {rid}: the receipt on disk differs from the logged copy: digest {short(logged)} vs "
+                  f"{short(mine)} (the logged copy in run {run_id} is kept; if the file is the true record, delete "
+                  f"that run and sync again)" for rid, run_id, logged, mine in self.differs]
         lines += [f"  rejected {origin}: {why}" for origin, why in self.rejected]
         return "\n".join(lines)
 
@@ -324,6 +345,7 @@ def sync(source: str | Path, tracking_uri: Optional[str] = None, experiment: Opt
     """
     source = Path(source)
     uri = resolve_tracking_uri(tracking_uri)
+    check_sqlite_store(uri)
     metas, unreadable_meta = _sweep_meta(source) if source.is_dir() else ({}, [])
     receipts, rejected = gather(source)
     rejected = rejected + unreadable_meta
@@ -342,8 +364,16 @@ def sync(source: str | Path, tracking_uri: Optional[str] = None, experiment: Opt
         result.parents[sweep_id] = parent_id
         present = client.arm_runs(sweep_id)
         for receipt in sorted(mine, key=lambda r: (r.identity.block_id, r.identity.attempt, r.identity.order)):
-            _, new = client.log_receipt(receipt, parent_id, existing=present.get(receipt.identity.receipt_id))
-            (result.logged if new else result.already).append(receipt.identity.receipt_id)
+            rid = receipt.identity.receipt_id
+            existing = present.get(rid)
+            logged_digest = existing.data.tags.get(TAG + "digest") if existing is not None and \
+                existing.data.tags.get(TAG + "logged") == "1" else None
+            # Runs logged before digests existed carry no tag: nothing to compare, they count as already there.
+            if logged_digest and logged_digest != receipt_digest(receipt):
+                result.differs.append((rid, existing.info.run_id, logged_digest, receipt_digest(receipt)))
+                continue
+            _, new = client.log_receipt(receipt, parent_id, existing=existing)
+            (result.logged if new else result.already).append(rid)
         client.log_summary(parent_id, sweep_id, mine)
         if created:
             client.client.set_terminated(parent_id, status="FINISHED")
@@ -356,16 +386,22 @@ def load_receipts_from_mlflow(tracking_uri: Optional[str], experiment: str, swee
     from mlflow import MlflowClient
 
     uri = resolve_tracking_uri(tracking_uri)
-    if MlflowClient(tracking_uri=uri).get_experiment_by_name(experiment) is None:
-        return [], [(f"{redact_uri(uri)} experiment {experiment!r}", "no such experiment")], {}
-    client = TrackingClient(uri, experiment)
+    # A missing SQLite file would be created empty by MLflow: a reader must say "no store here" instead.
+    check_sqlite_store(uri, must_exist=True)
     receipts: dict[str, Receipt] = {}
     rejected: list[tuple[str, str]] = []
     links: dict[str, str] = {}
     quiet = os.environ.get(_PROGRESS_BAR_ENV)
     os.environ[_PROGRESS_BAR_ENV] = "false"  # one tqdm bar per run would bury the CLI's table
     try:
+        if MlflowClient(tracking_uri=uri).get_experiment_by_name(experiment) is None:
+            return [], [(f"{redact_uri(uri)} experiment {experiment!r}", "no such experiment")], {}
+        client = TrackingClient(uri, experiment)
         _read_receipts(client, sweep_id, uri, receipts, rejected, links)
+    except TrackingStoreError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a damaged or unreachable store: one line, never a sqlalchemy traceback
+        raise TrackingStoreError(store_failure(uri, exc)) from exc
     finally:
         if quiet is None:
             os.environ.pop(_PROGRESS_BAR_ENV, None)
@@ -384,7 +420,11 @@ def _read_receipts(client: TrackingClient, sweep_id: Optional[str], uri: str, re
                 continue
             try:
                 path = client.client.download_artifacts(run_id, "receipt.json", dst_path=str(Path(tmp) / run_id))
-                receipt = validate_receipt(json.loads(Path(path).read_text()))
+                raw = json.loads(Path(path).read_text())
+                receipt = validate_receipt(raw)
+                problem = digest_problem(raw)
+                if problem:
+                    raise InvalidReceipt(problem)
             except (InvalidReceipt, OSError, json.JSONDecodeError) as exc:
                 rejected.append((f"run {run_id}", str(exc)))
                 continue
@@ -393,6 +433,17 @@ def _read_receipts(client: TrackingClient, sweep_id: Optional[str], uri: str, re
                 continue
             receipts.setdefault(receipt.identity.receipt_id, receipt)
             links[receipt.identity.receipt_id] = run_link(uri, client.experiment_id, run_id)
+
+
+def store_failure(uri: str, exc: BaseException) -> str:
+    """One line for a store that failed: which store, what failed, what to do (never the URI's password)."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    db = sqlite_path(uri)
+    if db is not None and any(word in first for word in ("not a database", "malformed", "disk image")):
+        from ablate.tracking.uri import corrupt_store_message
+
+        return corrupt_store_message(db, first.split(") ", 1)[-1])
+    return redact_uri(f"MLflow at {uri} failed ({type(exc).__name__}: {first[:300]})")
 
 
 def not_run_from_mlflow(tracking_uri: str, experiment: str) -> list[dict[str, str]]:

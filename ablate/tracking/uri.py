@@ -12,11 +12,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Optional
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from ablate.redact import redact_uri
 
 DEFAULT_DB = "mlflow.db"
+_QUICK_CHECK_MAX_BYTES = 1 << 30
 
 
 def default_tracking_uri(cwd: Optional[Path] = None) -> str:
@@ -68,3 +69,48 @@ def sqlite_path(uri: str) -> Optional[Path]:
 def shown(uri: str) -> str:
     """A tracking URI as it may appear in logs, tags and summaries: never with its password."""
     return redact_uri(uri)
+
+
+class TrackingStoreError(RuntimeError):
+    """An MLflow store that cannot be used as it is; the message names it and what to do."""
+
+
+def check_sqlite_store(uri: str, must_exist: bool = False) -> None:
+    """Refuse an embedded SQLite store that is not a readable SQLite database (``TrackingStoreError``), and with
+    ``must_exist`` one that is missing: opening a missing file through MLflow silently creates an empty store,
+    which a reader (``promote``, ``receipts list``) would then report as "no receipts". Other URIs pass."""
+    import sqlite3
+
+    path = sqlite_path(uri)
+    if path is None:
+        return
+    if not path.exists():
+        if must_exist:
+            raise TrackingStoreError(
+                f"no MLflow store at {path} (the tracking URI {shown(uri)} names a file that does not exist); "
+                f"give --tracking-uri, or --source <campaign dir> to read the receipts on disk, or rebuild the "
+                f"store with `ablate receipts sync <campaign dir>`")
+        return
+    try:
+        # mode=rw, not ro: a driver killed mid-write leaves a hot journal that SQLite rolls back on open (a
+        # read-only connection cannot, and says "readonly database"); rw never creates a missing file.
+        connection = sqlite3.connect(f"file:{quote(str(path))}?mode=rw", uri=True)
+        try:
+            connection.execute("SELECT name FROM sqlite_master LIMIT 1").fetchall()
+            # quick_check reads every page (it finds a truncated or overwritten file); bounded for huge stores.
+            small = path.stat().st_size < _QUICK_CHECK_MAX_BYTES
+            problems = [row[0] for row in connection.execute("PRAGMA quick_check(1)").fetchall()] if small else []
+        finally:
+            connection.close()
+    except sqlite3.Error as exc:
+        if not any(word in str(exc) for word in ("not a database", "malformed", "corrupt")):
+            return  # busy (another writer), read-only, unopenable: not damage; MLflow reports those itself
+        problems = [str(exc)]
+    if problems and problems != ["ok"]:
+        raise TrackingStoreError(corrupt_store_message(path, problems[0]))
+
+
+def corrupt_store_message(path: Path, why: str) -> str:
+    return (f"the MLflow store {path} is damaged ({why}); move it aside (mv {path} {path}.damaged) and rebuild it "
+            f"from the receipts on disk with `ablate receipts sync <campaign dir>`: the receipt files are the "
+            f"source of truth")

@@ -7,19 +7,28 @@ The fault suite, one scenario per test, each a real Ray sweep (or a real `mlflow
 4. the sweep driver is killed, then --resume  -> tests/sweep/test_sweep_ray.py::test_resume_after_the_driver_is_killed
 5. the MLflow server stops and comes back     -> test_tracking_server_outage_spools_and_sync_restores_exactly
 6. out of memory                              -> same sweep as 1 (its own block)
-Secrets planted in the environment are looked for in every receipt, param, tag, artifact and log line (5).
+7. the disk fills up mid-sweep                -> test_a_disk_that_fills_up_mid_sweep_loses_no_receipt (a real tmpfs)
+Faults without Ray (a second sweep of a campaign, a stale lock, an arm whose receipts dir is full or read-only):
+tests/faults/test_receipt_faults.py; a damaged or deleted mlflow.db: tests/tracking/test_tracking_mlflow.py;
+Ctrl+C: tests/sweep/test_sweep_progress.py::test_a_real_sweep_interrupted_with_sigint_*.
+Secrets planted in the driver's environment (5) are looked for in everything the sweep writes: receipts, spool,
+Tune's experiment, the MLflow store and artifacts, stdout/stderr, and the session logs of the Ray it started.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 from collections import defaultdict
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 from sweeps_common import REPO, by_block, fresh_mlflow_uri, tiny_smoke
@@ -114,10 +123,26 @@ def test_killed_train_worker_is_retried_and_logged_once(ray_address: str, tmp_pa
 
 # --- a real MLflow tracking server that goes away and comes back ---
 
-SECRETS = {"ABLATE_TEST_TOKEN": "tok-9f8e7d6c5b4a", "WANDB_API_KEY": "wandb-0a1b2c3d4e5f",
+SECRETS = {"ABLATE_API_PASS": "apipass-3e4f5a6b7c", "ABLATE_DB_PWD": "dbpwd-8d9e0f1a2b",
+           "ABLATE_TEST_TOKEN": "tok-9f8e7d6c5b4a", "WANDB_API_KEY": "wandb-0a1b2c3d4e5f",
            "DB_PASSWORD": "pw-q1w2e3r4t5y6", "AWS_SECRET_ACCESS_KEY": "aws-z9y8x7w6v5u4",
            "HF_TOKEN": "hf_tokenvalue123456", "RAY_AUTH_TOKEN_SECRET": "raysecret-112233"}
-URI_PASSWORD = "uri-pw-77aa88bb99"
+URI_PASSWORD = "uri@pw-77aa88bb99"
+"""'@' inside: the URI's userinfo ends at the last '@' before the host, and the part after this '@' is looked for
+too (the old redaction cut there and printed the rest)."""
+
+
+def _leaks(haystacks: dict[str, bytes]) -> dict[str, list[str]]:
+    """Planted secret -> the files (or streams) holding it, raw or URL-encoded."""
+    wanted = {**SECRETS, "MLFLOW_TRACKING_URI password": URI_PASSWORD,
+              "MLFLOW_TRACKING_URI password after its '@'": URI_PASSWORD.rpartition("@")[2]}
+    found: dict[str, list[str]] = {}
+    for name, value in wanted.items():
+        forms = {value.encode(), quote(value, safe="").encode(), quote(value).encode()}
+        hits = [where for where, hay in haystacks.items() if any(form in hay for form in forms)]
+        if hits:
+            found[name] = hits
+    return found
 
 
 def _free_port() -> int:
@@ -131,12 +156,15 @@ def _start_server(backend: Path, artifacts: Path, port: int, log: Path) -> subpr
                "--artifacts-destination", str(artifacts), "--host", "127.0.0.1", "--port", str(port),
                "--workers", "1"]
     server = subprocess.Popen(command, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         assert server.poll() is None, log.read_text()[-2000:]
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return server
+            # Ready = answers HTTP: on a loaded host the port accepts well before the app serves, and a sweep
+            # started then (no retries) would find MLflow unreachable from its first call.
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+                if response.status == 200:
+                    return server
         except OSError:
             time.sleep(0.5)
     raise AssertionError("mlflow server did not start")
@@ -147,7 +175,10 @@ def _stop_server(server: subprocess.Popen[bytes]) -> None:
     server.wait(timeout=30)
 
 
-def test_tracking_server_outage_spools_and_sync_restores_exactly(ray_address: str, tmp_path: Path) -> None:
+def test_tracking_server_outage_spools_and_sync_restores_exactly(tmp_path: Path) -> None:
+    """The sweep's driver starts its own local Ray, the embedded default, so everything it starts inherits the
+    driver's environment with the planted secrets (an attached cluster, like the ``ray_address`` fixture, never
+    sees it); ``RAY_TMPDIR`` puts that Ray's session logs where the test greps them."""
     backend, artifacts, server_log = tmp_path / "server.db", tmp_path / "artifacts", tmp_path / "server.log"
     port = _free_port()
     uri = f"http://ablate:{URI_PASSWORD}@127.0.0.1:{port}"
@@ -157,15 +188,17 @@ def test_tracking_server_outage_spools_and_sync_restores_exactly(ray_address: st
     storage = tmp_path / "runs"
     server = _start_server(backend, artifacts, port, server_log)
     driver: subprocess.Popen[bytes] | None = None
+    ray_tmp = Path(tempfile.mkdtemp(prefix="ab-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
     try:
-        env = {**os.environ, **SECRETS, "RAY_ADDRESS": ray_address, "PYTHONPATH": str(REPO),
-               "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "3", "MLFLOW_TRACKING_URI": uri}
+        env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **SECRETS, "PYTHONPATH": str(REPO),
+               "RAY_TMPDIR": str(ray_tmp), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+               "MLFLOW_HTTP_REQUEST_TIMEOUT": "3", "MLFLOW_TRACKING_URI": uri}
         driver_log = tmp_path / "driver.log"
         with driver_log.open("w") as log:
             driver = subprocess.Popen([sys.executable, "-m", "ablate", "sweep", str(campaign), "--storage", str(storage),
                                        "--no-progress"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-            # The server goes away once the sweep's parent run exists, i.e. during the sweep.
-            deadline = time.monotonic() + 120
+            # The server goes away once the sweep's parent run exists, i.e. during the sweep (after Ray started).
+            deadline = time.monotonic() + 240
             while not backend.exists() or b"ablate.role" not in backend.read_bytes():
                 assert driver.poll() is None, driver_log.read_text()[-3000:]
                 assert time.monotonic() < deadline, "the sweep never reached the tracking server"
@@ -199,11 +232,91 @@ def test_tracking_server_outage_spools_and_sync_restores_exactly(ray_address: st
     finally:
         _stop_server(server)
 
-    # Secrets: not in receipts, MLflow params/tags, the store, artifacts, or any log line we wrote.
-    haystacks = [p.read_bytes() for p in sweep_dir.rglob("*") if p.is_file()]
-    haystacks += [p.read_bytes() for p in artifacts.rglob("*") if p.is_file()]
-    haystacks += [backend.read_bytes(), driver_log.read_bytes(), (tmp_path / "sync.log").read_bytes()]
-    haystacks += [repr(params_and_tags).encode()]
-    assert len(haystacks) > 10
-    for secret in [*SECRETS.values(), URI_PASSWORD]:
-        assert not any(secret.encode() in hay for hay in haystacks), f"secret {secret[:6]}... leaked"
+    # Secrets: nowhere the sweep wrote. Receipts, spool, sweep metadata, Tune's experiment (result.json, experiment
+    # state) and Train storage are all under `storage`; then the MLflow store, its artifacts, every stream, and
+    # the session of the Ray the driver started (runtime_env_agent.log printed Tune's trial runtime env).
+    sessions = sorted((ray_tmp / "ray").glob("session_2*"))
+    assert len(sessions) == 1, f"the driver started one local Ray under {ray_tmp}: {sessions}"
+    agent_log = sessions[0] / "logs" / "runtime_env_agent.log"
+    assert b"Creating runtime env" in agent_log.read_bytes(), "Tune's trial runtime envs were logged (and looked at)"
+    files = [*storage.rglob("*"), *artifacts.rglob("*"), *sessions[0].rglob("*"), backend, server_log, driver_log,
+             tmp_path / "sync.log"]
+    haystacks = {str(p.relative_to(ray_tmp if p.is_relative_to(ray_tmp) else tmp_path)): p.read_bytes()
+                 for p in files if p.is_file()}
+    haystacks["MLflow params and tags"] = repr(params_and_tags).encode()
+    assert any("result.json" in p for p in haystacks) and any("experiment_state" in p for p in haystacks)
+    assert len([p for p in haystacks if p.startswith("ray/session_")]) > 5 and len(haystacks) > 30
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+    leaks = _leaks(haystacks)
+    assert not leaks, "planted secrets found:\n" + "\n".join(f"{name}: {len(where)} file(s): {sorted(where)}"
+                                                          for name, where in leaks.items())
+
+
+# --- a disk that fills up while the sweep runs ---
+
+
+def test_a_disk_that_fills_up_mid_sweep_loses_no_receipt(ray_address: str, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capfd: pytest.CaptureFixture[str]) -> None:
+    """Campaign dir, Tune state and mlflow.db on one small tmpfs that fills up once the first receipt is written.
+    Before the fix: "Aborted.", a cascade of tracebacks, a 0-byte temporary receipt, and the arm's receipt lost.
+    Now every receipt the driver received is on disk or in the fallback directory, whose path the summary gives
+    with the command to run next."""
+    import secrets
+    import threading
+
+    from fsfaults import can_mount, fill, tmpfs
+
+    from ablate.receipts.store import FALLBACK_ENV, fallback_roots
+    from ablate.tracking.mlflow_store import sync
+
+    if not can_mount():
+        pytest.skip("needs root with the right to mount a tmpfs; the write path is covered by tests/test_store.py")
+    name = f"diskfull-{secrets.token_hex(3)}"
+    fallback = tmp_path / "fallback"
+    monkeypatch.setenv(FALLBACK_ENV, str(fallback))
+    campaign = tiny_smoke(tmp_path / "campaign", name=name, steps=4, features={"fused_residual": ["on"]},
+                          blocks=2, aa_blocks=0, max_failures=0, block_mode="sequential",
+                          resources={"cpus_per_worker": 1, "max_concurrent_blocks": 1})
+    try:
+        with tmpfs(tmp_path / "disk", size_kb=4096) as disk:
+            uri = fresh_mlflow_uri(disk)
+            receipts_dir = disk / "runs" / name / "receipts"
+            ended = threading.Event()
+
+            def fill_after_first_receipt() -> None:
+                while not ended.is_set() and not list(receipts_dir.glob("*.json")):
+                    time.sleep(0.1)
+                fill(disk)
+
+            filler = threading.Thread(target=fill_after_first_receipt, daemon=True)
+            filler.start()
+            try:
+                summary = run_sweep(campaign, tracking_uri=uri, storage=str(disk / "runs"), progress=False)
+            finally:
+                ended.set()
+                filler.join(timeout=60)
+            printed = capfd.readouterr()
+            on_disk, rejected = load_receipts(receipts_dir)
+            temporary = [p.name for p in receipts_dir.iterdir() if p.name.endswith(".tmp")]
+    finally:
+        for root in [r for r in fallback_roots() if r != fallback] + [Path.home() / ".local/state/ablate/fallback"]:
+            # Ray's workers did not inherit the test's fallback variable: their copies went to the default root.
+            subprocess.run(["rm", "-rf", str(root / name)], check=False)
+
+    assert temporary == [] and rejected == [], "no temporary receipt and nothing unreadable left on the full disk"
+    rescued, bad = load_receipts(fallback / name)
+    assert bad == []
+    received = set(summary.receipt_ids)
+    kept = {r.identity.receipt_id for r in on_disk} | {r.identity.receipt_id for r in rescued}
+    assert received and received <= kept, f"receipts lost: {sorted(received - kept)}"
+    text = summary.render()
+    print(text)  # shown with -rP: what a user reads
+    assert summary.fallbacks and summary.exit_code == 1, text
+    # One line per fault from Tune and MLflow, not a traceback per failed write.
+    assert "Traceback" not in printed.out + printed.err, (printed.out + printed.err)[-5000:]
+    assert f"they are in {fallback / name / 'receipts'}" in text and f"ablate receipts sync {fallback / name}" in text
+    # What the summary says to run works: the fallback directory syncs into a store (the full disk's is useless).
+    result = sync(fallback / name, fresh_mlflow_uri(tmp_path / "store"))
+    assert result.rejected == [] and set(result.logged) == {r.identity.receipt_id for r in rescued}
+

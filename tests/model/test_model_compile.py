@@ -9,6 +9,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from ablate.config.schema import FeatureConfig, MambaScan, MLAIngress, ModelConfig, MoEDispatch, OnOff, RecurrentScan
+from ablate.deep_check import block_fwd_bwd
 from kernels.dispatch import Dispatcher
 from trainers.model import HybridLM
 
@@ -28,15 +29,6 @@ CASES = {
 }
 
 
-def _run(block: torch.nn.Module, stream: torch.Tensor, delta: torch.Tensor) -> list[torch.Tensor]:
-    outs = block(stream, delta)
-    loss = sum(o.float().sum() * (i + 1) for i, o in enumerate(outs[:2]))
-    if len(outs) > 2:  # MoE: the aux loss is differentiable too
-        loss = loss + outs[2]
-    params = [p for p in block.parameters() if p.requires_grad]
-    return list(outs) + list(torch.autograd.grad(loss, params))
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_block_family_compiles_fullgraph_without_breaks(case: str) -> None:
     letter, features = CASES[case]
@@ -51,8 +43,8 @@ def test_block_family_compiles_fullgraph_without_breaks(case: str) -> None:
     for block in blocks:
         # force_eager: the fused_residual CPU op is itself a torch.compile'd function; keep it out of the count.
         with torch.compiler.set_stance("force_eager"):
-            eager = _run(block, stream, delta)
-        compiled = _run(torch.compile(block, fullgraph=True, backend="aot_eager"), stream, delta)
+            eager = block_fwd_bwd(block, stream, delta)
+        compiled = block_fwd_bwd(torch.compile(block, fullgraph=True, backend="aot_eager"), stream, delta)
         for a, b in zip(compiled, eager):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert not counters["graph_break"], dict(counters["graph_break"])

@@ -103,6 +103,8 @@ def _failed(receipt: Receipt, attempt: int, order: int) -> Receipt:
     copy.identity.receipt_id = f"{receipt.identity.receipt_id}-t{attempt}"
     copy.identity.attempt, copy.identity.order, copy.identity.status = attempt, order, Status.failed
     copy.throughput.wall_tokens_per_s = None
+    # Another attempt is another measurement: its step timings are its own (equal ones are a replay).
+    copy.steps.step_s = [s * (1.0 + 1e-12 * (attempt + 1) * (order + 2)) for s in copy.steps.step_s]
     return copy
 
 

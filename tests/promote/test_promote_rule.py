@@ -91,10 +91,18 @@ def test_one_disqualified_candidate_arm_blocks_promotion(policy: Policy) -> None
 
 def test_a_warning_disqualifier_is_counted_but_does_not_gate(policy: Policy) -> None:
     receipts = simulate(Sim(features=[moe(1.05)], **QUIET), 0)
+    candidates(receipts)[0].disqualifiers.append(Disqualifier(code=Code.HOST_CONTENDED, severity=Severity.warn))
+    v = verdict_of(run(receipts, policy))
+    assert v.verdict == PROMOTE and v.disqualifiers["candidate"] == {"HOST_CONTENDED": 1}
+
+
+def test_a_fact_about_what_ran_gates_whatever_severity_the_receipt_gives_it(policy: Policy) -> None:
+    # The trainer writes only HOST_CONTENDED at warn: any other code downgraded to warn is an edited receipt.
+    receipts = simulate(Sim(features=[moe(1.05)], **QUIET), 0)
     candidates(receipts)[0].disqualifiers.append(Disqualifier(code=Code.INSUFFICIENT_STEADY_STEPS,
                                                               severity=Severity.warn))
     v = verdict_of(run(receipts, policy))
-    assert v.verdict == PROMOTE and v.disqualifiers["candidate"] == {"INSUFFICIENT_STEADY_STEPS": 1}
+    assert v.verdict != PROMOTE and v.gated_disqualifiers == {"INSUFFICIENT_STEADY_STEPS": 1}
 
 
 def test_a_new_graph_break_in_the_candidate_rejects(policy: Policy) -> None:

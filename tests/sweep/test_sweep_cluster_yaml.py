@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +57,16 @@ def test_setup_installs_this_project(cluster: dict[str, Any]) -> None:
     target = next(remote for remote, local in mounts.items() if local == ".")
     assert any(f"cd {target}" in c and "pip install" in c and "-e ." in c for c in cluster["setup_commands"])
     assert ".gitignore" in cluster.get("rsync_filter", [])
+
+
+def test_gpu_nodes_run_the_deep_node_check_with_flags_the_cli_has(cluster: dict[str, Any]) -> None:
+    (command,) = [c for c in cluster["worker_setup_commands"] if "doctor --deep" in c]
+    words = shlex.split(command.split("&&")[-1])
+    assert words[words.index("--device") + 1] == "cuda" and words[words.index("--json") + 1].endswith(".json")
+    helptext = subprocess.run([sys.executable, "-m", "ablate", "doctor", "--help"], capture_output=True, text=True,
+                              env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"}, cwd=REPO,
+                              timeout=120).stdout
+    assert all(flag in helptext for flag in ("--deep", "--device", "--json"))
 
 
 def test_gpu_nodes_declare_driver_resources_equal_to_their_cpus_and_gpus(cluster: dict[str, Any]) -> None:

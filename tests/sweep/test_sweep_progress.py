@@ -129,7 +129,9 @@ def test_sigint_does_not_count_the_interrupted_blocks_as_done() -> None:
 def test_a_real_sweep_interrupted_with_sigint_reports_the_running_block_as_interrupted(tmp_path: Path) -> None:
     """Ctrl+C on a real driver once block b000 has one of its two receipts. Before the fix the last progress
     line said "blocks 1/2 done, ... arms 1", and run_sweep's summary counted the stopped trial as done too (it
-    ends TERMINATED without an error)."""
+    ends TERMINATED without an error). And (issue 17) a receipt the running arm wrote as the driver stopped
+    listening stayed on disk only, in neither MLflow nor the spool, and the only hint was Ray's
+    ``Tuner.restore(...)``, not ``ablate sweep --resume``."""
     # Sequential blocks: an interleaved pair writes both receipts together at its end, so there would be no
     # moment with one receipt of a still-running block to interrupt.
     campaign = tiny_smoke(tmp_path / "campaign", name="sigint", steps=30, features={"fused_residual": ["on"]},
@@ -139,7 +141,8 @@ def test_a_real_sweep_interrupted_with_sigint_reports_the_running_block_as_inter
     storage = str(tmp_path / "runs")
     receipts_dir = Layout.for_campaign("sigint", storage).receipts_dir
     code = (f"from ablate.sweep.run import run_sweep; s = run_sweep({str(campaign)!r}, tracking_uri={uri!r}, "
-            f"storage={storage!r}, progress=True); print('SUMMARY', s.blocks_done, s.blocks_total, s.exit_code)")
+            f"storage={storage!r}, progress=True); print('SUMMARY', s.blocks_done, s.blocks_total, s.exit_code); "
+            f"print(s.render())")
     log_path = tmp_path / "driver.log"
     with log_path.open("w") as log:
         driver = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
@@ -161,3 +164,14 @@ def test_a_real_sweep_interrupted_with_sigint_reports_the_running_block_as_inter
     lines = re.findall(r"sigint-\S+: blocks .*", output)
     assert lines and "blocks 0/2 done" in lines[-1] and "1 interrupted" in lines[-1], output[-3000:]
     assert "SUMMARY 0 2 1" in output, output[-3000:]
+    # What to run next is ablate's command, not Ray's.
+    assert "Tuner.restore" not in output and f"ablate sweep {campaign} --resume --storage {storage}" in output, \
+        output[-3000:]
+    # Every receipt on disk once the driver is gone is in MLflow or in the spool.
+    from ablate.tracking.mlflow_store import TrackingClient
+
+    on_disk = {r.identity.receipt_id for r in load_receipts(receipts_dir)[0]}
+    logged = set(TrackingClient(uri, "ablate").arm_runs())
+    spool = receipts_dir.parent / "spool.jsonl"
+    spooled = {r.identity.receipt_id for r in load_receipts(spool)[0]} if spool.exists() else set()
+    assert on_disk and on_disk <= logged | spooled, (on_disk - logged - spooled, output[-3000:])

@@ -196,3 +196,95 @@ def test_tracking_uri_default_override_and_absolute_sqlite(tmp_path: Path, monke
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracker:5000")
     assert resolve_tracking_uri(cwd=tmp_path) == "http://tracker:5000"
     assert resolve_tracking_uri("sqlite:///rel/m.db", cwd=tmp_path) == f"sqlite:///{tmp_path.resolve()}/rel/m.db"
+
+
+# --- the receipt digest in MLflow, and stores that are damaged or gone ---
+
+
+def test_sync_reports_a_receipt_edited_after_it_was_logged_instead_of_already_there(
+        receipts: list[Receipt], tmp_path: Path) -> None:
+    """Before the fix a receipt edited on disk after it was logged synced as "already there", and the two copies
+    disagreed silently."""
+    from typer.testing import CliRunner
+
+    from ablate.cli import app
+    from ablate.receipts.store import receipt_digest
+
+    sweep_dir = tmp_path / "smoke"  # no sweep metadata: sync (and the CLI) use the experiment "ablate"
+    for receipt in receipts:
+        write_receipt(receipt, sweep_dir / "receipts")
+    uri = fresh_mlflow_uri(tmp_path)
+    assert len(sync(sweep_dir, uri, experiment="ablate").logged) == 2
+    runs = TrackingClient(uri, "ablate").arm_runs("track-1")
+    assert {rid: run.data.tags[TAG + "digest"] for rid, run in runs.items()} == \
+        {r.identity.receipt_id: receipt_digest(r) for r in receipts}, "the digest is an MLflow tag"
+
+    first, second = receipts
+    edited = first.model_copy(update={"identity": first.identity.model_copy(update={"host": "elsewhere"})})
+    write_receipt(edited, sweep_dir / "receipts")  # edited and re-sealed: its own digest matches its content
+    again = sync(sweep_dir, uri, experiment="ablate")
+    assert again.already == [second.identity.receipt_id] and again.logged == []
+    assert [(rid, logged, mine) for rid, _, logged, mine in again.differs] == \
+        [(first.identity.receipt_id, receipt_digest(first), receipt_digest(edited))]
+    line = f"differs from the logged copy: digest {receipt_digest(first)[:16]} vs {receipt_digest(edited)[:16]}"
+    assert line in str(again) and "0 receipt(s) logged, 1 already there, 1 differ" in str(again)
+    logged = TrackingClient(uri, "ablate").arm_runs("track-1")[first.identity.receipt_id]
+    assert logged.data.tags[TAG + "host"] == first.identity.host, "the logged copy is kept, not overwritten"
+    out = CliRunner().invoke(app, ["receipts", "sync", str(sweep_dir), "--tracking-uri", uri])
+    assert out.exit_code == 1 and line in " ".join(out.stderr.split()), out.output
+
+    # Edited without re-sealing: the file itself is refused on read, with both digests.
+    path = sweep_dir / "receipts" / f"{second.identity.receipt_id}.json"
+    path.write_text(path.read_text().replace(second.identity.host, "forged-host"))
+    third = sync(sweep_dir, uri, experiment="ablate")
+    assert [origin for origin, _ in third.rejected] == [str(path)]
+    assert "content does not match its digest" in third.rejected[0][1]
+
+    # The copy in MLflow is checked on read too.
+    artifact = next((tmp_path / "mlartifacts").rglob("receipt.json"))
+    data = json.loads(artifact.read_text())
+    data["quality"]["loss_final"] = 0.001
+    artifact.write_text(json.dumps(data))
+    found, rejected, _ = load_receipts_from_mlflow(uri, "ablate", sweep_id="track-1")
+    assert len(found) == 1 and len(rejected) == 1 and "does not match its digest" in rejected[0][1]
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_a_damaged_mlflow_db_is_one_error_line_naming_it(damage: str, tmp_path: Path) -> None:
+    """Before the fix `receipts list` and `promote` on a damaged mlflow.db ended in a sqlalchemy traceback."""
+    import os
+
+    from typer.testing import CliRunner
+
+    from ablate.cli import app
+
+    uri = fresh_mlflow_uri(tmp_path)
+    db = tmp_path / "mlflow.db"
+    data = db.read_bytes()
+    db.write_bytes(os.urandom(len(data)) if damage == "garbage" else data[: len(data) // 3])
+    campaign = tiny_smoke(tmp_path / "campaign", name="damaged")
+    (tmp_path / "runs" / "damaged").mkdir(parents=True)
+    runner = CliRunner()
+    for args in (["receipts", "list"], ["promote", "--out", str(tmp_path / "reports")],
+                 ["receipts", "sync", str(tmp_path / "runs" / "damaged")],
+                 ["sweep", str(campaign), "--storage", str(tmp_path / "runs"), "--no-progress"]):
+        out = runner.invoke(app, [*args, "--tracking-uri", uri])
+        stderr = " ".join(out.stderr.split())
+        assert out.exit_code in (1, 2) and stderr.startswith("error: the MLflow store"), (args, out.output)
+        assert str(db) in stderr and "receipts sync" in stderr, stderr
+        assert "Traceback" not in out.output and "sqlalchemy" not in out.output.lower()
+    assert not (tmp_path / "runs" / "damaged" / "sweeps").exists(), "the sweep was refused before it started"
+
+
+def test_promote_from_a_missing_sqlite_store_is_an_error_and_creates_nothing(tmp_path: Path) -> None:
+    """Before the fix `promote` silently created an empty mlflow.db and reported "no valid receipts"."""
+    from typer.testing import CliRunner
+
+    from ablate.cli import app
+
+    db = tmp_path / "gone" / "mlflow.db"
+    db.parent.mkdir()
+    for args in (["promote", "--out", str(tmp_path / "reports")], ["receipts", "list"]):
+        out = CliRunner().invoke(app, [*args, "--tracking-uri", f"sqlite:///{db}"])
+        assert out.exit_code == 2 and f"no MLflow store at {db}" in " ".join(out.stderr.split()), out.output
+    assert not db.exists() and list(db.parent.iterdir()) == []
