@@ -21,6 +21,7 @@ device facts and an energy sample while the family blocks step.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -113,7 +114,7 @@ def _fwd_bwd(ex: Example, fn: Callable[..., Any], grads: Optional[list[torch.Ten
              ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     outs = list(ex.run(fn))
     grads = grads if grads is not None else _upstream(outs)
-    inputs = [t for t in ex.inputs]
+    inputs = list(ex.inputs)
     in_grads = torch.autograd.grad(outs, inputs, [g.to(o.dtype) for g, o in zip(grads, outs)], allow_unused=True)
     return [o.detach() for o in outs], [g if g is not None else torch.zeros_like(t) for g, t in zip(in_grads, inputs)]
 
@@ -123,6 +124,8 @@ def _rel_error(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> flo
     for a, b in zip(got, want):
         scale = b.float().abs().max().item()
         diff = (a.float() - b.float()).abs().max().item()
+        if not math.isfinite(diff):
+            return math.inf  # max() would drop a NaN and pass a backend that returns NaN
         worst = max(worst, diff / max(scale, 1e-12))
     return worst
 
@@ -139,8 +142,9 @@ def _parity(op: str, fn: Callable[..., Any], ref: Callable[..., Any], device: to
         err = _rel_error([*got_out, *got_grad], [*want_out, *want_grad])
     except Exception as exc:  # noqa: BLE001 - a backend that raises is a wrong backend, reported, not a crash
         return ParityRow(size, dtype_name, ex.shape, None, tol, False, f"{type(exc).__name__}: {exc}"[:300])
-    finite = err == err and err != float("inf")
-    return ParityRow(size, dtype_name, ex.shape, err, tol, finite and err <= tol)
+    if not math.isfinite(err):
+        return ParityRow(size, dtype_name, ex.shape, None, tol, False, "NaN or inf in the outputs or gradients")
+    return ParityRow(size, dtype_name, ex.shape, err, tol, err <= tol)
 
 
 def _clock(device: torch.device) -> Callable[[Callable[[], None]], float]:
@@ -283,7 +287,7 @@ def check_families(device: torch.device, families: str = "AEMR", backend: str = 
         tol = REL_TOL[torch.float32]
         ok = breaks == 0 and graphs == 1 and err <= tol
         detail = "" if ok else f"graph breaks {breaks}, graphs {graphs}, error {err:.2e} (tolerance {tol:.0e})"
-        rows.append(FamilyRow(letter, assignment, breaks, graphs, err, ok, detail))
+        rows.append(FamilyRow(letter, assignment, breaks, graphs, err if math.isfinite(err) else None, ok, detail))
     return rows
 
 
@@ -343,9 +347,15 @@ def run_deep(device: torch.device, ops: Optional[Sequence[str]] = None, sizes: S
              dtypes: Sequence[str] = ("fp32", "bf16"), families: str = "AEMR", repeats: int = 5,
              compile_backend: str = "inductor") -> DeepReport:
     backends = check_backends(device, ops, sizes, dtypes, repeats)
-    family_rows = check_families(device, families, compile_backend)
-    sample = (lambda: check_families(device, families, compile_backend)) if device.type == "cuda" else None
+    family_rows: list[FamilyRow] = []
+
+    def run_families() -> None:
+        family_rows.extend(check_families(device, families, compile_backend))
+
+    # On CUDA the energy sample is taken while the family blocks compile and step, so they run once, not twice.
+    nvml = nvml_facts(device, run_families if device.type == "cuda" else None)
+    if not family_rows:  # CPU, or NVML could not sample (it never called run_families)
+        run_families()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (os.uname().machine + " CPU")
     return DeepReport(str(device), name, torch.__version__, torch.get_num_threads(), TIMING[device.type], backends,
-                      family_rows,
-                      nvml_facts(device, sample))
+                      family_rows, nvml)

@@ -66,15 +66,21 @@ _BROKEN = textwrap.dedent("""
 
 def test_a_broken_backend_fails_the_check_and_the_command_exits_nonzero(tmp_path: Path) -> None:
     spec = get_op("recurrent_scan")
-    register(OpSpec(spec.name, spec.ref, {**spec.impls, "broken": Impl(lambda g, c: spec.ref(g, c) * 1.02,
-                                                                        always("deliberately broken (test)"))}))
+    register(OpSpec(spec.name, spec.ref, {
+        **spec.impls,
+        "broken": Impl(lambda g, c: spec.ref(g, c) * 1.02, always("deliberately broken (test)")),
+        # NaN compares false with everything: a max over errors would drop it and pass the backend.
+        "nan": Impl(lambda g, c: spec.ref(g, c) * torch.where(g > 2.0, float("nan"), 1.0), always("NaN (test)")),
+    }))
     try:
         rows = check_backends(torch.device("cpu"), ops=["recurrent_scan"], sizes=("small",), dtypes=("fp32",))
     finally:
         register(spec)
-    (broken,) = [r for r in rows if r.backend == "broken"]
+    by_backend = {r.backend: r for r in rows}
+    broken, nan = by_backend["broken"], by_backend["nan"]
     assert broken.status == "wrong" and broken.parity[0].rel_error == pytest.approx(0.02, rel=0.05)
-    assert all(r.status == "ok" for r in rows if r.backend != "broken")
+    assert nan.status == "wrong" and nan.parity[0].rel_error is None and "NaN" in nan.parity[0].error
+    assert all(r.status == "ok" for r in rows if r.backend not in ("broken", "nan"))
 
     out = tmp_path / "deep.json"
     proc = subprocess.run([sys.executable, "-c", _BROKEN, str(out)], cwd=tmp_path, env=_env(), capture_output=True,

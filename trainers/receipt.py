@@ -22,7 +22,7 @@ from ablate.receipts.store import seal
 from ablate.receipts.schema import (FAMILIES, TIME_TOLERANCE_FLOOR_S, UNATTRIBUTED_LIMIT, ArmRole, BackendRecord,
                                     Code, CompileRecord, Disqualifier, ErrorInfo, HostLoad, Identity, Memory, Observed,
                                     Projection, Quality, Receipt, Requested, Severity, Status, StepStats, Throughput,
-                                    TimeAccounting)
+                                    TimeAccounting, code_severity)
 from trainers.goodput import Accounting, LoopSummary, account_time, step_statistics
 from ablate.redact import capture_env, redact_text
 from trainers.provenance import evidence_fingerprint, hardware_fingerprint, software_versions
@@ -113,7 +113,7 @@ def _disqualifiers(spec: ArmSpec, result: Optional[WorkerResult], launch: Launch
     found: list[Disqualifier] = []
 
     def add(code: Code, detail: str, step: Optional[int] = None) -> None:
-        found.append(Disqualifier(code=code, severity=Severity.fatal, detail=redact_text(detail)[:2000], step=step))
+        found.append(Disqualifier(code=code, severity=code_severity(code), detail=redact_text(detail)[:2000], step=step))
 
     lane = spec.lane
     error = (result.error if result is not None else None) or launch.failure
@@ -174,7 +174,7 @@ def _disqualifiers(spec: ArmSpec, result: Optional[WorkerResult], launch: Launch
                                "node pre-empts it. Start Ray with RAY_worker_niceness=0 (ablate does for local "
                                "runtimes; cluster.yaml does on every node) or grant the workers CAP_SYS_NICE")
     if host.get("contended"):
-        found.append(Disqualifier(code=Code.HOST_CONTENDED, severity=Severity.warn,
+        found.append(Disqualifier(code=Code.HOST_CONTENDED, severity=code_severity(Code.HOST_CONTENDED),
                                   detail=redact_text(str(host.get("detail", "")))[:500]))
     return found
 

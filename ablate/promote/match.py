@@ -34,17 +34,13 @@ from ablate.config.load import with_feature
 from ablate.config.schema import ConfigError, LaneConfig
 from ablate.promote.policy import Policy
 from ablate.receipts.derive import project_time
-from ablate.receipts.schema import Receipt
+from ablate.receipts.schema import WARN_CODES, Receipt
 
 # Identity fields both arms of a block must share; a difference means the two runs are not one comparison.
 _SHARED_IDENTITY = ("sweep_id", "campaign", "lane_key", "feature", "kind", "host", "software_fingerprint", "pairing",
                     "code_fingerprint", "hardware_fingerprint")
 FAILURE_CODE = "ARM_FAILED"
 """The only code a failed arm is spared at the gate: it *is* the failure, which counts as a loss instead."""
-WARN_CODES = frozenset({"HOST_CONTENDED"})
-"""The only codes the trainer writes at ``warn`` (trainers/receipt.py); every other code is a fact about what ran
-(a fallback, a graph break, an inert toggle), written ``fatal``. Severity is not the receipt's to choose: any
-other code gates whatever severity it carries, so editing BACKEND_FALLBACK down to ``warn`` changes nothing."""
 
 
 @dataclass(frozen=True)
@@ -199,7 +195,7 @@ def _arm_view(receipt: Receipt, policy: Policy) -> ArmView:
     ident = receipt.identity
     failed = ident.status.value == "failed"
     gated = {d.code.value for d in receipt.disqualifiers
-             if (d.severity.value in policy.gates.severities or d.code.value not in WARN_CODES)
+             if (d.severity.value in policy.gates.severities or d.code not in WARN_CODES)
              and d.code.value != FAILURE_CODE}
     details = [f"{d.code.value}: {d.detail[:160]}" for d in receipt.disqualifiers
                if d.code.value in gated]

@@ -85,6 +85,17 @@ class Code(str, enum.Enum):
     """Foreign processes wanted more CPU than the node had left while the arm ran (warn: flagged in reports)."""
 
 
+WARN_CODES = frozenset({Code.HOST_CONTENDED})
+"""Codes about the host, not about what ran: the only ones a trainer writes at ``warn``. Every other code is a fact
+about the run (a fallback, a graph break, an inert toggle) and is written ``fatal``; promotion gates those whatever
+severity a receipt claims, so editing a code down to ``warn`` changes nothing."""
+
+
+def code_severity(code: Code) -> Severity:
+    """The one severity a trainer writes for ``code``."""
+    return Severity.warn if code in WARN_CODES else Severity.fatal
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", use_enum_values=False)
 
