@@ -149,6 +149,7 @@ def sweep(
     from rich.markup import escape
 
     from ablate.sweep.layout import SweepLocked
+    from ablate.sweep.node_check import NodeCheckRefused
     from ablate.sweep.run import run_sweep
     from ablate.tracking.uri import TrackingStoreError
 
@@ -157,7 +158,7 @@ def sweep(
                             lock_wait_s=math.inf if wait else 0.0)
     except ConfigError as exc:
         _fail(str(exc))
-    except (SweepLocked, TrackingStoreError) as exc:
+    except (SweepLocked, TrackingStoreError, NodeCheckRefused) as exc:
         _fail(escape(str(exc)))
     except KeyboardInterrupt:
         # Only a Ctrl+C outside Tune's run (start-up, final bookkeeping) gets here; receipts are files first.
@@ -381,10 +382,12 @@ def doctor(
     families: str = typer.Option("AEMR", "--families", help="--deep: block families to compile ('' for none)."),
     repeats: int = typer.Option(5, "--repeats", min=1, help="--deep: timed rounds per backend (median)."),
     compile_backend: str = typer.Option("inductor", "--compile-backend", help="--deep: torch.compile backend."),
+    comm: bool = typer.Option(True, "--comm/--no-comm", help="--deep: all-reduce bus bandwidth (NCCL across the "
+                                                             "node's GPUs, gloo across two CPU ranks)."),
 ) -> None:
     """Hardware (nvidia-ml-py), torch/CUDA, Ray and MLflow reachability, package versions; --deep: the backends."""
     if deep:
-        _doctor_deep(device, json_out, ops, sizes, dtypes, families, repeats, compile_backend)
+        _doctor_deep(device, json_out, ops, sizes, dtypes, families, repeats, compile_backend, comm)
         return
     from ablate.doctor import run_checks, versions
 
@@ -407,7 +410,7 @@ def _csv(value: str, allowed: tuple[str, ...], key: str) -> tuple[str, ...]:
 
 
 def _doctor_deep(device_name: str, json_out: Optional[Path], ops: Optional[list[str]], sizes: str, dtypes: str,
-                 families: str, repeats: int, compile_backend: str) -> None:
+                 families: str, repeats: int, compile_backend: str, comm: bool = True) -> None:
     import json
 
     from ablate.deep_check import DTYPES, FAMILY_BACKENDS, resolve_device, run_deep
@@ -420,7 +423,7 @@ def _doctor_deep(device_name: str, json_out: Optional[Path], ops: Optional[list[
     if bad:
         raise ConfigError("doctor --families", bad[0], f"letters of {''.join(FAMILY_BACKENDS)}")
     report = run_deep(resolve_device(device_name), ops or None, _csv(sizes, SIZES, "doctor --sizes"),
-                      _csv(dtypes, tuple(DTYPES), "doctor --dtypes"), families, repeats, compile_backend)
+                      _csv(dtypes, tuple(DTYPES), "doctor --dtypes"), families, repeats, compile_backend, comm)
     table = Table("op", "backend", "ran", "status", "max rel. error (tolerance)", "speed-up vs reference",
                   "why", title=f"backends on {report.device} ({report.device_name}, torch {report.torch_version}, "
                                f"{report.threads} threads)")
@@ -441,12 +444,24 @@ def _doctor_deep(device_name: str, json_out: Optional[Path], ops: Optional[list[
                         "[green]yes[/]" if f.ok else "[red]no[/]", markup_escape(f.detail))
         console.print(fam)
     console.print(f"NVML: {json.dumps(report.nvml)}", markup=False, highlight=False)
+    if report.comm:
+        comm = Table("size", "median", "algbw", "bus bw",
+                     title=f"all-reduce, {report.comm['backend']} over {report.comm['ranks']} ranks",
+                     caption=report.comm.get("criterion", ""))
+        for row in report.comm["rows"]:
+            comm.add_row(f"{row['size_mb']} MiB", f"{row['median_ms']:.2f} ms", f"{row['algbw_gbps']:.2f} GB/s",
+                         f"{row['busbw_gbps']:.2f} GB/s")
+        if report.comm["rows"]:
+            console.print(comm)
+        else:
+            console.print(f"all-reduce ({report.comm['backend']}): not measured: {report.comm['why']}",
+                          markup=False, highlight=False)
     if json_out is not None:
         json_out.write_text(json.dumps(report.as_dict(), indent=2))
         console.print(f"wrote {json_out}", markup=False, highlight=False)
     if not report.ok:
-        err.print("[bold red]error:[/] a backend this node would run fails its reference twin or its graph "
-                  "(rows marked wrong / not ok above)", highlight=False)
+        err.print("[bold red]error:[/] a backend this node would run fails its reference twin or its graph, or its "
+                  "collective backend cannot all-reduce (rows marked wrong / not ok above)", highlight=False)
         raise typer.Exit(1)
 
 

@@ -16,7 +16,8 @@ in the interpreter (parity only: interpreter speed means nothing).
 
 Then one block of each family (A, E, M, R, with the fast backends) is compiled with ``fullgraph=True`` and run
 forward and backward against eager: graph breaks and extra graphs (recompiles) are counted. On CUDA, NVML adds the
-device facts and an energy sample while the family blocks step.
+device facts and an energy sample while the family blocks step. Last, the all-reduce bus bandwidth of the node's
+collective backend (NCCL across its GPUs, gloo across two CPU processes; ``ablate.comm_check``).
 """
 
 from __future__ import annotations
@@ -89,10 +90,18 @@ class DeepReport:
     backends: list[BackendRow]
     families: list[FamilyRow]
     nvml: dict[str, Any]
+    comm: dict[str, Any] = field(default_factory=dict)
+    """All-reduce bus bandwidth (``ablate.comm_check``): NCCL across the node's GPUs, gloo across two CPU ranks."""
+
+    @property
+    def comm_ok(self) -> bool:
+        # Not run, measured, or a one-GPU node (no peer): fine. A collective that fails to run is not.
+        return not self.comm or bool(self.comm.get("rows")) or self.comm.get("ranks", 0) < 2
 
     @property
     def ok(self) -> bool:
-        return all(r.status != "wrong" for r in self.backends) and all(f.ok for f in self.families)
+        return (all(r.status != "wrong" for r in self.backends) and all(f.ok for f in self.families)
+                and self.comm_ok)
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -345,7 +354,7 @@ def resolve_device(name: str) -> torch.device:
 
 def run_deep(device: torch.device, ops: Optional[Sequence[str]] = None, sizes: Sequence[str] = SIZES,
              dtypes: Sequence[str] = ("fp32", "bf16"), families: str = "AEMR", repeats: int = 5,
-             compile_backend: str = "inductor") -> DeepReport:
+             compile_backend: str = "inductor", comm: bool = True) -> DeepReport:
     backends = check_backends(device, ops, sizes, dtypes, repeats)
     family_rows: list[FamilyRow] = []
 
@@ -357,5 +366,7 @@ def run_deep(device: torch.device, ops: Optional[Sequence[str]] = None, sizes: S
     if not family_rows:  # CPU, or NVML could not sample (it never called run_families)
         run_families()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (os.uname().machine + " CPU")
+    from ablate.comm_check import allreduce_bandwidth
+
     return DeepReport(str(device), name, torch.__version__, torch.get_num_threads(), TIMING[device.type], backends,
-                      family_rows, nvml)
+                      family_rows, nvml, allreduce_bandwidth(device) if comm else {})

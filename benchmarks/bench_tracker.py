@@ -33,6 +33,7 @@ import platform
 import statistics
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
@@ -74,10 +75,10 @@ def _setup(lane: LaneConfig) -> tuple[Any, Any, Batches]:
 class Instruments:
     """The per-arm instruments, created once per repeat as an arm creates them once."""
 
-    def __init__(self, regions: Any) -> None:
+    def __init__(self, regions: Any, deferred: bool) -> None:
         self.tracker, self.watch = StepTracker(cuda=False), CompileWatch()
         self.sampler = FamilySampler(regions, cuda=False, whole_compiled=False)
-        self.monitor = LossMonitor(1, torch.device("cpu"))
+        self.monitor = LossMonitor(1, torch.device("cpu"), deferred=deferred)
         self.tracker.start()
 
     def close(self) -> None:
@@ -100,9 +101,9 @@ def _step_on(engine: Any, batches: Batches, step: int, instruments: Instruments,
     return time.perf_counter() - start, time.process_time() - cpu
 
 
-def _bookkeeping_us(iterations: int = 20000) -> float:
+def _bookkeeping_us(deferred: bool, iterations: int = 20000) -> float:
     tracker, watch = StepTracker(cuda=False), CompileWatch()
-    monitor = LossMonitor(1, torch.device("cpu"))
+    monitor = LossMonitor(1, torch.device("cpu"), deferred=deferred)
     loss = torch.tensor(1.0)
     tracker.start()
     start = time.perf_counter()
@@ -112,6 +113,7 @@ def _bookkeeping_us(iterations: int = 20000) -> float:
         events, seconds = watch.events, watch.seconds
         monitor.push(step, loss)
         tracker.end(tokens=1, compile_events=watch.events - events, compile_s=watch.seconds - seconds)
+    monitor.flush()
     elapsed = time.perf_counter() - start
     baseline_start = time.perf_counter()
     for _ in range(iterations):
@@ -138,7 +140,11 @@ def main(argv: list[str]) -> int:
     # One intra-op thread by default: on a shared 2-core machine two spinning OpenMP threads make step time swing
     # by +-50% and swamp a 1% effect; the tracker does the same work whatever the thread count.
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (0: the lane's own setting)")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "tracker.json"))
+    parser.add_argument("--monitor", choices=("immediate", "deferred"), default="immediate",
+                        help="the loss monitor as a one-rank CPU arm runs it (immediate), or its deferred ring, the "
+                             "CPU twin of the CUDA path (read LOSS_LAG_STEPS steps late)")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "tracker.json"),
+                        help="a JSON file the run is appended to (earlier runs are kept)")
     args = parser.parse_args(argv)
 
     lane = load_sweep(args.campaign)[0].lane
@@ -151,7 +157,7 @@ def main(argv: list[str]) -> int:
     load_before = os.getloadavg()
     rows = []
     for repeat in range(args.repeats):
-        instruments = Instruments(regions)
+        instruments = Instruments(regions, deferred=args.monitor == "deferred")
         row: dict[str, list[Any]] = {"off": [], "on": [], "sampled": []}
         for step in range(steps):
             is_sampled = step >= steps - sampled
@@ -168,10 +174,14 @@ def main(argv: list[str]) -> int:
         print(f"repeat {repeat}: " + ", ".join(
             f"{name} {_overheads([row], clock, steps, sampled)['steady_overhead'] * 100:+.2f}%"
             for name, clock in (("steady wall", 0), ("steady cpu", 1))), flush=True)
-    bookkeeping = _bookkeeping_us()
+    bookkeeping = _bookkeeping_us(args.monitor == "deferred")
     off_median = statistics.median(t[0] for row in rows for t in row["off"])
     wall, cpu = _overheads(rows, 0, steps, sampled), _overheads(rows, 1, steps, sampled)
     summary = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "monitor": args.monitor,
+        "criterion": "median of per-pair on/off ratios (ABBA-paired steps), minus 1",
         "lane": {"campaign": os.path.relpath(args.campaign, REPO), "pattern": lane.model.pattern,
                  "steps": steps, "family_sample_steps": sampled, "micro_batch": lane.batch.micro_batch,
                  "seq_len": lane.batch.seq_len, "threads": torch.get_num_threads()},
@@ -198,8 +208,25 @@ def main(argv: list[str]) -> int:
           f"on {os.cpu_count()} CPUs")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=2))
+    history = json.loads(out.read_text()) if out.exists() else {"runs": []}
+    if "runs" not in history:  # the first runs overwrote one document: keep it as the first run
+        history = {"runs": [history]}
+    history["runs"].append(summary)
+    out.write_text(json.dumps(history, indent=2))
+    print(f"appended run {len(history['runs'])} to {out}")
     return 0
+
+
+def _commit() -> str:
+    import subprocess
+
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
+        return sha + ("+dirty" if dirty.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 if __name__ == "__main__":

@@ -91,13 +91,18 @@ def test_a_broken_backend_fails_the_check_and_the_command_exits_nonzero(tmp_path
     assert document["ok"] is False
     assert {r["backend"]: r["status"] for r in document["backends"]} == \
         {"sequential": "ok", "parallel": "ok", "broken": "wrong"}
+    # The node's collective backend was measured too: gloo between two fresh CPU processes.
+    comm = document["comm"]
+    assert (comm["backend"], comm["ranks"], comm["why"]) == ("gloo", 2, "")
+    assert [r["size_mb"] for r in comm["rows"]] == [1, 16, 64] and all(r["busbw_gbps"] > 0 for r in comm["rows"])
+    assert "all-reduce, gloo over 2 ranks" in proc.stdout
 
 
 def test_triton_kernel_runs_in_the_interpreter_on_cpu_and_the_json_says_so(tmp_path: Path) -> None:
     pytest.importorskip("triton")
     out = tmp_path / "deep.json"
     proc = subprocess.run([sys.executable, "-m", "ablate", "doctor", "--deep", "--device", "cpu", "--op", "add_rmsnorm",
-                           "--sizes", "small", "--dtypes", "fp32,bf16", "--families", "", "--json", str(out)],
+                           "--sizes", "small", "--dtypes", "fp32,bf16", "--families", "", "--no-comm", "--json", str(out)],
                           cwd=tmp_path, env=_env(TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     document = json.loads(out.read_text())
@@ -105,7 +110,7 @@ def test_triton_kernel_runs_in_the_interpreter_on_cpu_and_the_json_says_so(tmp_p
     assert rows["triton"]["status"] == "interpreted" and rows["triton"]["observed"] == "triton"
     assert [p["ok"] for p in rows["triton"]["parity"]] == [True, True]
     assert rows["triton"]["speedup"] is None, "interpreter speed means nothing: never reported"
-    assert document["ok"] is True and document["nvml"]["available"] is False
+    assert document["ok"] is True and document["nvml"]["available"] is False and document["comm"] == {}
     assert "interpreted" in proc.stdout and "backends on cpu" in proc.stdout
 
 
@@ -126,3 +131,15 @@ def test_cuda_on_a_node_without_one_is_refused_by_name() -> None:
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     with pytest.raises(ValueError, match="allowed: cpu, cuda, auto"):
         resolve_device("tpu")
+
+
+def test_a_collective_that_cannot_run_fails_the_node() -> None:
+    from ablate.comm_check import allreduce_bandwidth
+    from ablate.deep_check import DeepReport
+
+    broken = allreduce_bandwidth(torch.device("cpu"), sizes_mb=(1,), repeats=0)  # no timing to take: ranks raise
+    assert broken["rows"] == [] and broken["why"] and broken["ranks"] == 2
+    report = DeepReport("cpu", "x", torch.__version__, 1, "", [], [], {}, broken)
+    assert report.ok is False and report.comm_ok is False
+    one_gpu = {"backend": "nccl", "ranks": 1, "rows": [], "why": "1 GPU on this node: ..."}
+    assert DeepReport("cuda:0", "x", torch.__version__, 1, "", [], [], {}, one_gpu).ok is True

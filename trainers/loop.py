@@ -20,6 +20,7 @@ on rank 0, attempt 0 only), geometry_change_at_step, recompile_at_step, graph_br
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import resource
@@ -33,9 +34,11 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ablate.config.schema import ConfigError, HardwareConfig
+from ablate.config.schema import ConfigError, HardwareConfig, NodeCheckConfig
+from ablate.sweep.node_check import read_document
 from trainers.compile import CompileWatch, WarmupDecision, compile_regions, is_graph_break_error, resolve_warmup
 from trainers.data import build_source
+from trainers.energy import EnergyMeter, combine_energy, open_meter
 from trainers.engines import Engine, StepOutput, build_engine
 from trainers.family import FamilySampler
 from trainers.goodput import StepRecord, StepTracker
@@ -76,22 +79,42 @@ def _threads(hardware: HardwareConfig, local_world_size: int) -> int:
     return max(1, cpus // max(1, local_world_size))
 
 
+LOSS_LAG_STEPS = 4
+"""How many steps the host may run ahead of the loss it reads on CUDA. Fixed, not "whenever the event is done":
+every rank must see a non-finite loss at the same step, or one rank stops while the others wait in a collective."""
+
+
+class _Ready:
+    """The CPU twin of a recorded CUDA event: the copy it guards is already complete."""
+
+    def synchronize(self) -> None:
+        pass
+
+
 class LossMonitor:
     """Per-step loss, averaged over ranks, with a collective non-finite flag.
 
-    On CPU the value is read at once. On CUDA it is copied to pinned memory behind an event and read one step
-    later, so the host never waits for the step it just queued (the NaN stop then lags by one step).
+    One CPU rank reads the value at once (it is already on the host). Otherwise the loss and the flag are copied to
+    host memory behind a fence and read ``lag`` steps later, so the host never waits for a step it queued recently:
+    on CUDA the only synchronisation is on a step ``lag`` steps back (long finished in a device-bound loop) and at
+    ``flush`` (phase boundaries). A NaN stop therefore lags by exactly ``lag`` steps on every rank. ``deferred``
+    forces the same ring on CPU, where the fence is already signalled (the tested twin of the CUDA path).
     """
 
-    def __init__(self, world_size: int, device: torch.device) -> None:
+    def __init__(self, world_size: int, device: torch.device, lag: int = LOSS_LAG_STEPS,
+                 deferred: Optional[bool] = None) -> None:
         self.world_size, self.device = world_size, device
         self.cuda = device.type == "cuda"
+        self.deferred = self.cuda if deferred is None else deferred
+        self.lag = max(1, lag)
         self.values: list[float] = []
         self.nonfinite_step: Optional[int] = None
-        self._pending: Optional[tuple[int, torch.Tensor, Any]] = None
+        self.waits = 0
+        """Fences read before the host ran ``lag`` steps ahead of them (``flush``): the syncs this monitor cost."""
+        self._pending: collections.deque[tuple[int, torch.Tensor, Any]] = collections.deque()
 
     def push(self, step: int, loss: torch.Tensor) -> None:
-        if self.world_size == 1 and not self.cuda:
+        if self.world_size == 1 and not self.deferred:
             # One rank on CPU: the value is already on the host; no collective, no extra tensor ops.
             value = float(loss)
             self._record(step, value, not math.isfinite(value))
@@ -100,22 +123,30 @@ class LossMonitor:
         vec = torch.stack([torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0), flag])
         if self.world_size > 1:
             dist.all_reduce(vec)
-        if not self.cuda:
+        if not self.deferred:
             self._record(step, float(vec[0]), float(vec[1]) > 0)
             return
-        host = torch.empty(2, pin_memory=True)
-        host.copy_(vec, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self.flush()
-        self._pending = (step, host, event)
+        if self.cuda:
+            host = torch.empty(2, pin_memory=True)
+            host.copy_(vec, non_blocking=True)
+            fence: Any = torch.cuda.Event()
+            fence.record()
+        else:
+            host, fence = vec.detach().clone(), _Ready()
+        self._pending.append((step, host, fence))
+        while len(self._pending) > self.lag:
+            self._read(self._pending.popleft())
 
     def flush(self) -> None:
-        if self._pending is not None:
-            step, host, event = self._pending
-            event.synchronize()
-            self._record(step, float(host[0]), float(host[1]) > 0)
-            self._pending = None
+        """Read every pending step (a phase boundary: the end of the budget, a failure)."""
+        while self._pending:
+            self.waits += 1
+            self._read(self._pending.popleft())
+
+    def _read(self, pending: tuple[int, torch.Tensor, Any]) -> None:
+        step, host, fence = pending
+        fence.synchronize()
+        self._record(step, float(host[0]), float(host[1]) > 0)
 
     def _record(self, step: int, total: float, nonfinite: bool) -> None:
         if nonfinite:
@@ -164,16 +195,22 @@ def _write_partial(ctx: WorkerContext, result: WorkerResult) -> None:
 def measured_step(engine: Engine, make_batches: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]],
                   tracker: StepTracker, watch: CompileWatch, phase: str, sampler: Optional[FamilySampler] = None,
                   monitor: Optional[LossMonitor] = None, step: int = 0,
-                  world_size: int = 1, gate: Optional[TurnGate] = None) -> tuple[StepOutput, StepRecord]:
+                  world_size: int = 1, gate: Optional[TurnGate] = None,
+                  meter: Optional[EnergyMeter] = None) -> tuple[StepOutput, StepRecord]:
     """One optimizer step with its instruments: tracker times, compile events, family hooks when sampled, loss.
 
     In an interleaved block the step is one turn: the wait for it is recorded and kept out of the cadence.
+    ``meter`` (host-synchronous CPU steps) sums energy over this arm's own turns only, not its partner's.
     The benchmark (benchmarks/bench_tracker.py) runs this same function against a bare ``engine.step`` loop.
     """
     waited = gate.acquire() if gate is not None else 0.0
+    if meter is not None:
+        meter.begin()
     try:
         return _step(engine, make_batches, tracker, watch, phase, sampler, monitor, step, world_size, waited)
     finally:
+        if meter is not None:
+            meter.end()
         if gate is not None:
             gate.release()
 
@@ -220,6 +257,8 @@ def run_worker(spec: ArmSpec, ctx: WorkerContext, finalize: Optional[Callable[[W
 
         result.software = software_versions()
         result.env = capture_env()
+        if ctx.rank == 0:
+            result.node_check = read_document(NodeCheckConfig().path, ctx.node_id or "").summary()
         device = resolve_device(lane.hardware, ctx.cuda_index)
         result.device = device.type
         torch.set_num_threads(_threads(lane.hardware, ctx.local_world_size))
@@ -302,6 +341,13 @@ def run_worker(spec: ArmSpec, ctx: WorkerContext, finalize: Optional[Callable[[W
             engine.reset_optimizer_state()
 
         # 2. The token budget. The last family_sample_steps steps carry the family hooks.
+        # Energy: on CUDA one window around the budget (a sync at each end, phase boundaries only, since device
+        # work lags the host); on CPU the sum over this arm's own steps (in an interleaved block the partner's
+        # turns fall between them).
+        meter = st.meter = open_meter(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            meter.begin()
         num_steps = lane.budget.steps
         first_sampled = num_steps - min(lane.budget.family_sample_steps, max(0, num_steps - 1))
         seq_len = geometry.seq_len
@@ -318,11 +364,16 @@ def run_worker(spec: ArmSpec, ctx: WorkerContext, finalize: Optional[Callable[[W
                 torch._dynamo.reset()
             st.last, record = measured_step(engine, lambda: batches(step, seq_len), tracker, watch, phase="budget",
                                             sampler=sampler if step >= first_sampled else None, monitor=monitor,
-                                            step=step, world_size=ctx.world_size, gate=gate)
+                                            step=step, world_size=ctx.world_size, gate=gate,
+                                            meter=None if device.type == "cuda" else meter)
             result.tokens_per_step_observed.append(record.tokens)
             if monitor.nonfinite_step is not None:
                 break
         monitor.flush()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            meter.end()
+        result.energy = _energy(meter, sum(result.tokens_per_step_observed), ctx.world_size)
         if monitor.nonfinite_step is not None:
             result.error = {"type": "NonFiniteLoss", "category": "nonfinite", "step": monitor.nonfinite_step,
                             "message": f"loss is not finite at budget step {monitor.nonfinite_step}; stopped"}
@@ -353,6 +404,7 @@ class _ArmState:
     decision: Optional[WarmupDecision] = None
     sampler: Optional[FamilySampler] = None
     monitor: Optional[LossMonitor] = None
+    meter: Optional[EnergyMeter] = None
     dispatcher: Any = None
     engine: Optional[Engine] = None
     last: Optional[StepOutput] = None
@@ -376,6 +428,8 @@ def _collect(result: WorkerResult, st: _ArmState) -> None:
         result.done = time.time()
     if st.watch is not None:
         st.watch.close()
+    if st.meter is not None:
+        st.meter.close()
     if st.monitor is not None:
         st.monitor.flush()
         result.losses = st.monitor.values
@@ -400,6 +454,16 @@ def _collect(result: WorkerResult, st: _ArmState) -> None:
         if result.rank == 0:
             index = torch.cuda.current_device() if result.device == "cuda" else None
             result.hardware = observe_hardware(result.device, index)
+
+
+def _energy(meter: EnergyMeter, tokens: int, world_size: int) -> dict[str, Any]:
+    """The arm's energy over its budget steps, every rank's meter combined (a collective: success path only)."""
+    mine = meter.record(tokens)
+    if world_size == 1:
+        return mine
+    records: list[Any] = [None] * world_size
+    dist.all_gather_object(records, mine)
+    return combine_energy(records)
 
 
 def _finite(value: Optional[torch.Tensor]) -> Optional[float]:

@@ -20,7 +20,7 @@ from ablate.config.load import flatten, lane_to_dict
 from ablate.receipts.derive import project
 from ablate.receipts.store import seal
 from ablate.receipts.schema import (FAMILIES, TIME_TOLERANCE_FLOOR_S, UNATTRIBUTED_LIMIT, ArmRole, BackendRecord,
-                                    Code, CompileRecord, Disqualifier, ErrorInfo, HostLoad, Identity, Memory, Observed,
+                                    Code, CompileRecord, Disqualifier, Energy, ErrorInfo, HostLoad, Identity, Memory, Observed,
                                     Projection, Quality, Receipt, Requested, Severity, Status, StepStats, Throughput,
                                     TimeAccounting, code_severity)
 from trainers.goodput import Accounting, LoopSummary, account_time, step_statistics
@@ -286,12 +286,15 @@ def build_receipt(spec: ArmSpec, result: Optional[WorkerResult], launch: LaunchI
         observed=Observed(hardware=hardware, backends=[BackendRecord(**b) for b in (result.backends if result else [])],
                           compile=compile_record, tokens_per_step=observed_tokens,
                           engine=(result.engine if result is not None else None) or {},
-                          model=(result.model if result is not None else None) or {}),
+                          model=(result.model if result is not None else None) or {},
+                          node_check=(result.node_check if result is not None else None) or {}),
         time=TimeAccounting(wall_s=accounting.wall_s, goodput_s=accounting.goodput_s, badput_s=accounting.badput_s,
                             goodput_fraction=accounting.goodput_fraction, clock=spec.clock),
         steps=steps,
         projection=projection,
         host_load=HostLoad(**((result.host_load if result is not None else None) or {})),
+        energy=Energy(**result.energy) if result is not None and result.energy else
+        Energy(why="the arm ended before its budget steps were measured"),
         throughput=Throughput(tokens=tokens, wall_tokens_per_s=tokens / accounting.wall_s
                               if accounting.wall_s > 0 and budget_steps else None,
                               steady_tokens_per_s=steady_tps, flops_per_token=flops.get("total"),

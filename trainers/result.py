@@ -88,6 +88,10 @@ class WorkerResult:
     engine: dict[str, Any] = field(default_factory=dict)
     model: dict[str, Any] = field(default_factory=dict)
     host_load: dict[str, Any] = field(default_factory=dict)
+    energy: dict[str, Any] = field(default_factory=dict)
+    node_check: dict[str, Any] = field(default_factory=dict)
+    """Summary of this node's ``ablate doctor --deep`` document (``ablate.sweep.node_check.read_document``)."""
+    """``trainers.energy`` record over the budget steps, every rank combined (rank 0's result carries it)."""
     software: dict[str, Optional[str]] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)

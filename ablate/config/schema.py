@@ -342,6 +342,29 @@ class TrackingConfig:
     """Ray storage path (shared S3/GCS/NFS on multi-node); default: <cwd>/ablate_runs."""
 
 
+KERNEL_FEATURES = ("fused_residual", "mla_ingress", "moe_dispatch", "mamba_scan", "recurrent_scan")
+"""Features whose value picks a kernel backend: the ones a node check can find wrong or absent."""
+
+
+@dataclass
+class NodeCheckConfig:
+    """How the sweep holds the lane against each node's ``ablate doctor --deep`` document before any block runs."""
+
+    required: bool = False
+    """true: a node without a current check document (for the lane's device) refuses the sweep; false: a warning."""
+    allow_fallback: list[str] = field(default_factory=list)
+    """Features whose requested backend may be absent on a node: its arms then record the fallback (and are
+    disqualified for it) instead of the sweep being refused. A backend the check found wrong is never allowed."""
+    path: str = "~/.ablate/node_check.json"
+    """Where each node keeps its document (cluster.yaml writes it there); $ABLATE_NODE_CHECK overrides."""
+
+    def __post_init__(self) -> None:
+        for name in self.allow_fallback:
+            if name not in KERNEL_FEATURES:
+                raise ConfigError("node_check.allow_fallback", name, "features that pick a kernel backend: "
+                                                                     + ", ".join(KERNEL_FEATURES))
+
+
 @dataclass
 class SweepConfig:
     """A campaign: a base lane, the features to test with candidate values, blocks and A/A blocks."""
@@ -362,6 +385,7 @@ class SweepConfig:
     (falls back to sequential where arms cannot take turns: multi-worker or CUDA arms; receipts say which ran)."""
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    node_check: NodeCheckConfig = field(default_factory=NodeCheckConfig)
     max_failures: int = 1
     """Tune-level retries of a block; Train-level worker restarts use the same number."""
     seed: int = 0

@@ -28,6 +28,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ablate.config.features import FEATURES
+from ablate.promote.energy import energy_ratio
 from ablate.promote.evidence import Calibration, TestEvidence, shape_key
 from ablate.promote.match import Block
 from ablate.promote.policy import Policy
@@ -133,6 +134,8 @@ class FeatureVerdict:
     budget: Optional[float] = None
     within_budget: Optional[bool] = None
     memory_ratio: Optional[float] = None
+    energy: dict[str, Any] = field(default_factory=dict)
+    """Candidate / baseline energy per token over the blocks (``ablate.promote.energy``): reported, no verdict."""
     receipt_ids: list[str] = field(default_factory=list)
     block_links: list[dict[str, Any]] = field(default_factory=list)
     """One entry per block: block id, round, both receipt ids, its log ratio and who won (the report links them)."""
@@ -447,6 +450,7 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
         mem = [b.candidate.peak_memory / b.baseline.peak_memory for b in usable
                if b.candidate.peak_memory and b.baseline.peak_memory]
         verdict.memory_ratio = float(np.median(mem)) if mem else None
+    verdict.energy = energy_ratio(usable)
     first = np.asarray([b.candidate_first for b, _ in rows], dtype=bool)
     verdict.work = Work(log_ratios=d, hosts=hosts, candidate_first=first, theta=theta)
     return verdict

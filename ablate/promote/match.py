@@ -76,6 +76,9 @@ class ArmView:
     execution: str = ""
     """What actually ran (resolved backends, compile posture, warmup as resolved, engine, model structure)."""
     gate_details: tuple[str, ...] = ()
+    joules_per_token: Optional[float] = None
+    energy_source: Optional[str] = None
+    """Where ``joules_per_token`` came from (``Receipt.energy``); reported beside the speed-up, never decided on."""
 
     @property
     def failed(self) -> bool:
@@ -233,7 +236,9 @@ def _arm_view(receipt: Receipt, policy: Policy) -> ArmView:
         contended=receipt.host_load.contended, device_class=hardware_kind,
         threads=_threads(receipt.observed.hardware),
         execution=json.dumps(execution_record(receipt), sort_keys=True, default=str),
-        gate_details=tuple(details))
+        gate_details=tuple(details),
+        joules_per_token=receipt.energy.joules_per_token if receipt.energy is not None else None,
+        energy_source=receipt.energy.source if receipt.energy is not None else None)
 
 
 def _fmt(value: Any) -> str:

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from ablate.promote.analysis import PROMOTE, TAX_REPORTED, FeatureVerdict
 from ablate.promote.defaults_writer import DefaultsChange, Revalidation
+from ablate.promote.energy import energy_cell
 from ablate.promote.evidence import Calibration
 from ablate.promote.match import Refusal
 from ablate.promote.policy import Policy
@@ -318,11 +319,11 @@ def _tradeoff(result: PromotionResult) -> list[str]:
             one += f" [{v.one_time_ci95[0]:+.2f}, {v.one_time_ci95[1]:+.2f}]"
         rows.append([f"{_c(v.feature)}→{_c(v.value)}", f"{_x(v.steady_speedup)} {_interval(v.steady_ci95)}", one,
                      _t(v.break_even.get("text", "–")), f"{v.horizon_steps:,}",
-                     f"{_x(v.speedup)} {_interval(v.ci95)}", f"**{v.verdict}**"])
+                     f"{_x(v.speedup)} {_interval(v.ci95)}", _t(energy_cell(v.energy)), f"**{v.verdict}**"])
     if not rows:
         return []
     header = ["feature", "steady speed-up [95% CI]", "one-time cost Δ [95% CI]", "pays for itself",
-              "lane horizon (steps)", "speed-up at horizon", "verdict"]
+              "lane horizon (steps)", "speed-up at horizon", "energy/token cand÷base (no verdict)", "verdict"]
     lines = ["", "### Trade-off: one-time cost against per-step speed", "",
              "Each arm's time splits into executor start-up (recorded, never compared: no feature can change it), "
              "one-time feature cost (model build, kernel resolution, compile warmup) and a recurring step time. "

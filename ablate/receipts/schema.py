@@ -22,8 +22,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ablate.receipts import derive
 from ablate.receipts.derive import Projection
 
-SCHEMA_VERSION = "2.1.0"
-"""2.1: ``digest``, the sha256 of the receipt's canonical JSON without it (``ablate.receipts.store``), set when
+SCHEMA_VERSION = "2.2.0"
+"""2.2: ``energy`` (joules over the budget steps, per token, with source and scope, or null with the reason) and
+``observed.node_check`` (the node's ``ablate doctor --deep`` document the arm ran under); both optional.
+2.1: ``digest``, the sha256 of the receipt's canonical JSON without it (``ablate.receipts.store``), set when
 the receipt is written and checked when it is read; optional, so 2.0 receipts (which have none) still validate.
 2.0: the arm's time splits into executor start-up (``startup``), feature-dependent ``setup`` and per-step
 records (phase, label, compile events, step/data/cadence seconds, tokens), from which ``projection`` (the
@@ -199,6 +201,8 @@ class Observed(_Model):
     """Effective engine settings read back from the running engine (DDP's bucket cap, DeepSpeed's config)."""
     model: dict[str, Any] = Field(default_factory=dict)
     """Structural facts of the built model that a toggle can change (e.g. the STP head)."""
+    node_check: dict[str, Any] = Field(default_factory=dict)
+    """The node's deep-check document the arm ran under: path, sha256, device, torch, ok (or why there is none)."""
 
 
 class TimeAccounting(_Model):
@@ -288,6 +292,22 @@ class Throughput(_Model):
     peak_flops: Optional[float] = None
 
 
+class Energy(_Model):
+    """Energy the arm's budget steps drew (``trainers.energy``). Reported beside tokens/s; no verdict uses it."""
+
+    source: Optional[str] = None
+    """nvml_energy_counter | nvml_power_samples | rapl (``+``-joined across ranks); None: not measured."""
+    scope: str = ""
+    """What the joules cover: the GPU board(s), or the host's CPU packages (host-wide)."""
+    joules: Optional[float] = None
+    seconds: Optional[float] = None
+    tokens: Optional[int] = None
+    joules_per_token: Optional[float] = None
+    mean_watts: Optional[float] = None
+    why: str = ""
+    """Why there is no number (no RAPL, counters readable by root only, NVML without an energy counter...)."""
+
+
 class Memory(_Model):
     kind: str
     """cuda (allocator peaks) or cpu (peak RSS of the worker process)."""
@@ -321,6 +341,8 @@ class Receipt(_Model):
     projection: Optional[Projection] = None
     """None when the arm produced no steady step (failed or too short)."""
     host_load: HostLoad = Field(default_factory=HostLoad)
+    energy: Optional[Energy] = None
+    """None in receipts before 2.2; an Energy with ``source`` None when the arm could not measure."""
     family_share: dict[str, Optional[float]]
     """Fraction of step time in A/E/M/R blocks (sampled); families absent from the pattern are None."""
     family_share_method: Optional[str] = None
@@ -463,7 +485,7 @@ def derived_figure_errors(receipt: "Receipt") -> list[str]:
     return errors
 
 
-_NON_NEGATIVE = ("throughput", "steps", "memory", "projection", "family_share", "observed.compile")
+_NON_NEGATIVE = ("throughput", "steps", "memory", "projection", "family_share", "observed.compile", "energy")
 """Sections whose every number is a count, a duration, a size, a rate or a share: never below zero."""
 _SIGNED = frozenset({"steps.loss_series", "steps.time_to_first_step_s"})
 """Numbers in those sections that may be negative: a loss, and the one span measured across two machines' clocks
@@ -500,6 +522,11 @@ def figure_errors(receipt: "Receipt") -> list[str]:
                 errors.append(f"{path} is {value!r}: a count, duration, size, rate or share is never negative")
     errors += [f"family_share.{k} is {v!r}: a share of step time is at most 1"
                for k, v in receipt.family_share.items() if v is not None and v > 1.0 + 1e-9]
+    energy = receipt.energy
+    if energy is not None and energy.joules is not None and energy.tokens and energy.joules_per_token is not None \
+            and not math.isclose(energy.joules_per_token, energy.joules / energy.tokens, rel_tol=1e-9):
+        errors.append(f"energy.joules_per_token is {energy.joules_per_token!r}, but joules / tokens is "
+                      f"{energy.joules / energy.tokens!r}")
     return errors
 
 

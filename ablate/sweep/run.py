@@ -52,6 +52,7 @@ from ablate.receipts.schema import InvalidReceipt, Receipt, Status, validate_rec
 from ablate.receipts.store import (RECEIPTS_DIR, SPOOL_FILE, ReceiptNotSaved, digest_problem, fallback_dirs,
                                    load_receipts, settle_unfinished_writes, write_receipt_or_fallback)
 from ablate.sweep.layout import LATEST, Layout, SweepLock
+from ablate.sweep.node_check import NODE_CHECK_TAG, check_plan
 from ablate.sweep.plan import SweepPlan, plan_sweep
 from ablate.redact import process_env_only
 from ablate.sweep.resources import (Capacity, block_need, check_cluster, gpu_resources, local_ray_init_kwargs,
@@ -512,13 +513,16 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         need = block_need(plan.blocks, sweep.resources)
         capacity = check_cluster(need, campaign=sweep.name, max_concurrent_blocks=sweep.resources.max_concurrent_blocks,
                                  num_blocks=len(plan.blocks))
+        # Before any block and before anything is written: a backend a node found wrong or absent refuses here.
+        node_checks = check_plan(plan, sweep.node_check)
         params = _parent_params(sweep, plan, capacity, path)
         if not resume:
             meta = {"sweep_id": sweep_id, "campaign": sweep.name, "campaign_file": str(path.resolve()),
                     "experiment": sweep.tracking.experiment, "tracking_uri": shown(uri),
                     "tune_path": layout.tune_path(sweep_id), "plan_fingerprint": plan.fingerprint(),
                     "blocks": [b.label() for b in plan.blocks], "skipped": plan.skipped,
-                    "created_at": datetime.now(timezone.utc).isoformat(), "params": params}
+                    "created_at": datetime.now(timezone.utc).isoformat(), "params": params,
+                    "node_checks": node_checks}
             layout.write(f"{SWEEPS_DIR}/{sweep_id}.json", json.dumps(meta, indent=2, default=str))
             layout.write(LATEST, sweep_id + "\n")
         store = MlflowStore(uri, sweep.tracking.experiment, layout.local_dir)
@@ -528,7 +532,8 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
                          tags={"ablate.lane_keys": ",".join(plan.lane_keys()), "ablate.design": plan.design,
                                "ablate.storage": shown(layout.storage),
                                # What the plan refused before any arm ran: promotion reports list it.
-                               SKIPPED_TAG: json.dumps([[w, r] for w, r in plan.skipped])[:MAX_TAG_CHARS]})
+                               SKIPPED_TAG: json.dumps([[w, r] for w, r in plan.skipped])[:MAX_TAG_CHARS],
+                               NODE_CHECK_TAG: json.dumps(node_checks)[:MAX_TAG_CHARS]})
         if resume:  # under the lock: no other driver writes here
             for leftover, action in settle_unfinished_writes(layout.receipts_dir):
                 log.info("%s: a receipt write a killed process never finished: %s", leftover.name, action)

@@ -56,6 +56,14 @@ def receipt_tags(receipt: Receipt) -> dict[str, str]:
         if backend.requested != backend.observed:
             mismatched.append(backend.op)
     tags["backends_match"] = "false" if mismatched else "true"
+    energy = receipt.energy
+    if energy is not None:
+        tags["energy.source"] = energy.source or "none"
+        tags["energy.scope" if energy.source else "energy.why"] = energy.scope if energy.source else energy.why
+    node_check = receipt.observed.node_check
+    if node_check:
+        tags["node_check"] = (f"{node_check.get('path')} sha256:{node_check.get('sha256')} ok={node_check.get('ok')}"
+                              if node_check.get("sha256") else f"none: {node_check.get('why')}")
     out = {TAG + key: redact_uri(value)[:5000] for key, value in tags.items()}
     out["mlflow.note.content"] = _note(receipt)
     return out
@@ -97,6 +105,9 @@ def receipt_metrics(receipt: Receipt) -> dict[str, float]:
     if proj is not None:
         values.update({"horizon_tokens_per_s": proj.tokens_per_s, "projected_s": proj.projected_s,
                        "one_time_s": proj.one_time_s, "recurring_step_s": proj.recurring_step_s})
+    if receipt.energy is not None:  # beside tokens/s; absent (not 0) where the arm could not measure
+        values.update({"energy_joules": receipt.energy.joules, "energy_joules_per_token": receipt.energy.joules_per_token,
+                       "energy_mean_watts": receipt.energy.mean_watts})
     values.update({f"badput_{name}_s": value for name, value in t.badput_s.items()})
     values.update({f"family_share_{name}": value for name, value in receipt.family_share.items()})
     return {key: float(value) for key, value in values.items() if value is not None}

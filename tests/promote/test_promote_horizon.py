@@ -183,3 +183,26 @@ def test_blocks_with_an_odd_startup_or_under_foreign_load_are_flagged_not_counte
     assert v.steady_speedup == pytest.approx(1.1, rel=1e-9)  # start-up never enters the comparison
     detail = run(receipts, single_node_policy).markdown
     assert "start-up differ beyond the lane's usual spread" in detail and "HOST_CONTENDED" in detail
+
+
+def test_energy_per_token_is_reported_beside_the_speed_up_and_never_decides(policy: Policy) -> None:
+    from ablate.promote.report import render_markdown
+    from ablate.receipts.schema import Energy
+
+    receipts = simulate(Sim(features=[moe(1.10)], **QUIET), 5)
+    plain = verdict_of(run(receipts, policy))
+
+    def with_energy(r: Receipt) -> Receipt:
+        # The candidate draws 20% less per token; the A/A twins alike. One source: ratios across sources are refused.
+        jpt = 0.8e-3 if r.identity.arm.value == "candidate" else 1.0e-3
+        tokens = r.throughput.tokens
+        energy = Energy(source="rapl", scope="CPU package-0 (host-wide)", joules=jpt * tokens, seconds=1.0,
+                        tokens=tokens, joules_per_token=jpt, mean_watts=jpt * tokens)
+        return r.model_copy(update={"energy": energy})
+
+    result = run([with_energy(r) for r in receipts], policy)
+    v = verdict_of(result)
+    assert v.energy["ratio"] == pytest.approx(0.8) and v.energy["blocks"] == v.n_blocks and v.energy["host_wide"]
+    assert (v.verdict, v.speedup) == (plain.verdict, plain.speedup), "energy never changes a verdict"
+    assert "0.800× (" in render_markdown(result) and "energy/token" in render_markdown(result)
+    assert plain.energy["ratio"] is None and "no arm measured energy" in plain.energy["why"]

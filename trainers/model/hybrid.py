@@ -52,23 +52,25 @@ class LMOutput:
     """Routed (token, expert) rows over all E layers this step: T * top_k * Le; the denominator of the drop rate."""
 
 
-def _resolve_kernels(cfg: ModelConfig, features: FeatureConfig, dispatcher: Dispatcher,
-                     counts: dict[str, int]) -> dict[str, Resolved]:
-    """One resolution per op used by this pattern; each carries its requested/observed/why record."""
+def requested_backends(cfg: ModelConfig, features: FeatureConfig, cuda: bool) -> dict[str, tuple[str, str]]:
+    """op -> (feature, backend) this pattern requests on a CUDA or CPU node: what arms resolve, and what the sweep
+    holds against the node check before any block runs."""
+    letters = parse_pattern(cfg.pattern)
     fused = features.fused_residual is OnOff.on
-    norm_backend = ("triton" if dispatcher.capability.cuda_available else "compiled") if fused else "eager"
-    resolved = {"add_rmsnorm": dispatcher.resolve("add_rmsnorm", norm_backend)}
-    if counts["A"]:
-        resolved["mla_ingress"] = dispatcher.resolve("mla_ingress", features.mla_ingress.value)
-    if counts["E"]:
-        resolved["moe"] = dispatcher.resolve("moe", features.moe_dispatch.value,
-                                             dims=(cfg.d_model, cfg.d_expert, 2 * cfg.d_expert))
-    if counts["M"]:
-        conv_channels = cfg.ssm_expand * cfg.d_model + 2 * cfg.ssm_d_state
-        resolved["ssd"] = dispatcher.resolve("ssd", features.mamba_scan.value, conv_channels=conv_channels)
-    if counts["R"]:
-        resolved["recurrent_scan"] = dispatcher.resolve("recurrent_scan", features.recurrent_scan.value)
-    return resolved
+    out = {"add_rmsnorm": ("fused_residual", ("triton" if cuda else "compiled") if fused else "eager")}
+    for letter, op, feature in (("A", "mla_ingress", "mla_ingress"), ("E", "moe", "moe_dispatch"),
+                                ("M", "ssd", "mamba_scan"), ("R", "recurrent_scan", "recurrent_scan")):
+        if letter in letters:
+            out[op] = (feature, getattr(features, feature).value)
+    return out
+
+
+def _resolve_kernels(cfg: ModelConfig, features: FeatureConfig, dispatcher: Dispatcher) -> dict[str, Resolved]:
+    """One resolution per op used by this pattern; each carries its requested/observed/why record."""
+    requested = requested_backends(cfg, features, dispatcher.capability.cuda_available)
+    context = {"moe": {"dims": (cfg.d_model, cfg.d_expert, 2 * cfg.d_expert)},
+               "ssd": {"conv_channels": cfg.ssm_expand * cfg.d_model + 2 * cfg.ssm_d_state}}
+    return {op: dispatcher.resolve(op, backend, **context.get(op, {})) for op, (_, backend) in requested.items()}
 
 
 class HybridLM(nn.Module):
@@ -78,7 +80,7 @@ class HybridLM(nn.Module):
         self.letters = parse_pattern(model_cfg.pattern)
         dispatcher = dispatcher if dispatcher is not None else Dispatcher(torch.device("cpu"))
         counts = family_counts(self.letters)
-        resolved = _resolve_kernels(model_cfg, features, dispatcher, counts)
+        resolved = _resolve_kernels(model_cfg, features, dispatcher)
         self._records = [resolved[op].record for op in sorted(resolved)]
         fns = {op: r.fn for op, r in resolved.items()}
         norm = fns["add_rmsnorm"]
