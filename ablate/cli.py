@@ -78,6 +78,9 @@ def validate(
                                                   "its defaults.yaml and policies/*.yaml)."),
     policies: Optional[list[Path]] = typer.Option(None, "--policy", help="Also check this promotion policy file "
                                                                          "(repeatable)."),
+    show_plan: bool = typer.Option(False, "--plan", help="Print each campaign's expanded plan: lanes, tested "
+                                                         "values, blocks per round, A/A blocks, what is refused "
+                                                         "before any arm, resources per block."),
 ) -> None:
     """Type-check campaigns, the defaults and the promotion policies; expand every planned arm."""
     from ablate.config.load import load_defaults, load_sweep
@@ -96,6 +99,12 @@ def validate(
             blocks = plan.blocks
             console.print(f"[green]ok[/]   {markup_escape(str(path))}: {len(blocks)} blocks, "
                           f"{2 * len(blocks)} arms", highlight=False)
+            if show_plan:
+                from ablate.sweep.plan_view import render_plan
+
+                for renderable in render_plan(sweep, plan, path):
+                    console.print(renderable, highlight=False)
+                continue
             for what, why in plan.skipped:
                 # A value promoted since the campaign was written is skipped, not an error: say so, once, here.
                 console.print(f"     skip {what}: {why}", markup=False, highlight=False)

@@ -36,6 +36,28 @@ def test_every_search_space_validates() -> None:
     assert "nam56r_gpu.yaml" in out.stdout and "FAIL" not in out.stdout + out.stderr
 
 
+def test_validate_plan_shows_what_a_campaign_will_run() -> None:
+    from ablate.config.load import load_sweep
+    from ablate.sweep.plan import plan_sweep
+
+    out = ablate("validate", "search_spaces/smoke.yaml", "--plan")
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    sweep, defaults = load_sweep(REPO / "search_spaces" / "smoke.yaml")
+    plan = plan_sweep(sweep, "validate", defaults)
+    (lane_key,) = plan.lane_keys()
+    assert f"lane {lane_key[:12]}: device auto" in text and "pattern AMEE (A1 M1 E2)" in text
+    assert f"{sweep.lane.budget.steps} steps per arm" in text and "horizon 10,000 steps" in text
+    rows = [line.split("│")[1:-1] for line in text.splitlines() if line.startswith("│")]
+    table = {cells[1].strip(): [c.strip() for c in cells] for cells in rows if len(cells) == 6}
+    assert table["mamba_scan"][2:] == ["sequential", "chunked", "speed", str(sweep.blocks)]
+    assert table["moe_dispatch"][2:] == ["padded", "jagged", "speed", str(sweep.blocks)]
+    assert table["stp"][2:] == ["off", "on", "tax", str(sweep.blocks)]
+    assert table["A/A (noise floor)"][5] == str(sweep.aa_blocks)
+    assert "recurrent_scan=parallel" in text and "no R (recurrent) blocks" in text
+    assert f"{len(plan.blocks)} blocks, {2 * len(plan.blocks)} arms per round" in text and "block(s) at once" in text
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [

@@ -79,9 +79,10 @@ class Finding:
     request: Optional[Request] = None
 
     def line(self) -> str:
-        what = (f"{self.request.feature} -> {self.request.op}/{self.request.backend} on {self.request.device}"
-                if self.request else "node check")
-        return f"{self.host}: {what}: {self.status}: {self.reason}"
+        if self.request is None:
+            return f"{self.host}: {self.status}: {self.reason}"
+        req = self.request
+        return f"{self.host}: {req.feature} -> {req.op}/{req.backend} on {req.device}: {self.status}: {self.reason}"
 
 
 class NodeCheckRefused(RuntimeError):

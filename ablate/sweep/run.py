@@ -387,7 +387,11 @@ def _tuner(trainable: Any, sweep: SweepConfig, layout: Layout, plan: SweepPlan, 
         run_config=tune.RunConfig(
             name=plan.sweep_id, storage_path=layout.tune_root, verbose=0,
             failure_config=tune.FailureConfig(max_failures=sweep.max_failures),
-            checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
+            # No num_to_keep: with it, every trial checkpoint (one per block attempt, the attempt marker) forces an
+            # experiment-state snapshot, which warns "snapshotting has been triggered multiple times" on every
+            # block and costs the driver a sync per block. Retries restore from the trial's own latest checkpoint
+            # and --resume reads the receipts, so the periodic snapshot is all a sweep needs.
+            checkpoint_config=tune.CheckpointConfig(),
             callbacks=[_Relay(plan.sweep_id)]))
 
 

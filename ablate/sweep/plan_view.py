@@ -1,0 +1,79 @@
+"""`ablate validate --plan`: the expanded plan a user checks before paying for it.
+
+How to use::
+
+    console.print(*render_plan(sweep, plan, path))      # rich renderables; no Ray, no MLflow, no torch
+
+Per lane: device (as requested, and what this machine would give it), precision, world size, pattern and its
+layer counts, tokens per step, steps per arm and the horizon. Per tested value: baseline and candidate, kind, blocks
+per round. The A/A blocks, what was refused before any arm (inert toggles, values already the default), and the
+resources one block holds against what this machine offers (Ray is not started: a cluster may offer more, and
+``ablate sweep`` re-checks against the cluster it runs on).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+from ablate.config.pattern import family_counts, parse_pattern
+from ablate.config.schema import LaneConfig, SweepConfig
+from ablate.sweep.plan import SweepPlan
+from ablate.sweep.resources import NodeFit, block_need, detect_local, fit_node
+
+
+def _lane_line(key: str, lane: LaneConfig, local_gpus: int) -> str:
+    counts = family_counts(parse_pattern(lane.model.pattern))
+    layers = " ".join(f"{letter}{n}" for letter, n in counts.items() if n)
+    requested = lane.hardware.device.value
+    here = "cuda" if requested in ("cuda", "auto") and local_gpus else "cpu"
+    batch = lane.batch
+    tokens = batch.micro_batch * batch.seq_len * batch.grad_accum * lane.engine.workers
+    return (f"lane {key[:12]}: device {requested} (here: {here}), precision {lane.precision.value}, world size "
+            f"{lane.engine.workers} ({lane.engine.name.value}), pattern {lane.model.pattern} ({layers}), "
+            f"{tokens:,} tokens/step, {lane.budget.steps} steps per arm, horizon {lane.budget.horizon_steps:,} "
+            f"steps, compile {lane.compile.posture.value}")
+
+
+def render_plan(sweep: SweepConfig, plan: SweepPlan, path: Path) -> list[Any]:
+    cpus, gpus = detect_local()
+    out: list[Any] = [Text(f"plan of {path} (campaign {sweep.name}, design {plan.design}, "
+                           f"{sweep.block_mode.value} blocks, seed {plan.seed})", style="bold")]
+    lanes: dict[str, LaneConfig] = {}
+    for block in plan.blocks:
+        lanes.setdefault(block.lane_key, block.arms[0].lane)
+    out += [Text(_lane_line(key, lane, gpus)) for key, lane in sorted(lanes.items())]
+
+    table = Table("lane", "feature", "baseline", "candidate", "kind", "blocks per round",
+                  title="what each round measures")
+    groups = Counter((b.lane_key, b.feature, str(b.baseline_value), str(b.candidate_value), b.kind)
+                     for b in plan.blocks)
+    for (key, feature, baseline, candidate, kind), count in sorted(groups.items(), key=lambda g: (g[0][0],
+                                                                                                  g[0][1] or "")):
+        if feature is None:
+            table.add_row(key[:12], "A/A (noise floor)", "defaults", "defaults", "aa", str(count))
+        else:
+            table.add_row(key[:12], feature, baseline, candidate, kind, str(count))
+    out.append(table)
+    if plan.skipped:
+        refused = Table("not run", "why", title="refused before any arm runs")
+        for what, why in plan.skipped:
+            refused.add_row(what, why)
+        out.append(refused)
+
+    need = block_need(plan.blocks, sweep.resources)
+    fit: NodeFit = fit_node(need, "local", "this machine", {"CPU": float(cpus), "GPU": float(gpus),
+                                                            "ablate_driver_cpu": float(cpus),
+                                                            "ablate_driver_gpu": float(gpus)})
+    arms = 2 * len(plan.blocks)
+    at_once = min(fit.arms, sweep.resources.max_concurrent_blocks or fit.arms)
+    out.append(Text(f"{len(plan.blocks)} blocks, {arms} arms per round. Each block needs {need.describe()}; this "
+                    f"machine has {cpus} CPU, {gpus} GPU -> "
+                    + (f"{at_once} block(s) at once" if fit.arms else f"no block fits here ({fit.why_not})")
+                    + ". `ablate sweep` checks again against the Ray cluster it runs on, and each node's "
+                      "`ablate doctor --deep` document."))
+    return out
