@@ -1,4 +1,5 @@
-"""The progress display of a running sweep: blocks done / total, arms failed, elapsed and ETA.
+"""The progress display of a running sweep: blocks done / total, arms failed, per feature the running speed-up
+(geometric mean of the finished blocks' ratios at the lane's horizon: a glance, not a verdict), elapsed and ETA.
 
 It is a Ray Tune ``Callback`` on the driver. In a terminal it is a live ``rich`` line redrawn at most twice a
 second; elsewhere (``ray job logs``, CI) it prints one plain line whenever a block finishes or fails, so logs stay
@@ -13,6 +14,9 @@ the same status a finished trial has, without calling ``on_trial_complete``, and
 
 from __future__ import annotations
 
+import json
+import math
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -68,6 +72,10 @@ class SweepProgress(Callback):
         self._latest_attempt: dict[str, int] = {}
         self._arms: dict[tuple[str, int], set[int]] = {}
         """(block, attempt) -> arm indices that reported a receipt."""
+        self._metric: dict[tuple[str, int], dict[str, tuple[str, float]]] = {}
+        """(block, attempt) -> role -> (feature=value, horizon tokens/s) of its valid arms."""
+        self._ratios: dict[str, list[float]] = {}
+        """feature=value -> per-block log ratios at the horizon so far (the running speed-up; no verdict)."""
 
     # --- figures ---
 
@@ -87,9 +95,29 @@ class SweepProgress(Callback):
     def line(self) -> str:
         c = self.counts
         stopped = f", {c.interrupted} interrupted" if c.interrupted else ""
+        running = "".join(f" | {name} {math.exp(statistics.fmean(logs)):.2f}x ({len(logs)})"
+                          for name, logs in sorted(self._ratios.items()))
         return (f"{self.title}: blocks {c.done}/{c.total} done, {c.running} running, {c.errored} errored{stopped} | "
-                f"arms {c.arms} ({c.arms_failed} failed, {c.arms_disqualified} disqualified) | "
+                f"arms {c.arms} ({c.arms_failed} failed, {c.arms_disqualified} disqualified){running} | "
                 f"elapsed {_clock(self.elapsed())} | ETA {_clock(self.eta())}")
+
+    def _note_metric(self, block: str, attempt: int, result: dict[str, Any]) -> None:
+        """Per-feature running speed-up: the geometric mean of finished blocks' horizon ratios, valid arms only."""
+        try:
+            receipt = json.loads(result.get("receipt") or "{}")
+            ident, projection = receipt["identity"], receipt.get("projection") or {}
+            tps = projection.get("tokens_per_s")
+            if receipt["identity"]["status"] != "valid" or not tps or ident.get("feature") is None \
+                    or ident.get("kind") == "aa":
+                return
+            name = f"{ident['feature']}={ident['feature_value']}"
+        except (KeyError, TypeError, ValueError):
+            return
+        arms = self._metric.setdefault((block, attempt), {})
+        arms[ident["arm"]] = (name, float(tps))
+        if {"baseline", "candidate"} <= set(arms):
+            self._ratios.setdefault(arms["candidate"][0], []).append(
+                math.log(arms["candidate"][1] / arms["baseline"][1]))
 
     # --- Tune hooks ---
 
@@ -161,6 +189,7 @@ class SweepProgress(Callback):
             self._latest_attempt[block] = max(attempt, self._latest_attempt.get(block, attempt))
             if event == "arm":
                 self._arms.setdefault((block, attempt), set()).add(int(result.get("arm_index", -1)))
+                self._note_metric(block, attempt, result)
         if event != "arm":
             return
         self.counts.arms += 1

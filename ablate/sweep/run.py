@@ -234,6 +234,7 @@ class SweepSummary:
     timeline: dict[str, dict[str, Any]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     resume_command: str = ""
+    campaign_file: str = "<campaign file>"
     interrupted: bool = False
     """Ctrl+C (SIGINT): Tune stopped the running trials; ``--resume`` continues."""
     caught_up: int = 0
@@ -290,7 +291,22 @@ class SweepSummary:
             lines.append(f"          (an arm still running elsewhere writes its receipt to {self.sweep_dir}/receipts: "
                          f"--resume, or ablate receipts sync {self.sweep_dir}, logs it)")
         lines += [f"error:    block {block}: {message}" for block, message in sorted(self.errors.items())]
+        if not self.interrupted and not self.fatal and self.blocks_done:
+            lines += self._next_commands()
         return "\n".join(lines)
+
+    def _next_commands(self) -> list[str]:
+        experiment = f" --experiment {self.experiment}" if self.experiment != "ablate" else ""
+        lines = [f"next:     ablate promote --tracking-uri {self.tracking_uri}{experiment} --sweep {self.campaign}   "
+                 f"(verdicts; one machine: add --policy search_spaces/policies/single_node.yaml)",
+                 f"          ablate sweep {self.campaign_file} again later for the next round (a promotion "
+                 f"needs rounds that are separate in time)"]
+        if self.tracking_uri.startswith("sqlite:"):
+            lines.append(f"          mlflow ui --backend-store-uri {self.tracking_uri}   (then open "
+                         f"http://127.0.0.1:5000 to compare the arms)")
+        elif self.tracking_uri.startswith(("http://", "https://")):
+            lines.append(f"          open {self.tracking_uri} to compare the arms in MLflow")
+        return lines
 
 
 def _run_arm_options(sweep: SweepConfig, layout: Layout, sweep_id: str) -> dict[str, Any]:
@@ -326,8 +342,11 @@ def ensure_ray() -> bool:
 
     if ray.is_initialized():
         return False
+    # Ray's own INFO lines ("Started a local Ray instance") are not the user's business during a sweep; warnings
+    # and errors still reach the console, and the full logs stay in the Ray session directory.
+    quiet = {"logging_level": logging.WARNING}
     if os.environ.get("RAY_ADDRESS"):
-        ray.init()
+        ray.init(**quiet)
     else:
         # "local": never attach by accident to some other `ray start` cluster found in /tmp/ray. PYTHONPATH: trial
         # processes import ablate and trainers from this checkout even when it is not pip-installed and the
@@ -337,7 +356,7 @@ def ensure_ray() -> bool:
         init = local_ray_init_kwargs()
         init["runtime_env"]["env_vars"]["PYTHONPATH"] = path
         with process_env_only():  # Ray's processes inherit the environment: only allowlisted variables, no secrets
-            ray.init(address="local", include_dashboard=False, **init)
+            ray.init(address="local", include_dashboard=False, **init, **quiet)
     return True
 
 
@@ -410,6 +429,33 @@ class _TuneInterrupted(logging.Filter):
             self.seen = True
             return False
         return True
+
+
+_CHATTY_LOGGERS = ("ray.tune", "ray.train", "mlflow")
+
+
+@contextlib.contextmanager
+def _quiet_libraries() -> Iterator[None]:
+    """One progress display and one summary: Ray Tune's own console (the experiment box, result paths, a
+    TensorBoard hint, INFO lines) and MLflow's INFO lines stay out of it. The legacy reporter honours
+    ``verbose=0`` (the new one still prints its box), so it is selected for this call; warnings still print."""
+    import mlflow  # noqa: F401  (its import configures the "mlflow" logger at INFO: import first, then quieten)
+
+    saved_env = os.environ.get("RAY_AIR_NEW_OUTPUT")
+    loggers = [logging.getLogger(name) for name in _CHATTY_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+        if saved_env is None:
+            os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
+        else:
+            os.environ["RAY_AIR_NEW_OUTPUT"] = saved_env
 
 
 _DISK_FAULTS = ("No space left on device", "database or disk is full", "Read-only file system", "Disk quota exceeded")
@@ -494,7 +540,7 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
     resume_command = " ".join(["ablate sweep", str(path), "--resume"] + (["--storage", storage] if storage else [])
                               + (["--tracking-uri", shown(uri)] if tracking_uri else []))
     try:
-        with _disk_faults_in_one_line():
+        with _disk_faults_in_one_line(), _quiet_libraries():
             return _run_locked(path, sweep, layout, plan, meta, uri, resume=resume, progress=progress,
                                inject=inject, started=started, resume_command=resume_command)
     finally:
@@ -613,7 +659,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
             arms_disqualified=sum(r.identity.status is Status.disqualified for r in mine),
             spooled=store.spooled, offline_reason=store.offline_reason, elapsed_s=time.monotonic() - started,
             receipt_ids=[r.identity.receipt_id for r in mine], timeline=recorder.timeline, errors=errors,
-            resume_command=resume_command, interrupted=interrupted.seen or bool(stopped), caught_up=caught_up,
+            resume_command=resume_command, campaign_file=str(path), interrupted=interrupted.seen or bool(stopped), caught_up=caught_up,
             fallbacks=recorder.fallbacks, unsaved=recorder.unsaved, spools=dict(store.spool_paths), fatal=fatal)
     finally:
         if store is not None:

@@ -17,6 +17,7 @@ overwrites earlier evidence.
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import tempfile
 import time
@@ -130,6 +131,9 @@ def run_block(config: dict[str, Any], context: Optional[dict[str, Any]] = None) 
     from trainers.run import can_interleave, run_pair
 
     assert context is not None, "run_block is wrapped with tune.with_parameters(context=...)"
+    # Each block saves its attempt marker as a checkpoint; Ray logs every save at INFO and forwards it to the
+    # driver's console. Warnings and errors still go through.
+    logging.getLogger("ray.train").setLevel(logging.WARNING)
     block = Block.from_dict(context["blocks"][config["block_id"]])
     node_id, host = ray.get_runtime_context().get_node_id(), socket.gethostname()
     if block.block_id in context.get("completed", ()):

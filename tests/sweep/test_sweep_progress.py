@@ -124,6 +124,58 @@ def test_sigint_does_not_count_the_interrupted_blocks_as_done() -> None:
     assert "blocks 5/6 done" not in console.export_text()
 
 
+def test_the_line_shows_each_features_running_speed_up_from_finished_blocks() -> None:
+    import json
+    import math
+
+    def arm(trial: _Trial, index: int, role: str, feature: Any, tps: float, status: str = "valid") -> None:
+        receipt = {"identity": {"status": status, "arm": role, "feature": feature, "kind": "speed",
+                                "feature_value": "jagged" if feature else None},
+                   "projection": {"tokens_per_s": tps}}
+        display.on_trial_result(iteration=0, trials=[], trial=trial, result={
+            "event": "arm", "block_id": trial.block_id, "arm_index": index, "attempt": 0, "status": status,
+            "receipt": json.dumps(receipt)})
+
+    display = SweepProgress(4, title="s1", console=Console(record=True, width=300), live=False)
+    b0, b1, b2, aa = _Trial("b000"), _Trial("b001"), _Trial("b002"), _Trial("b003")
+    arm(b0, 0, "baseline", "moe_dispatch", 1000.0)
+    assert "moe_dispatch" not in display.line(), "one arm is no ratio yet"
+    arm(b0, 1, "candidate", "moe_dispatch", 1200.0)
+    arm(b1, 1, "candidate", "moe_dispatch", 1500.0)
+    arm(b1, 0, "baseline", "moe_dispatch", 1000.0)
+    arm(b2, 0, "baseline", "moe_dispatch", 1000.0)
+    arm(b2, 1, "candidate", "moe_dispatch", 9000.0, status="disqualified")  # never counted
+    arm(aa, 0, "baseline", None, 1000.0)
+    arm(aa, 1, "candidate", None, 1100.0)
+    line = display.line()
+    assert f"moe_dispatch=jagged {math.sqrt(1.2 * 1.5):.2f}x (2)" in line, line
+    assert line.count("x (") == 1, "A/A blocks and disqualified arms add nothing"
+
+
+def test_the_console_of_a_real_sweep_is_progress_and_summary_only(tmp_path: Path) -> None:
+    campaign = tiny_smoke(tmp_path / "campaign", name="quiet", features={"mamba_scan": ["chunked"]}, blocks=1,
+                          aa_blocks=0)
+    uri = fresh_mlflow_uri(tmp_path)
+    out = subprocess.run([sys.executable, "-m", "ablate", "sweep", str(campaign), "--storage", str(tmp_path / "runs"),
+                          "--tracking-uri", uri], cwd=tmp_path, capture_output=True, text=True, timeout=400,
+                         env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "300"})
+    output = out.stdout + out.stderr
+    assert out.returncode == 0, output[-4000:]
+    for noise in ("snapshotting has been triggered", "Configuration for experiment", "View detailed results",
+                  "TensorBoard", "Checkpoint successfully created", "INFO mlflow", "Started a local Ray instance",
+                  "Wrote the latest version"):
+        assert noise not in output, (noise, output[-4000:])
+    # Progress goes to stderr (the display), the summary to stdout (what a script keeps).
+    progress = [line for line in out.stderr.splitlines() if line.startswith("quiet-")]
+    assert progress and "blocks 1/1 done" in progress[-1] and "mamba_scan=chunked" in progress[-1]
+    lines = [line for line in out.stdout.splitlines() if line.strip()]
+    summary = lines[-6:]
+    assert len(lines) == 6, out.stdout  # nothing but the summary
+    assert summary[0].startswith("sweep quiet-") and "1/1 blocks done" in summary[0], lines[-8:]
+    assert summary[3].startswith("next:     ablate promote --tracking-uri") and "--sweep quiet" in summary[3]
+    assert summary[-1].strip().startswith("mlflow ui --backend-store-uri sqlite:"), lines[-8:]
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_real_sweep_interrupted_with_sigint_reports_the_running_block_as_interrupted(tmp_path: Path) -> None:
