@@ -76,6 +76,11 @@ class Work:
     candidate_first: np.ndarray
     theta: np.ndarray
     """Bootstrap distribution of the HL log ratio: Holm reads each test's lower bound at its own level."""
+    round_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=object))
+    """Each block's round (sweeps merged into one round share its id), for the sequential test's rounds."""
+    candidate_failed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    created_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=object))
+    aa_var_log: Optional[float] = None
 
 
 @dataclass
@@ -154,6 +159,8 @@ class FeatureVerdict:
     startup_flags: list[str] = field(default_factory=list)
     """Blocks whose arms' executor start-up differ beyond the lane's usual spread (recorded, never compared)."""
     contended_blocks: list[str] = field(default_factory=list)
+    sequential: Optional[dict[str, Any]] = None
+    """The SPRT's state when the policy enables it: decision, LLR trace against its bounds, stop reason."""
     gated_arms: list[str] = field(default_factory=list)
     """Every candidate arm carrying a gated code, named: block, receipt id and the code's detail."""
     work: Optional[Work] = field(default=None, repr=False, compare=False)
@@ -452,5 +459,10 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
         verdict.memory_ratio = float(np.median(mem)) if mem else None
     verdict.energy = energy_ratio(usable)
     first = np.asarray([b.candidate_first for b, _ in rows], dtype=bool)
-    verdict.work = Work(log_ratios=d, hosts=hosts, candidate_first=first, theta=theta)
+    merged = {sweep: r.round_id for r in test.rounds for sweep in (r.members or (r.round_id,))}
+    verdict.work = Work(log_ratios=d, hosts=hosts, candidate_first=first, theta=theta,
+                        round_ids=np.asarray([merged.get(b.round_id, b.round_id) for b, _ in rows], dtype=object),
+                        candidate_failed=np.asarray([b.candidate.failed for b, _ in rows], dtype=bool),
+                        created_at=np.asarray([b.created_at for b, _ in rows], dtype=object),
+                        aa_var_log=calibration.aa_var_log)
     return verdict

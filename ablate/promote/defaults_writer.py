@@ -131,8 +131,11 @@ def _shape_overrides(tests: list[FeatureVerdict], promoted: list[FeatureVerdict]
 
 
 def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mapping[str, Any], policy: Policy, *,
-                 report_id: str, campaign: str, date: str) -> list[DefaultsChange]:
-    """One change per promoted feature: a global flip, or lane overrides (see the module docstring)."""
+                 report_id: str, campaign: str, date: str, held: frozenset[str] | set[str] = frozenset()
+                 ) -> list[DefaultsChange]:
+    """One change per promoted feature: a global flip, or lane overrides (see the module docstring). Tests in
+    ``held`` (their lane's bundle check did not pass, ``ablate.promote.bundle``) are measured lanes that do not
+    promote, so they are neither written nor counted towards a global flip."""
     globals_ = _global_values(defaults)
     by_feature: dict[str, list[FeatureVerdict]] = defaultdict(list)
     for v in verdicts:
@@ -140,7 +143,7 @@ def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mappin
             by_feature[v.feature].append(v)
     changes = []
     for feature, tests in sorted(by_feature.items()):
-        promoted = [v for v in tests if v.verdict == PROMOTE]
+        promoted = [v for v in tests if v.verdict == PROMOTE and v.test_key not in held]
         if not promoted:
             continue
         values = {str(v.value) for v in promoted}

@@ -11,7 +11,8 @@ How to use::
 Steps: 1. validate (dicts are parsed, invalid ones join ``rejected``); 2. pair receipts into blocks, refusing
 anything unmatched; 3. organise blocks into feature x value x lane tests under each lane's current software
 fingerprint, with A/A calibration; 4. measure each test (clustered bootstrap); 5. Holm + clauses -> verdicts;
-6. plan the defaults edit and find recorded evidence that needs revalidation.
+6. bundle check: two or more values promoted in one lane are written only if bundle blocks show they win
+together; 7. plan the defaults edit and find recorded evidence that needs revalidation.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from typing import Any, Iterable, Mapping, Optional
 
 from ablate.config.load import load_defaults
 from ablate.promote.analysis import analyse
+from ablate.promote.bundle import check_bundles, held_keys
 from ablate.promote.defaults_writer import find_revalidations, plan_changes
 from ablate.promote.evidence import organise, startup_outliers
-from ablate.promote.match import Block, match_blocks
+from ablate.promote.match import BUNDLE, Block, match_blocks
 from ablate.promote.policy import Policy, load_policy
 from ablate.promote.report import LaneSummary, PromotionResult
 from ablate.promote.rule import decide_all
@@ -132,6 +134,8 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     valid, invalid = _validated(receipts)
     defaults = load_defaults(defaults_path)
     blocks, refusals = match_blocks(valid, policy)
+    bundle_blocks = [b for b in blocks if b.feature == BUNDLE]  # judged by the bundle check, not as a test
+    blocks = [b for b in blocks if b.feature != BUNDLE]
     tests, calibrations, lanes = organise(blocks, policy)
     flags = startup_outliers(blocks)
     measured = [analyse(test, calibrations[test.lane_key], policy, flags) for test in tests]
@@ -139,8 +143,9 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     campaigns = sorted({r.identity.campaign for r in valid})
     report_id = _report_id(campaigns, valid, policy)
     date = now.date().isoformat()
+    bundles = check_bundles(measured, bundle_blocks, policy)
     changes = plan_changes(measured, defaults, policy, report_id=report_id,
-                           campaign="+".join(campaigns), date=date)
+                           campaign="+".join(campaigns), date=date, held=held_keys(bundles, policy))
     lane_summaries = [LaneSummary(lane_key=k, software_fingerprint=s.current_fingerprint,
                                   fingerprints=s.fingerprints, hosts=s.hosts, calibration=calibrations[k],
                                   lane=s.lane, **_lane_facts([b for b in blocks if b.lane_key == k]))
@@ -152,4 +157,4 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
         git=_git(blocks), num_receipts=len(valid), verdicts=measured, holm_family=family, lanes=lane_summaries,
         changes=changes, revalidations=find_revalidations(defaults.raw, lanes), refusals=refusals,
         rejected=list(rejected) + invalid, defaults_path=str(defaults_path), run_links=dict(run_links or {}),
-        not_run=_unique_not_run(not_run))
+        not_run=_unique_not_run(not_run), bundles=bundles)

@@ -101,6 +101,8 @@ class Calibration:
     """max(|lo|, |hi|) of that interval: what delta adds to the policy's minimum effect."""
     first_at: Optional[str] = None
     last_at: Optional[str] = None
+    aa_var_log: Optional[float] = None
+    """Variance of the A/A log ratios: pure noise, the sequential test's floor on a feature's block variance."""
 
     @property
     def noise_floor(self) -> Optional[float]:
@@ -243,7 +245,8 @@ def _calibrate(lane_key: str, fingerprint: str, blocks: list[Block], policy: Pol
         noise_floor_log=abs_quantile(ratios, policy.threshold.noise_quantile) if ratios.size else None,
         loss_spread=abs_quantile(losses, policy.quality.spread_quantile) if losses else None,
         aa_hl_log=hodges_lehmann(ratios) if ratios.size else None, aa_interval_log=interval, bias_bound_log=bound,
-        first_at=stamps[0] if stamps else None, last_at=stamps[-1] if stamps else None)
+        first_at=stamps[0] if stamps else None, last_at=stamps[-1] if stamps else None,
+        aa_var_log=float(np.var(ratios, ddof=1)) if ratios.size >= 2 else None)
 
 
 def startup_outliers(blocks: list[Block]) -> dict[str, str]:

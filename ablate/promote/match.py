@@ -39,6 +39,10 @@ from ablate.receipts.schema import WARN_CODES, Receipt
 # Identity fields both arms of a block must share; a difference means the two runs are not one comparison.
 _SHARED_IDENTITY = ("sweep_id", "campaign", "lane_key", "feature", "kind", "host", "software_fingerprint", "pairing",
                     "code_fingerprint", "hardware_fingerprint")
+BUNDLE = "bundle"
+"""``identity.feature`` of a bundle block: the candidate arm runs every value of ``feature_value`` (a mapping
+feature -> value, two or more registered speed features) together, against ``baseline_value`` (feature -> old
+value); nothing else in the lane differs. Judged by ``ablate.promote.bundle``, never a promotion test itself."""
 FAILURE_CODE = "ARM_FAILED"
 """The only code a failed arm is spared at the gate: it *is* the failure, which counts as a loss instead."""
 
@@ -274,6 +278,8 @@ def _check_pair(base: Receipt, cand: Receipt, check_order: bool = True) -> Optio
         if diff:
             return f"A/A twins ran different lanes at {', '.join(diff[:5])}"
         return None
+    if bi.feature == BUNDLE:
+        return _check_bundle_pair(base, cand)
     if bi.feature not in FEATURES:
         return f"unknown feature {bi.feature!r}; registered: {', '.join(sorted(FEATURES))}"
     spec = FEATURES[bi.feature]
@@ -296,6 +302,29 @@ def _check_pair(base: Receipt, cand: Receipt, check_order: bool = True) -> Optio
         return f"candidate arm ran {spec.path}={ran_cand!r}, not the tested value {ci.feature_value!r}"
     if str(ran_base) == str(ran_cand):
         return f"both arms ran {spec.path}={ran_base!r}: the candidate does not differ from its baseline"
+    return None
+
+
+def _check_bundle_pair(base: Receipt, cand: Receipt) -> Optional[str]:
+    """Why a bundle pair is not old defaults vs every new value together (None when it is)."""
+    new, old = cand.identity.feature_value, base.identity.baseline_value
+    if not isinstance(new, dict) or not isinstance(old, dict) or sorted(new) != sorted(old) or len(new) < 2:
+        return (f"a bundle block names two or more features with their new (feature_value) and old "
+                f"(baseline_value) values, the same features in both; got {new!r} and {old!r}")
+    if _fmt(cand.identity.baseline_value) != _fmt(old):
+        return f"arms disagree on the bundle's old values: {old!r} vs {cand.identity.baseline_value!r}"
+    unknown = [f for f in new if f not in FEATURES or FEATURES[f].kind != "speed"]
+    if unknown:
+        return f"bundle features {unknown} are not registered speed features"
+    paths = {FEATURES[f].path: f for f in new}
+    extra = [k for k in _lane_diff(base.requested.lane, cand.requested.lane) if k not in paths]
+    if extra:
+        return f"bundle lanes differ beyond the bundle's features at: {', '.join(extra[:4])}"
+    for path, name in paths.items():
+        ran_base, ran_cand = base.requested.lane.get(path), cand.requested.lane.get(path)
+        if str(ran_base) != str(old[name]) or str(ran_cand) != str(new[name]) or str(ran_base) == str(ran_cand):
+            return (f"bundle arm values at {path}: baseline ran {ran_base!r} (declared {old[name]!r}), candidate "
+                    f"ran {ran_cand!r} (declared {new[name]!r}); each must run its own, and they must differ")
     return None
 
 
@@ -329,7 +358,13 @@ def unregistered_values(receipt: Receipt) -> list[str]:
     ident = receipt.identity
     stated: list[tuple[str, str, Any]] = [(f"requested.lane[{spec.path!r}]", name, receipt.requested.lane[spec.path])
                                           for name, spec in FEATURES.items() if spec.path in receipt.requested.lane]
-    if ident.feature is not None:
+    if ident.feature == BUNDLE:
+        for field_name in ("feature_value", "baseline_value"):
+            values = getattr(ident, field_name)
+            if not isinstance(values, dict) or any(name not in FEATURES for name in values):
+                return [f"identity.{field_name} of a bundle must map registered features to values; got {values!r}"]
+            stated += [(f"identity.{field_name}[{name!r}]", name, value) for name, value in values.items()]
+    elif ident.feature is not None:
         if ident.feature not in FEATURES:
             return [f"identity.feature {ident.feature!r} is not a registered feature; registered: "
                     f"{', '.join(sorted(FEATURES))}"]

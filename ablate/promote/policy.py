@@ -145,6 +145,41 @@ class TaxPolicy:
 
 
 @dataclass(frozen=True)
+class SequentialPolicy:
+    """Wald's SPRT on the block log ratios (fishtest's design; ``ablate.promote.sequential`` says why this form).
+    When enabled, crossing the upper bound replaces the fixed design's block count and Holm interval for PROMOTE;
+    every gate, the quality guard, the rounds requirement and the per-host checks still apply."""
+
+    enabled: bool
+    alpha: float
+    """Chance of crossing the upper bound when the speed-up is 1 + delta0 (Bonferroni-divided by the campaign's
+    number of speed tests, the first step of the fixed rule's Holm)."""
+    beta: float
+    """Chance of crossing the lower bound when the speed-up is 1 + delta1."""
+    delta0: float
+    """H0: speed-up <= (1 + delta0) x exp(A/A bias bound), like the fixed rule's 1 + delta."""
+    delta1: float
+    """H1: speed-up >= (1 + delta1) x exp(A/A bias bound); a win between the two is an indifference zone."""
+    min_blocks: int
+    """No crossing counts before this many blocks: the variance is estimated from the data."""
+    max_blocks: int
+    """Cap: undecided here is a sticky HOLD (later blocks are not looked at: no rerunning until significant)."""
+    max_rounds: int
+    """Cap on rounds (separate sweeps in time); blocks of later rounds are not looked at."""
+
+
+@dataclass(frozen=True)
+class BundlePolicy:
+    """Two or more values promoted in one lane are written together only if they win together (promotion-rule.md
+    §5.5 "Bundle check"): effects need not add up, and a pair can even lose to either alone."""
+
+    required: bool
+    """True: without enough bundle blocks the set is held from ``--write`` (reported, never written silently)."""
+    min_blocks: int
+    """Bundle blocks (old defaults vs every new value together) needed in the lane."""
+
+
+@dataclass(frozen=True)
 class Policy:
     name: str
     version: int
@@ -163,6 +198,8 @@ class Policy:
     matching: MatchingPolicy
     scope: ScopePolicy
     taxes: TaxPolicy
+    sequential: SequentialPolicy
+    bundle: BundlePolicy
     path: Optional[str] = None
 
     @property
@@ -267,6 +304,14 @@ _RANGES: dict[str, tuple[float, bool, float, bool, str]] = {
     "bootstrap.seed": (0, True, math.inf, False, "an integer >= 0 (a numpy seed)"),
     "taxes.confidence": _OPEN_FRACTION,
     "taxes.default_budget": _OPEN_FRACTION,
+    "sequential.alpha": (0.0, False, 0.5, False, "a probability in (0, 0.5)"),
+    "sequential.beta": (0.0, False, 0.5, False, "a probability in (0, 0.5)"),
+    "sequential.delta0": (0.0, True, 1.0, False, "a fraction in [0, 1) (0.01 = a 1% speed-up)"),
+    "sequential.delta1": (0.0, False, 1.0, False, "a fraction in (0, 1) above sequential.delta0"),
+    "sequential.min_blocks": (2, True, math.inf, False, "an integer >= 2 (a variance needs two blocks)"),
+    "sequential.max_blocks": (2, True, math.inf, False, "a positive integer >= sequential.min_blocks"),
+    "sequential.max_rounds": (1, True, math.inf, False, "a positive integer >= evidence.min_rounds"),
+    "bundle.min_blocks": (2, True, math.inf, False, "an integer >= 2 (one bundle block measures nothing)"),
 }
 """Every numeric threshold's range. Keys a policy class does not have (yet) are skipped."""
 
@@ -327,6 +372,16 @@ def _check(policy: Policy) -> None:
     _names("matching.replication_keys", policy.matching.replication_keys, REPLICATION_KEYS_ALLOWED,
            "seed-like lane keys that do not define the lane")
     _names("scope.global_device_classes", policy.scope.global_device_classes, DEVICE_CLASSES, "device classes")
+    seq = policy.sequential
+    if seq.delta1 <= seq.delta0:
+        raise _error("sequential.delta1", seq.delta1, f"a fraction above sequential.delta0 = {seq.delta0:g} (H1 "
+                                                      f"must be a larger speed-up than H0)")
+    if seq.max_blocks < seq.min_blocks:
+        raise _error("sequential.max_blocks", seq.max_blocks,
+                     f"an integer >= sequential.min_blocks = {seq.min_blocks}")
+    if seq.max_rounds < policy.evidence.min_rounds:
+        raise _error("sequential.max_rounds", seq.max_rounds, f"an integer >= evidence.min_rounds = "
+                                                              f"{policy.evidence.min_rounds} (else nothing promotes)")
     taxes = tuple(sorted(name for name, spec in FEATURES.items() if spec.kind == "tax"))
     for name, budget in policy.taxes.budgets.items():
         if name not in taxes:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ablate.promote.analysis import PROMOTE, TAX_REPORTED, FeatureVerdict
+from ablate.promote.bundle import BundleCheck
 from ablate.promote.defaults_writer import DefaultsChange, Revalidation
 from ablate.promote.energy import energy_cell
 from ablate.promote.evidence import Calibration
@@ -77,6 +78,8 @@ class PromotionResult:
     """Lane key -> where the same PNG was logged in MLflow (the sweep's parent run)."""
     not_run: list[dict[str, str]] = field(default_factory=list)
     """What the sweeps' plans refused before any arm ran (inert toggles, values already default), with why."""
+    bundles: list[BundleCheck] = field(default_factory=list)
+    """One bundle check per lane where two or more features promoted; a held set is not written."""
 
     def write_plots(self, directory: Path, relative_to: Optional[Path] = None) -> dict[str, Path]:
         """One speed-up-against-horizon plot per lane with a measured speed test; records their paths."""
@@ -134,7 +137,7 @@ class PromotionResult:
             "refusals": [asdict(r) for r in self.refusals],
             "rejected_receipts": [{"origin": o, "reason": r} for o, r in self.rejected],
             "run_links": self.run_links, "plots": self.plots, "plot_locations": self.plot_locations,
-            "not_run": self.not_run,
+            "not_run": self.not_run, "bundles": [b.to_dict() for b in self.bundles],
         }
 
     def to_json(self, indent: Optional[int] = 2) -> str:
@@ -302,6 +305,50 @@ def _summary(result: PromotionResult) -> list[str]:
               "blocks/hosts/seeds/rounds", "win", "LM loss Δ", "flags cand/base", "Amdahl bound",
               "first failing clause"]
     return ["", "### Verdicts", ""] + (_table(header, rows) if rows else ["No speed feature was measured."])
+
+
+def sprt_line(seq: dict[str, Any], width: int = 12) -> str:
+    """One line: the LLR trace (last ``width`` looks) against its bounds, and the stop reason."""
+    trace = [x for x in seq["llr_trace"] if x is not None]
+    shown = ", ".join(f"{x:.2f}" for x in trace[-width:]) or "none yet"
+    cut = "…, " if len(trace) > width else ""
+    return (f"LLR [{cut}{shown}] against bounds ({seq['lower']:.2f}, {seq['upper']:.2f}) over "
+            f"{seq['blocks']} of {seq['blocks_seen']} block(s); {seq['decision']}: {seq['stop_reason']}")
+
+
+def _sequential(result: PromotionResult) -> list[str]:
+    tests = [v for v in result.speed_verdicts if v.sequential]
+    if not tests:
+        return []
+    seq = result.policy.sequential
+    lines = ["", "### Sequential test (SPRT)", "",
+             f"H0 speed-up <= (1 + {seq.delta0:.1%}) vs H1 >= (1 + {seq.delta1:.1%}), each moved by the lane's A/A "
+             f"bias bound; α {seq.alpha:g} (÷ {result.holm_family} speed tests), β {seq.beta:g}; no crossing before "
+             f"{seq.min_blocks} blocks; cap {seq.max_blocks} blocks / {seq.max_rounds} rounds. PROMOTE also needs "
+             f"every other clause.", ""]
+    for v in tests:
+        lines.append(f"- {_c(v.feature)}→{_c(v.value)} {_lane_label(result, v.lane_key)}: **{v.verdict}**; "
+                     f"{_t(sprt_line(v.sequential))}")
+    return lines
+
+
+def _bundles(result: PromotionResult) -> list[str]:
+    if not result.bundles:
+        return []
+    lines = ["", "### Bundle check", "", "Two or more values promoted in one lane are written only if old defaults vs "
+             "all new values together win at least the best single value, within delta. Interaction = log(bundle) − "
+             "Σ log(single): 0 when the wins add up.", ""]
+    rows = []
+    for b in result.bundles:
+        written = "written" if not b.held else ("**held from --write**" if b.status == "failed" or
+                                               result.policy.bundle.required else "written (bundle not required)")
+        rows.append([_lane_label(result, b.lane_key), _t(", ".join(f"{f}={v}" for f, v in sorted(b.values.items()))),
+                     f"{b.status} ({written})", b.num_blocks,
+                     f"{_x(b.bundle_speedup)} {_interval(b.bundle_ci95)}" if b.bundle_speedup else "–",
+                     _t(", ".join(f"{f} {s:.3f}×" for f, s in sorted(b.singles.items()))),
+                     "–" if b.interaction is None else f"{b.interaction:+.4f}", _t(b.reason)])
+    return lines + _table(["lane", "set", "status", "bundle blocks", "bundle speed-up [95% CI]", "singles",
+                           "interaction", "why"], rows)
 
 
 def _seconds(x: Optional[float]) -> str:
@@ -473,7 +520,9 @@ def _lane_detail(result: PromotionResult, lane: LaneSummary) -> list[str]:
 
 
 def render_markdown(result: PromotionResult) -> str:
-    head = (_header(result) + _defaults_diff(result) + _summary(result) + _tradeoff(result) + _taxes(result)
+    head = (_header(result) + _defaults_diff(result) + _bundles(result) + _summary(result) + _sequential(result)
+            + _tradeoff(result)
+            + _taxes(result)
             + _startup_notes(result) + _not_run(result) + _revalidations(result) + _refusals(result))
     footer = ["", f"<sub>Decided under policy {_c(result.policy.ref)}; full numbers in "
                   f"{_c(result.report_id + '.json')}. "

@@ -150,7 +150,10 @@ def test_receipt_text_cannot_inject_markdown_yaml_or_a_path(raw: list[Raw], sing
         ident["campaign"] = campaign
         ident["host"] = "vm\n## host <script>alert(1)</script> [x](http://evil) ` |"
         ident["sweep_id"] = ident["sweep_id"] + "\n### round | x"
-    result = run(receipts, single_node_policy, tmp_path)
+    # The smoke lane promotes two features and has no bundle blocks: the bundle check would hold both from the
+    # write this test inspects, so it is switched off here (tests/promote/test_promote_bundle.py covers it).
+    policy = with_overrides(single_node_policy, {"bundle.required": False})
+    result = run(receipts, policy, tmp_path)
     assert promoted(result) == {"mamba_scan", "moe_dispatch"}  # escaping changes no verdict
     md = result.markdown
     assert "<script>" not in md and not re.search(r"(?<!\\)\]\(http://evil\)", md)

@@ -13,7 +13,7 @@ from ablate.promote import load_policy, with_overrides
 
 def test_shipped_policies_load_and_differ_only_where_documented() -> None:
     default, single = load_policy(DEFAULT_POLICY), load_policy(SINGLE_NODE_POLICY)
-    assert default.ref == "default@2" and single.ref == "single_node@2"
+    assert default.ref == "default@3" and single.ref == "single_node@3"
     assert (default.evidence.min_blocks, default.evidence.min_hosts, default.evidence.min_rounds) == (8, 3, 2)
     assert default.threshold.min_effect == 0.01 and default.consistency.min_win_fraction == 0.8
     assert default.threshold.min_aa_blocks == 4 and default.quality.metric == "lm_loss_final"

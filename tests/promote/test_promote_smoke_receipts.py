@@ -14,7 +14,7 @@ from pathlib import Path
 
 from conftest import HERE, SINGLE_NODE_POLICY
 
-from ablate.promote import PROMOTE, TAX_REPORTED, load_policy, promote
+from ablate.promote import PROMOTE, TAX_REPORTED, load_policy, promote, with_overrides
 from ablate.receipts.store import load_receipts
 from ablate.tracking.mlflow_store import not_run_from_dir
 
@@ -47,8 +47,14 @@ def test_the_smoke_run_ends_in_real_decisions(tmp_path: Path) -> None:
     assert {r.identity.pairing for r in receipts} == {"interleaved"}
     assert [n["what"] for n in result.not_run] == ["recurrent_scan=parallel"]
     assert "no R (recurrent) blocks" in result.not_run[0]["why"]
-    # One CPU lane never flips a global default: both wins become that lane's overrides.
-    assert sorted((c.feature, c.scope) for c in result.changes) == [("mamba_scan", "lane"), ("moe_dispatch", "lane")]
+    # Two wins in one lane and no bundle blocks (the smoke campaign plans none yet): the set is held from --write,
+    # and the report says which campaign to run.
+    [bundle] = result.bundles
+    assert bundle.status == "not_measured" and bundle.values == {"mamba_scan": "chunked", "moe_dispatch": "jagged"}
+    assert result.changes == [] and "bundle not measured" in bundle.reason and "held from --write" in result.markdown
+    # Without the bundle requirement, one CPU lane never flips a global default: both wins become lane overrides.
+    lax = promote(receipts, policy_path=with_overrides(policy, {"bundle.required": False}), defaults_path=defaults)
+    assert sorted((c.feature, c.scope) for c in lax.changes) == [("mamba_scan", "lane"), ("moe_dispatch", "lane")]
     md = result.markdown
     assert "### Trade-off: one-time cost against per-step speed" in md and "### Refused before any arm ran" in md
     assert json.loads(result.to_json())["lanes"][0]["label"].startswith("cpu · fp32 · 1 thread(s) · world 1")

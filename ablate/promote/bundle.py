@@ -1,0 +1,126 @@
+"""Bundle check: two or more values promoted in one lane are written only if they win together.
+
+How to use: ``checks = check_bundles(verdicts, bundle_blocks, policy)`` inside ``promote`` after the verdicts;
+``held_keys(checks)`` are the test keys ``plan_changes`` must not write. Each feature's own verdict stays what
+its evidence says; what is held is the *set* for ``--write`` (promotion-rule.md §5.5 "Bundle check").
+
+Why: single-feature blocks measure each value against the old defaults with every other toggle at its old
+value. Written together, the values run together, and effects need not add up (two fusions competing for one
+buffer, a dispatch that only pays off with the scan it replaces). Bundle blocks (``match.BUNDLE``: the
+candidate runs every new value of the set, the baseline the old defaults) measure what ``--write`` would ship.
+
+Rule: the bundle's Hodges-Lehmann speed-up must reach the largest single feature's, within the lane's delta
+(log(bundle) >= max log(single) - log(1 + delta)); the report shows the interaction estimate, log(bundle) minus
+the sum of the singles' logs (0 = additive, < 0 = the wins overlap or fight). Too few bundle blocks: the set is
+held with "bundle not measured" and the campaign to run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from ablate.promote.analysis import PROMOTE, FeatureVerdict
+from ablate.promote.match import Block
+from ablate.promote.policy import Policy
+from ablate.promote.stats import bootstrap_hl, hodges_lehmann, quantile
+
+PASSED, FAILED, NOT_MEASURED = "passed", "failed", "not_measured"
+
+
+@dataclass
+class BundleCheck:
+    lane_key: str
+    values: dict[str, Any]
+    """Feature -> the promoted value (the set ``--write`` would change in this lane)."""
+    old: dict[str, Any]
+    status: str
+    reason: str
+    test_keys: list[str] = field(default_factory=list)
+    num_blocks: int = 0
+    bundle_speedup: Optional[float] = None
+    bundle_ci95: Optional[tuple[float, float]] = None
+    singles: dict[str, float] = field(default_factory=dict)
+    """Feature -> its own promoted speed-up (HL at the horizon)."""
+    interaction: Optional[float] = None
+    """log(bundle) - sum of log(single): 0 when the wins add up, negative when they overlap or fight."""
+    delta: float = 0.0
+
+    @property
+    def held(self) -> bool:
+        return self.status != PASSED
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _key(values: Any) -> str:
+    return json.dumps(values, sort_keys=True, default=str)
+
+
+def _campaign_hint(values: dict[str, Any], policy: Policy) -> str:
+    shown = ", ".join(f"{f}={v}" for f, v in sorted(values.items()))
+    return (f"run >= {policy.bundle.min_blocks} bundle blocks in this lane: candidate arm {shown} together, "
+            f"baseline arm the current defaults (identity.feature {'bundle'!r}; the sweep planner does not plan "
+            f"them yet)")
+
+
+def check_bundles(verdicts: list[FeatureVerdict], bundle_blocks: list[Block], policy: Policy) -> list[BundleCheck]:
+    """One check per lane where two or more features promoted (see the module docstring)."""
+    by_lane: dict[str, list[FeatureVerdict]] = defaultdict(list)
+    for v in verdicts:
+        if v.verdict == PROMOTE and v.kind == "speed":
+            by_lane[v.lane_key].append(v)
+    checks = []
+    for lane_key, promoted in sorted(by_lane.items()):
+        if len({v.feature for v in promoted}) < 2:
+            continue
+        values = {v.feature: v.value for v in promoted}
+        old = {v.feature: v.baseline_value for v in promoted}
+        singles = {v.feature: float(v.speedup or 1.0) for v in promoted}
+        delta = max(v.delta for v in promoted)
+        check = BundleCheck(lane_key=lane_key, values=values, old=old, status=NOT_MEASURED, reason="",
+                            test_keys=[v.test_key for v in promoted], singles=singles, delta=delta)
+        rows = [(b, b.log_ratio(policy.failures.failed_log_ratio)) for b in bundle_blocks
+                if b.lane_key == lane_key and _key(b.value) == _key(values) and not b.candidate.gated_codes]
+        rows = [(b, r) for b, r in rows if r is not None]
+        check.num_blocks = len(rows)
+        if len(rows) < policy.bundle.min_blocks:
+            check.reason = (f"bundle not measured: {len(rows)} bundle block(s) of {len(values)} values together "
+                            f"(need {policy.bundle.min_blocks}); {_campaign_hint(values, policy)}")
+            checks.append(check)
+            continue
+        d = np.asarray([r for _, r in rows], dtype=float)
+        hosts = np.asarray([b.host for b, _ in rows], dtype=object)
+        rng = np.random.default_rng([policy.bootstrap.seed, zlib.crc32(f"bundle@{lane_key}".encode())])
+        theta = bootstrap_hl(d, hosts if len(set(hosts.tolist())) > 1 else None, policy.bootstrap.loss_resamples,
+                             rng)
+        bundle_log = hodges_lehmann(d)
+        best_feature, best = max(singles.items(), key=lambda kv: kv[1])
+        check.bundle_speedup = math.exp(bundle_log)
+        check.bundle_ci95 = (math.exp(quantile(theta, 0.025)), math.exp(quantile(theta, 0.975)))
+        check.interaction = bundle_log - sum(math.log(s) for s in singles.values())
+        ok = bundle_log >= math.log(best) - math.log1p(delta)
+        check.status = PASSED if ok else FAILED
+        check.reason = (f"bundle {check.bundle_speedup:.4f}x over {len(rows)} block(s) "
+                        f"{'reaches' if ok else 'falls short of'} the best single ({best_feature} {best:.4f}x) "
+                        f"within delta {delta:.2%}; interaction estimate {check.interaction:+.4f} (log; "
+                        f"{math.expm1(check.interaction):+.2%} vs the product of the singles)")
+        checks.append(check)
+    return checks
+
+
+def held_keys(checks: list[BundleCheck], policy: Policy) -> set[str]:
+    """Test keys whose values ``--write`` must not change: every set that failed, or (when the policy requires
+    it) was not measured."""
+    held: set[str] = set()
+    for check in checks:
+        if check.status == FAILED or (check.status == NOT_MEASURED and policy.bundle.required):
+            held.update(check.test_keys)
+    return held

@@ -1,0 +1,96 @@
+"""Bundle check (issue 15): two wins in one lane are written together only if they win together."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from promote_sim import FeatureTruth, Sim, moe, simulate, simulate_bundle
+from ruamel.yaml import YAML
+
+from ablate.promote import PROMOTE, Policy, PromotionResult, promote, with_overrides, write_defaults
+from ablate.receipts.schema import Receipt
+
+NEW = {"moe_dispatch": "jagged", "mamba_scan": "chunked"}
+OLD = {"moe_dispatch": "padded", "mamba_scan": "sequential"}
+
+
+@pytest.fixture(scope="module")
+def singles() -> list[Receipt]:
+    # moe 5% and mamba 6% on their own, each against the old defaults; clearly promoted.
+    features = [moe(1.05), FeatureTruth("mamba_scan", "chunked", "sequential", 1.06)]
+    return simulate(Sim(features=features, noise=0.003, aa_per_host=2), 0)
+
+
+def run(receipts: list[Receipt], policy: Policy, defaults_file: Path) -> PromotionResult:
+    return promote(receipts, policy_path=policy, defaults_path=defaults_file)
+
+
+def test_without_bundle_blocks_the_set_is_held_from_write(singles: list[Receipt], policy: Policy,
+                                                         defaults_file: Path) -> None:
+    result = run(singles, policy, defaults_file)
+    assert sorted(v.verdict for v in result.verdicts) == [PROMOTE, PROMOTE]  # each wins on its own evidence
+    [check] = result.bundles
+    assert check.status == "not_measured" and check.values == NEW and check.old == OLD
+    assert "bundle not measured" in check.reason and "mamba_scan=chunked, moe_dispatch=jagged together" in check.reason
+    assert result.changes == []  # nothing is written silently
+    before = defaults_file.read_text()
+    assert write_defaults(result, defaults_file) == [] and defaults_file.read_text() == before
+    assert "### Bundle check" in result.markdown and "held from --write" in result.markdown
+
+
+def test_wins_that_do_not_add_up_are_caught(singles: list[Receipt], policy: Policy, defaults_file: Path) -> None:
+    # Together the two only reach 2%: less than either alone.
+    result = run(singles + simulate_bundle(NEW, OLD, 1.02, 3), policy, defaults_file)
+    [check] = result.bundles
+    assert check.status == "failed" and check.num_blocks == 6 and result.changes == []
+    assert check.bundle_speedup == pytest.approx(1.02, abs=0.01)
+    expected = math.log(check.bundle_speedup) - sum(math.log(s) for s in check.singles.values())
+    assert check.interaction == pytest.approx(expected) and check.interaction < -0.07
+    assert "falls short of the best single (mamba_scan" in check.reason and "interaction estimate" in check.reason
+    row = next(x for x in result.markdown.splitlines() if x.startswith("| ") and "failed" in x)
+    assert f"{check.interaction:+.4f}" in row
+    assert json.loads(result.to_json())["bundles"][0]["interaction"] == pytest.approx(check.interaction)
+
+
+def test_wins_that_add_up_are_written_together(singles: list[Receipt], policy: Policy, defaults_file: Path) -> None:
+    result = run(singles + simulate_bundle(NEW, OLD, 1.05 * 1.06, 4), policy, defaults_file)
+    [check] = result.bundles
+    assert check.status == "passed" and abs(check.interaction) < 0.02
+    assert sorted((c.feature, c.new) for c in result.changes) == sorted(NEW.items())
+    write_defaults(result, defaults_file)
+    data = YAML(typ="safe").load(defaults_file.read_text())
+    assert {f: data["features"][f]["value"] for f in NEW} == NEW
+
+
+def test_a_bundle_below_the_best_single_but_within_delta_passes(singles: list[Receipt], policy: Policy,
+                                                               defaults_file: Path) -> None:
+    # Overlapping wins (the bundle is no better than mamba alone) are still worth writing: nothing is lost.
+    result = run(singles + simulate_bundle(NEW, OLD, 1.06, 5), policy, defaults_file)
+    [check] = result.bundles
+    assert check.status == "passed" and check.interaction < -0.03 and len(result.changes) == 2
+
+
+def test_bundle_not_required_reports_but_writes(singles: list[Receipt], policy: Policy, defaults_file: Path) -> None:
+    result = run(singles, with_overrides(policy, {"bundle.required": False}), defaults_file)
+    assert result.bundles[0].status == "not_measured" and len(result.changes) == 2
+    # A measured bundle that loses is held whatever the requirement says.
+    lost = run(singles + simulate_bundle(NEW, OLD, 1.0, 6), with_overrides(policy, {"bundle.required": False}),
+               defaults_file)
+    assert lost.bundles[0].status == "failed" and lost.changes == []
+
+
+def test_a_bundle_block_that_is_not_old_vs_all_new_is_refused(policy: Policy, defaults_file: Path) -> None:
+    # Its candidate leaves mamba_scan at the old value while claiming the new one.
+    receipts = simulate_bundle(NEW, OLD, 1.05, 7, blocks_per_host=1)
+    bad = [r.model_dump(mode="json") for r in receipts]
+    for data in bad:
+        if data["identity"]["arm"] == "candidate":
+            data["requested"]["lane"]["features.mamba_scan"] = "sequential"
+    result = promote(bad, policy_path=policy, defaults_path=defaults_file)
+    assert result.refusals and all("bundle arm values at features.mamba_scan" in r.reason for r in result.refusals)
+    single = simulate_bundle({"moe_dispatch": "jagged"}, {"moe_dispatch": "padded"}, 1.05, 8, blocks_per_host=1)
+    refused = promote(single, policy_path=policy, defaults_path=defaults_file).refusals
+    assert refused and "two or more features" in refused[0].reason

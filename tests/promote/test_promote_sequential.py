@@ -1,0 +1,166 @@
+"""The sequential rule (issue 15): Wald's SPRT on block log ratios, its caps, and the gates it never replaces."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import DEFAULTS
+from promote_sim import Sim, moe, simulate
+
+from ablate.promote import HOLD, PROMOTE, REJECT, Policy, PromotionResult, promote, with_overrides
+from ablate.promote.analysis import FeatureVerdict
+from ablate.promote.sequential import CAP, CONTINUE, LOWER, UPPER, SprtBounds, sequential_state
+
+QUIET = {"noise": 0.007, "aa_per_host": 2}
+
+
+@pytest.fixture(scope="module")
+def seq_policy(policy: Policy) -> Policy:
+    return with_overrides(policy, {"sequential.enabled": True})
+
+
+def rounds_of(n: int, size: int = 4) -> list[str]:
+    return [f"r{i // size}" for i in range(n)]
+
+
+def hosts_of(n: int) -> list[str]:
+    return [f"h{i % 3}" for i in range(n)]
+
+
+def state(d: Any, policy: Policy, size: int = 4, bias: float = 0.0, **kwargs: Any) -> Any:
+    d = list(d)
+    return sequential_state(d, hosts_of(len(d)), rounds_of(len(d), size), bounds=SprtBounds.of(policy, bias),
+                            policy=policy, **kwargs)
+
+
+def run(receipts: list, policy: Policy) -> PromotionResult:
+    return promote(receipts, policy_path=policy, defaults_path=DEFAULTS)
+
+
+def moe_verdict(result: PromotionResult) -> FeatureVerdict:
+    return next(v for v in result.verdicts if v.feature == "moe_dispatch")
+
+
+def test_wald_bounds_come_from_alpha_and_beta(seq_policy: Policy) -> None:
+    bounds = SprtBounds.of(seq_policy)
+    assert bounds.upper == pytest.approx(math.log(0.95 / 0.05)) and bounds.lower == pytest.approx(math.log(0.05 / 0.95))
+    # Several speed tests share the sequential alpha (Bonferroni), so the upper bound rises.
+    assert SprtBounds.of(seq_policy, num_tests=5).upper == pytest.approx(math.log(0.95 / 0.01))
+
+
+def test_a_clear_win_crosses_the_upper_bound_once_two_rounds_count(seq_policy: Policy) -> None:
+    rng = np.random.default_rng(0)
+    s = state(0.05 + rng.normal(0, 0.01, 12), seq_policy)
+    assert s.decision == UPPER and s.blocks == 8  # the second round counts at its 4th block
+    assert s.llr_trace[:3] == [None, None, None] and s.llr_trace[-1] >= s.upper
+    assert "upper bound crossed at block 8" in s.stop_reason and s.blocks_seen == 12
+    # The same blocks in one round: the bound is crossed, but PROMOTE needs a second round, so the test goes on.
+    one = state(0.05 + rng.normal(0, 0.01, 12), seq_policy, size=12)
+    assert one.decision == CONTINUE and one.llr >= one.upper and "run another round" in one.stop_reason
+
+
+def test_a_clear_null_crosses_the_lower_bound_early(seq_policy: Policy) -> None:
+    rng = np.random.default_rng(1)
+    s = state(rng.normal(0, 0.01, 24), seq_policy)
+    assert s.decision == LOWER and s.blocks <= 8 and s.llr_lower_trace[-1] <= s.lower
+    assert "lower bound crossed" in s.stop_reason
+
+
+def test_noise_between_the_hypotheses_is_inconclusive_at_the_cap_and_stays_so(seq_policy: Policy) -> None:
+    mid = (math.log(1.01) + math.log(1.03)) / 2
+    d = [mid + (0.03 if i % 2 else -0.03) for i in range(24)]
+    s = state(d, seq_policy)
+    assert s.decision == CAP and s.blocks == 24 and "inconclusive at cap" in s.stop_reason
+    assert all(s.lower < x < s.upper for x in s.llr_trace if x is not None)
+    # Sticky: blocks run after the cap are not looked at, however good they look.
+    later = state(d + [0.2] * 12, seq_policy)
+    assert later.decision == CAP and later.blocks == 24 and later.blocks_seen == 36
+    # Below the cap the same noise is simply undecided.
+    assert state(d[:12], seq_policy).decision == CONTINUE
+    assert state(d[:12], seq_policy).stop_reason.startswith("undecided: 12 blocks, LLR 0.00 in (-2.94, 2.94)")
+
+
+def test_host_clustered_noise_widens_the_variance(seq_policy: Policy) -> None:
+    # One host's candidate is 4% faster on every block, the others not at all: blocks look precise, the
+    # feature does not. The cluster-robust variance keeps the test from crossing.
+    d = np.array([0.09 if h == "h0" else 0.005 for h in hosts_of(24)]) + np.random.default_rng(2).normal(0, 0.002, 24)
+    s = state(d, seq_policy)
+    bounds = SprtBounds.of(seq_policy)
+    mid = (bounds.theta0 + bounds.theta1) / 2
+    iid_llr = (bounds.theta1 - bounds.theta0) * (s.variance["mean"] - mid) / s.variance["mean_sd_iid"] ** 2
+    assert iid_llr > s.upper  # treating the 24 blocks as independent would promote
+    assert s.variance["mean_sd_host"] > 2 * s.variance["mean_sd_iid"] and s.decision == CAP
+
+
+def test_sequential_rule_promotes_a_real_win_and_rejects_a_null(seq_policy: Policy) -> None:
+    win = moe_verdict(run(simulate(Sim(features=[moe(1.05)], **QUIET), 0), seq_policy))
+    assert win.verdict == PROMOTE, win.reason
+    assert win.sequential["decision"] == UPPER and "sprt_upper" in [c.name for c in win.clauses]
+    assert "lower_bound" not in [c.name for c in win.clauses]  # the SPRT replaces the Holm interval
+    null = moe_verdict(run(simulate(Sim(features=[moe(1.0)], **QUIET), 1), seq_policy))
+    assert null.verdict == REJECT and "no meaningful win" in null.reason and "lower bound crossed" in null.reason
+
+
+def test_an_upper_crossing_still_holds_on_one_round(seq_policy: Policy) -> None:
+    receipts = simulate(Sim(features=[moe(1.05)], rounds=1, blocks_per_host=4, **QUIET), 0)
+    v = moe_verdict(run(receipts, seq_policy))
+    assert v.sequential["llr"] >= v.sequential["upper"] and v.sequential["decision"] == CONTINUE
+    assert v.verdict == HOLD and "1 counted round(s) < 2" in v.reason
+
+
+def test_an_upper_crossing_never_excuses_worse_quality(seq_policy: Policy) -> None:
+    receipts = simulate(Sim(features=[moe(1.05, loss_effect=0.05)], **QUIET), 0)
+    v = moe_verdict(run(receipts, seq_policy))
+    assert v.sequential["decision"] == UPPER
+    assert v.verdict != PROMOTE and "loss" in v.reason
+
+
+def test_report_shows_the_trace_its_bounds_and_the_stop_reason(seq_policy: Policy) -> None:
+    result = run(simulate(Sim(features=[moe(1.05)], **QUIET), 0), seq_policy)
+    v = moe_verdict(result)
+    md = result.markdown
+    assert "### Sequential test (SPRT)" in md
+    line = next(x for x in md.splitlines() if x.startswith("- `moe_dispatch`→`jagged`"))
+    assert f"against bounds ({v.sequential['lower']:.2f}, {v.sequential['upper']:.2f})" in line
+    assert "upper bound crossed at block" in line and f"{v.sequential['llr_trace'][-1]:.2f}" in line
+    data = json.loads(result.to_json())["verdicts"][0]["sequential"]
+    assert data["decision"] == UPPER and len(data["llr_trace"]) == data["blocks"] and data["stop_reason"]
+
+
+@pytest.mark.parametrize(("key", "value", "allowed"), [
+    ("sequential.alpha", 0.5, r"a probability in \(0, 0.5\)"),
+    ("sequential.beta", 0.0, r"a probability in \(0, 0.5\)"),
+    ("sequential.delta1", 0.005, "above sequential.delta0 = 0.01"),
+    ("sequential.max_blocks", 3, "sequential.min_blocks = 4"),
+    ("sequential.max_blocks", 24.5, "an integer"),
+    ("sequential.max_rounds", 1, "evidence.min_rounds = 2"),
+    ("sequential.enabled", "yes", "true or false"),
+])
+def test_policy_refuses_nonsense_sequential_values(policy: Policy, key: str, value: Any, allowed: str) -> None:
+    with pytest.raises(ValueError, match=rf"policy {key}: got {value!r}; allowed: .*{allowed}"):
+        with_overrides(policy, {key: value})
+
+
+def test_aa_campaigns_are_rarely_promoted_under_host_and_round_effects(seq_policy: Policy) -> None:
+    # 200 simulated A/A campaigns (promotion-rule.md §7: host x arm sd 1%, arm noise 1%, random order with 1%
+    # drift for the second arm), 3 hosts x 2 blocks per round up to the cap, no A/A bias bound to hide behind.
+    promoted = 0
+    wins = 0
+    for seed in range(200):
+        rng = np.random.default_rng(seed)
+        host_arm = rng.normal(0, 0.01, 3)
+        hosts = [h for _ in range(12) for h in range(3)]
+        drift = 0.01 * rng.choice([-1.0, 1.0], len(hosts))
+        noise = rng.normal(0, 0.01, len(hosts)) - rng.normal(0, 0.01, len(hosts))
+        d = host_arm[hosts] + drift + noise
+        s = sequential_state(d, hosts, [i // 6 for i in range(len(hosts))], bounds=SprtBounds.of(seq_policy),
+                             policy=seq_policy)
+        promoted += s.decision == UPPER
+        wins += sequential_state(d + math.log(1.05), hosts, [i // 6 for i in range(len(hosts))],
+                                 bounds=SprtBounds.of(seq_policy), policy=seq_policy).decision == UPPER
+    assert promoted <= 4, promoted  # nominal alpha 5% is at a 1% speed-up; at 0% it must stay near 1%
+    assert wins >= 180, wins
