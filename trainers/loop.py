@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ablate.config.schema import ConfigError, HardwareConfig, NodeCheckConfig
+from ablate.config.schema import ConfigError, HardwareConfig
 from ablate.sweep.node_check import read_document
 from trainers.compile import CompileWatch, WarmupDecision, compile_regions, is_graph_break_error, resolve_warmup
 from trainers.data import build_source
@@ -258,7 +258,7 @@ def run_worker(spec: ArmSpec, ctx: WorkerContext, finalize: Optional[Callable[[W
         result.software = software_versions()
         result.env = capture_env()
         if ctx.rank == 0:
-            result.node_check = read_document(NodeCheckConfig().path, ctx.node_id or "").summary()
+            result.node_check = read_document(spec.node_check_path, ctx.node_id or "").summary()
         device = resolve_device(lane.hardware, ctx.cuda_index)
         result.device = device.type
         torch.set_num_threads(_threads(lane.hardware, ctx.local_world_size))

@@ -43,6 +43,9 @@ class ArmSpec:
     attempt: int = 0
     receipt_id: Optional[str] = None
     """Stable across retries of the same arm attempt so replays stay idempotent; generated when None."""
+    node_check_path: str = "~/.ablate/node_check.json"
+    """Where this node keeps its ``ablate doctor --deep`` document (the campaign's ``node_check.path``); the
+    receipt names the document the arm ran under."""
     inject: dict[str, Any] = field(default_factory=dict)
     """Fault injection for tests only (raise_at_step, nan_at_step, oom_at_step, kill_at_step)."""
 

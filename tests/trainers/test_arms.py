@@ -136,6 +136,14 @@ def test_valid_arm_records_requested_and_observed_facts(arms: dict[str, Receipt]
     assert all(0 < share[f] < 1 for f in "AEM") and sum(share[f] for f in "AEM") <= 1.0
     assert receipt.family_share_method == "hooks"
     assert receipt.identity.software["torch"] and len(receipt.identity.software_fingerprint) == 16
+    # The node's deep-check document the arm ran under (none on a test host: the receipt says why), and energy:
+    # a number with its source where the host has readable counters, else null with the reason.
+    node_check = receipt.observed.node_check
+    assert node_check["path"].endswith("node_check.json")
+    assert node_check["sha256"] or "no document at" in node_check["why"], node_check
+    energy = receipt.energy
+    assert energy is not None and energy.tokens in (None, receipt.throughput.tokens)
+    assert (energy.source is not None and energy.joules > 0) or (energy.source is None and energy.why), energy
     assert receipt.identity.config_hash and receipt.identity.host and receipt.identity.pid
 
 
