@@ -257,6 +257,10 @@ class FeatureSpec:
         return self.inert_when(lane, baseline)
 
 
+BUNDLE = "bundle"
+"""``feature`` of a bundle block (planned with ``bundle_blocks``): the candidate arm runs every tested speed
+feature's candidate value together against the defaults; ``ablate.promote.bundle`` judges the set with it."""
+
 FEATURES: dict[str, FeatureSpec] = {
     spec.name: spec
     for spec in (

@@ -379,6 +379,9 @@ class SweepConfig:
     """Blocks per (feature, candidate value)."""
     aa_blocks: int = 1
     """Baseline-vs-baseline blocks per lane, for the noise floor."""
+    bundle_blocks: int = 0
+    """Blocks per round comparing the defaults with every tested speed feature's candidate value at once: the
+    evidence ``promote --write`` needs before it changes two or more defaults of one lane (the bundle check)."""
     design: Design = Design.one_at_a_time
     block_mode: BlockMode = BlockMode.interleaved
     """How a block's two arms share the node: interleaved cancels the machine's speed drift between the arms
@@ -399,6 +402,8 @@ class SweepConfig:
         _positive("blocks", self.blocks)
         _at_most("blocks", self.blocks, MAX_BLOCKS, "blocks per tested value")
         _non_negative("aa_blocks", self.aa_blocks)
+        _non_negative("bundle_blocks", self.bundle_blocks)
+        _at_most("bundle_blocks", self.bundle_blocks, MAX_BLOCKS, "bundle blocks per round")
         _at_most("aa_blocks", self.aa_blocks, MAX_BLOCKS, "A/A blocks per lane")
         _non_negative("max_failures", self.max_failures)
         budget = self.lane.budget

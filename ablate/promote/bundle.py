@@ -66,9 +66,9 @@ def _key(values: Any) -> str:
 
 def _campaign_hint(values: dict[str, Any], policy: Policy) -> str:
     shown = ", ".join(f"{f}={v}" for f, v in sorted(values.items()))
-    return (f"run >= {policy.bundle.min_blocks} bundle blocks in this lane: candidate arm {shown} together, "
-            f"baseline arm the current defaults (identity.feature {'bundle'!r}; the sweep planner does not plan "
-            f"them yet)")
+    return (f"run >= {policy.bundle.min_blocks} bundle blocks in this lane ({shown} together against the "
+            f"current defaults): add `bundle_blocks: {policy.bundle.min_blocks}` to the campaign that tests them "
+            f"(each feature with that one value) and run a round")
 
 
 def check_bundles(verdicts: list[FeatureVerdict], bundle_blocks: list[Block], policy: Policy) -> list[BundleCheck]:

@@ -29,7 +29,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from ablate.config.features import FEATURES
+from ablate.config.features import BUNDLE, FEATURES
 from ablate.config.load import with_feature
 from ablate.config.schema import ConfigError, LaneConfig
 from ablate.promote.policy import Policy
@@ -39,10 +39,9 @@ from ablate.receipts.schema import WARN_CODES, Receipt
 # Identity fields both arms of a block must share; a difference means the two runs are not one comparison.
 _SHARED_IDENTITY = ("sweep_id", "campaign", "lane_key", "feature", "kind", "host", "software_fingerprint", "pairing",
                     "code_fingerprint", "hardware_fingerprint")
-BUNDLE = "bundle"
-"""``identity.feature`` of a bundle block: the candidate arm runs every value of ``feature_value`` (a mapping
-feature -> value, two or more registered speed features) together, against ``baseline_value`` (feature -> old
-value); nothing else in the lane differs. Judged by ``ablate.promote.bundle``, never a promotion test itself."""
+# ``identity.feature`` of a bundle block: the candidate arm runs every value of ``feature_value`` (a mapping
+# feature -> value, two or more registered speed features) together, against ``baseline_value`` (feature -> old
+# value); nothing else in the lane differs. Judged by ``ablate.promote.bundle``, never a promotion test itself.
 FAILURE_CODE = "ARM_FAILED"
 """The only code a failed arm is spared at the gate: it *is* the failure, which counts as a loss instead."""
 

@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from ablate.config.features import FEATURES, feature
+from ablate.config.features import BUNDLE, FEATURES, feature
 from ablate.config.load import (Defaults, already_default_reason, lane_shape_of, lane_to_dict, load_lane,
                                 with_feature)
 from ablate.config.schema import ConfigError, Design, LaneConfig, SweepConfig
@@ -204,7 +204,7 @@ def _check_size(sweep: SweepConfig, tested_values: dict[str, list[Any]]) -> None
         num_blocks += every * sweep.aa_blocks
         how = f"{tests} tested value(s) over a grid of {every:,} context lane(s)"
     else:
-        num_blocks = tests * sweep.blocks + sweep.aa_blocks
+        num_blocks = tests * sweep.blocks + sweep.aa_blocks + sweep.bundle_blocks
         how = f"{tests} tested value(s)"
     if num_blocks > MAX_PLANNED_BLOCKS:
         raise ConfigError("blocks", sweep.blocks,
@@ -237,6 +237,10 @@ def _groups(sweep: SweepConfig, skipped: list[tuple[str, str]], defaults: Option
                     continue
                 groups.append(_Group(name, _normalised(name, candidate), base, candidate, context, sweep.blocks,
                                      base_key))
+    if sweep.bundle_blocks:
+        bundle = _bundle_group(sweep, groups, skipped)
+        if bundle is not None:
+            groups.append(bundle)
     if not any(tested_values.values()):
         aa_lanes.setdefault(lane_key(sweep.lane), (sweep.lane, {}))
         if sweep.features:
@@ -250,6 +254,29 @@ def _groups(sweep: SweepConfig, skipped: list[tuple[str, str]], defaults: Option
         for key, (base, context) in aa_lanes.items():
             groups.append(_Group(None, None, base, base, context, sweep.aa_blocks, key))
     return groups
+
+
+def _bundle_group(sweep: SweepConfig, groups: list[_Group], skipped: list[tuple[str, str]]) -> Optional[_Group]:
+    """The defaults against every tested speed feature's candidate value at once, in the campaign's own lane.
+
+    A feature tested with several values is left out (which of them would be promoted is not known before the
+    verdicts); an inert or already-default value never reached ``groups``, so it is not in the bundle either."""
+    values: dict[str, list[Any]] = {}
+    for group in groups:
+        if group.feature is not None and not group.context and FEATURES[group.feature].kind == "speed":
+            values.setdefault(group.feature, []).append(group.value)
+    several = sorted(name for name, vals in values.items() if len(vals) > 1)
+    if several:
+        skipped.append((f"bundle: {', '.join(several)}", "tested with several values; which one would be promoted "
+                                                          "is not known before the verdicts: bundle it alone"))
+    chosen = {name: vals[0] for name, vals in sorted(values.items()) if len(vals) == 1}
+    if len(chosen) < 2:
+        skipped.append((f"bundle_blocks: {sweep.bundle_blocks}", f"a bundle needs two or more speed features with one "
+                                                                 f"candidate value each in the lane; "
+                                                                 f"has {sorted(chosen) or 'none'}"))
+        return None
+    return _Group(BUNDLE, chosen, sweep.lane, _apply(sweep.lane, chosen), {}, sweep.bundle_blocks,
+                  lane_key(sweep.lane))
 
 
 def _balanced_orders(rng: random.Random, count: int) -> list[tuple[int, int]]:
@@ -290,6 +317,11 @@ def plan_sweep(sweep: SweepConfig, sweep_id: str, defaults: Optional[Defaults] =
         if group.feature is None:
             arms = (ArmPlan("aa", 0, group.baseline_lane, None), ArmPlan("aa", 1, group.baseline_lane, None))
             kind, baseline_value = AA_KIND, None
+        elif group.feature == BUNDLE:
+            baseline_value = {name: _normalised(name, group.baseline_lane) for name in group.value}
+            arms = (ArmPlan("baseline", 0, group.baseline_lane, baseline_value),
+                    ArmPlan("candidate", 1, group.candidate_lane, group.value))
+            kind = "speed"
         else:
             baseline_value = _normalised(group.feature, group.baseline_lane)
             arms = (ArmPlan("baseline", 0, group.baseline_lane, baseline_value),

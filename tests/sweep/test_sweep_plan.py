@@ -36,7 +36,7 @@ def test_smoke_campaign_expands_to_matched_blocks_and_aa() -> None:
     plan = plan_sweep(sweep, sweep_id="s1")
     per_feature = Counter(b.feature for b in plan.blocks)
     assert per_feature == {"moe_dispatch": sweep.blocks, "mamba_scan": sweep.blocks, "stp": sweep.blocks,
-                           None: sweep.aa_blocks}
+                           None: sweep.aa_blocks, "bundle": sweep.bundle_blocks}
     # The smoke lane has no R block: the recurrent toggle is refused before any arm runs, with the reason.
     assert [what for what, _ in plan.skipped] == ["recurrent_scan=parallel"]
     assert [b.block_id for b in plan.blocks] == [f"b{i:03d}" for i in range(len(plan.blocks))]
@@ -44,6 +44,9 @@ def test_smoke_campaign_expands_to_matched_blocks_and_aa() -> None:
         if block.is_aa:
             assert [a.arm for a in block.arms] == ["aa", "aa"] and _diff(block) == set()
             assert block.kind == "aa" and block.baseline_value is None
+        elif block.feature == "bundle":  # both speed features at once (the tax stays out)
+            assert _diff(block) == {"features.moe_dispatch", "features.mamba_scan"}
+            assert block.candidate_value == {"mamba_scan": "chunked", "moe_dispatch": "jagged"}
         else:
             assert [a.arm for a in block.arms] == ["baseline", "candidate"]
             # Defaults vs defaults + exactly one change, and the baseline is the defaults.yaml value.
@@ -257,3 +260,50 @@ def test_the_baseline_arm_runs_the_lanes_override(tmp_path: Path) -> None:
     other = tmp_path / "other.yaml"
     other.write_text("defaults: defaults.yaml\nlane: {batch: {seq_len: 128}}\nfeatures: {mamba_scan: [chunked]}\n")
     assert load_sweep(other)[0].lane.features.moe_dispatch.value == "padded"  # another lane shape
+
+
+def test_bundle_blocks_run_every_tested_speed_value_together_and_promotion_reads_them(tmp_path: Path) -> None:
+    """``bundle_blocks``: the defaults against all single-valued speed features at once; real arms of such a
+    block are recognised by promotion as a bundle pair (no refusal), which is what ``--write`` needs."""
+    from sweeps_common import tiny_smoke
+
+    from ablate.config.features import BUNDLE
+    from ablate.promote.match import match_blocks
+    from ablate.promote.policy import load_policy
+    from ablate.sweep.trial import make_arm_spec
+    from trainers.run import run_arm
+
+    campaign = tiny_smoke(tmp_path, steps=5, features={"moe_dispatch": ["jagged", "grouped_mm"],
+                                                       "mamba_scan": ["chunked"], "fused_residual": ["on"],
+                                                       "stp": ["on"], "mla_ingress": ["fused"]},
+                          bundle_blocks=2, aa_blocks=0)
+    sweep, defaults = load_sweep(campaign)
+    plan = plan_sweep(sweep, "bundle-test", defaults)
+    bundles = [b for b in plan.blocks if b.feature == BUNDLE]
+    assert len(bundles) == 2 and all(b.kind == "speed" for b in bundles)
+    # A tax (stp) never joins; a feature tested with several values is left out and the plan says why.
+    new = {"mamba_scan": "chunked", "fused_residual": "on", "mla_ingress": "fused"}
+    assert bundles[0].candidate_value == new
+    assert bundles[0].baseline_value == {"mamba_scan": "sequential", "fused_residual": "off", "mla_ingress": "unfused"}
+    assert any(what.startswith("bundle: moe_dispatch") for what, _ in plan.skipped)
+    base, cand = (arm.lane for arm in bundles[0].arms)
+    diff = {k for k, v in flatten(lane_to_dict(cand)).items() if flatten(lane_to_dict(base))[k] != v}
+    assert diff == {"features.mla_ingress", "features.mamba_scan", "features.fused_residual"}
+
+    receipts = [run_arm(make_arm_spec(bundles[0], position, arm, sweep_id="bundle-test", campaign=sweep.name,
+                                      receipt_dir=str(tmp_path / "receipts")))
+                for position, arm in bundles[0].run_order()]
+    assert all(r.identity.feature == BUNDLE and r.identity.status.value != "failed" for r in receipts), \
+        [r.error for r in receipts]
+    blocks, refusals = match_blocks(receipts, load_policy(REPO / "search_spaces" / "policies" / "default.yaml"))
+    assert refusals == [] and [b.feature for b in blocks] == [BUNDLE]
+
+
+def test_bundle_blocks_need_two_single_valued_speed_features(tmp_path: Path) -> None:
+    from sweeps_common import tiny_smoke
+
+    campaign = tiny_smoke(tmp_path, features={"moe_dispatch": ["jagged"], "stp": ["on"]}, bundle_blocks=3)
+    sweep, defaults = load_sweep(campaign)
+    plan = plan_sweep(sweep, "x", defaults)
+    assert not [b for b in plan.blocks if b.feature == "bundle"]
+    assert any(what == "bundle_blocks: 3" and "two or more speed features" in why for what, why in plan.skipped)
