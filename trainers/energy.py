@@ -144,7 +144,7 @@ class _Rapl:
         for i, (path, wrap) in enumerate(self.zones):
             now = self._raw(path)
             delta = now - self.last[i]
-            self.total_uj += delta if delta >= 0 else delta + wrap
+            self.total_uj += delta if delta >= 0 else (delta + wrap if wrap > 0 else 0)
             self.last[i] = now
         return self.total_uj / 1e6
 
@@ -160,7 +160,9 @@ def _rapl_meter() -> EnergyMeter:
     if not packages:
         return EnergyMeter(why=f"no RAPL package zone under {root}")
     try:
-        parsed = [(p, int(_text(p / "max_energy_range_uj") or 0) or 2 ** 32) for p in packages]
+        # The counter runs 0..max_energy_range_uj inclusive, so one wrap is that range + 1. No range file: the
+        # wrap cannot be undone, so a wrapped delta is dropped rather than guessed (see _Rapl).
+        parsed = [(p, int(_text(p / "max_energy_range_uj") or -1) + 1) for p in packages]
         reader = _Rapl(parsed)
     except PermissionError:
         return EnergyMeter(why=f"RAPL counters under {root} are readable by root only (Linux >= 5.10); run the "
@@ -190,9 +192,14 @@ def _nvml_meter(device: torch.device) -> EnergyMeter:
         return EnergyMeter(why=f"NVML unavailable: {exc}")
     index = device.index if device.index is not None else torch.cuda.current_device()
     uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
-    handle = (pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}") if uuid is not None
-              else pynvml.nvmlDeviceGetHandleByIndex(index))
-    scope = f"GPU {index} of {socket.gethostname()} ({pynvml.nvmlDeviceGetName(handle)}, board power only)"
+    try:
+        handle = (pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}") if uuid is not None
+                  else pynvml.nvmlDeviceGetHandleByIndex(index))
+        name = pynvml.nvmlDeviceGetName(handle)
+    except pynvml.NVMLError as exc:  # e.g. a MIG instance: NVML knows its parent board by another UUID
+        pynvml.nvmlShutdown()
+        return EnergyMeter(why=f"NVML cannot find this GPU ({exc}): no energy reading")
+    scope = f"GPU {index} of {socket.gethostname()} ({name}, board power only)"
     try:
         pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
         return EnergyMeter(source="nvml_energy_counter", scope=scope,
@@ -218,14 +225,15 @@ def _nvml_meter(device: torch.device) -> EnergyMeter:
 class _PowerSampler:
     """Integrates watts sampled on a daemon thread: the energy counter's stand-in on boards without one."""
 
-    def __init__(self, watts: Any) -> None:
-        self._watts, self._lock, self._stop = watts, threading.Lock(), threading.Event()
-        self._joules, self._last = 0.0, (time.perf_counter(), watts())
+    def __init__(self, watts: Any, clock: Any = time.perf_counter, thread: bool = True) -> None:
+        self._watts, self._clock, self._lock, self._stop = watts, clock, threading.Lock(), threading.Event()
+        self._joules, self._last = 0.0, (clock(), watts())
         self._thread = threading.Thread(target=self._run, name="ablate-power", daemon=True)
-        self._thread.start()
+        if thread:
+            self._thread.start()
 
     def _sample(self) -> None:
-        now, watts = time.perf_counter(), self._watts()
+        now, watts = self._clock(), self._watts()
         with self._lock:
             then, before = self._last
             self._joules += (now - then) * (watts + before) / 2
@@ -244,4 +252,5 @@ class _PowerSampler:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=1.0)
+        if self._thread.is_alive():
+            self._thread.join(timeout=1.0)

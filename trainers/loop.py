@@ -143,6 +143,10 @@ class LossMonitor:
             self.waits += 1
             self._read(self._pending.popleft())
 
+    def drop(self) -> None:
+        """Forget the unread steps (their device work failed: there is nothing left to read)."""
+        self._pending.clear()
+
     def _read(self, pending: tuple[int, torch.Tensor, Any]) -> None:
         step, host, fence = pending
         fence.synchronize()
@@ -429,9 +433,21 @@ def _collect(result: WorkerResult, st: _ArmState) -> None:
     if st.watch is not None:
         st.watch.close()
     if st.meter is not None:
-        st.meter.close()
+        try:
+            st.meter.close()
+        except Exception:  # noqa: BLE001 - NVML going away at the end must not cost the receipt
+            pass
     if st.monitor is not None:
-        st.monitor.flush()
+        try:
+            st.monitor.flush()
+        except Exception as exc:  # noqa: BLE001 - a sticky CUDA error raises here too; the receipt must survive
+            st.monitor.drop()
+            note = f"the last {LOSS_LAG_STEPS} losses could not be read: {type(exc).__name__}: {exc}"
+            if result.error is None:
+                result.error = {"type": type(exc).__name__, "category": "exception", "step": None,
+                                "message": redact_text(note)[-4000:]}
+            else:
+                result.error["message"] = (result.error.get("message", "") + "\n" + redact_text(note))[-4000:]
         result.losses = st.monitor.values
     if st.last is not None:
         finite = [v for v in result.losses if math.isfinite(v)]

@@ -87,13 +87,21 @@ def check_bundles(verdicts: list[FeatureVerdict], bundle_blocks: list[Block], po
         delta = max(v.delta for v in promoted)
         check = BundleCheck(lane_key=lane_key, values=values, old=old, status=NOT_MEASURED, reason="",
                             test_keys=[v.test_key for v in promoted], singles=singles, delta=delta)
-        rows = [(b, b.log_ratio(policy.failures.failed_log_ratio)) for b in bundle_blocks
-                if b.lane_key == lane_key and _key(b.value) == _key(values) and not b.candidate.gated_codes]
+        # Evidence under the lane's current software only, as for the singles: older bundle blocks measured
+        # other code (the single tests treat them as superseded).
+        current = {v.software_fingerprint for v in promoted}
+        same = [b for b in bundle_blocks if b.lane_key == lane_key and _key(b.value) == _key(values)]
+        stale = sum(b.software_fingerprint not in current for b in same)
+        rows = [(b, b.log_ratio(policy.failures.failed_log_ratio)) for b in same
+                if b.software_fingerprint in current and not b.candidate.gated_codes]
         rows = [(b, r) for b, r in rows if r is not None]
         check.num_blocks = len(rows)
-        if len(rows) < policy.bundle.min_blocks:
+        shortfall = _shortfall([b for b, _ in rows], policy)
+        if len(rows) < policy.bundle.min_blocks or shortfall:
+            why = shortfall or f"need {policy.bundle.min_blocks}"
             check.reason = (f"bundle not measured: {len(rows)} bundle block(s) of {len(values)} values together "
-                            f"(need {policy.bundle.min_blocks}); {_campaign_hint(values, policy)}")
+                            f"({why}){f'; {stale} more under older software, not counted' if stale else ''}; "
+                            f"{_campaign_hint(values, policy)}")
             checks.append(check)
             continue
         d = np.asarray([r for _, r in rows], dtype=float)
@@ -107,13 +115,51 @@ def check_bundles(verdicts: list[FeatureVerdict], bundle_blocks: list[Block], po
         check.bundle_ci95 = (math.exp(quantile(theta, 0.025)), math.exp(quantile(theta, 0.975)))
         check.interaction = bundle_log - sum(math.log(s) for s in singles.values())
         ok = bundle_log >= math.log(best) - math.log1p(delta)
-        check.status = PASSED if ok else FAILED
+        gates = _gates(check, [b for b, _ in rows], promoted, policy)
+        check.status = PASSED if ok and not gates else FAILED
         check.reason = (f"bundle {check.bundle_speedup:.4f}x over {len(rows)} block(s) "
                         f"{'reaches' if ok else 'falls short of'} the best single ({best_feature} {best:.4f}x) "
                         f"within delta {delta:.2%}; interaction estimate {check.interaction:+.4f} (log; "
-                        f"{math.expm1(check.interaction):+.2%} vs the product of the singles)")
+                        f"{math.expm1(check.interaction):+.2%} vs the product of the singles)"
+                        + "".join(f"; {gate}" for gate in gates))
         checks.append(check)
     return checks
+
+
+def _shortfall(blocks: list[Block], policy: Policy) -> str:
+    """Why the bundle's evidence is too thin to judge (rounds separate in time, hosts), as for a single test."""
+    from ablate.promote.evidence import _rounds
+
+    rounds = [r for r in _rounds(blocks, policy) if r.counted] if blocks else []
+    hosts = {b.host for b in blocks}
+    problems = []
+    if len(rounds) < policy.evidence.min_rounds:
+        problems.append(f"{len(rounds)} counted round(s), need {policy.evidence.min_rounds} separate in time")
+    if len(hosts) < policy.evidence.min_hosts:
+        problems.append(f"{len(hosts)} host(s), need {policy.evidence.min_hosts}")
+    return "; ".join(problems)
+
+
+def _gates(check: BundleCheck, blocks: list[Block], promoted: list[FeatureVerdict], policy: Policy) -> list[str]:
+    """What besides the size must hold for the set, as for any promotion: a win that excludes none at all, and a
+    loss no worse together than the lane's epsilon."""
+    gates = []
+    if check.bundle_ci95 is not None and check.bundle_ci95[0] <= 1.0:
+        gates.append(f"its 95% interval [{check.bundle_ci95[0]:.4f}x, {check.bundle_ci95[1]:.4f}x] does not exclude "
+                     f"no win")
+    losses = [(b.host, d) for b in blocks if (d := b.loss_delta()) is not None]
+    epsilon = max(v.epsilon for v in promoted)
+    if losses:
+        hosts = np.asarray([h for h, _ in losses], dtype=object)
+        rng = np.random.default_rng([policy.bootstrap.seed, zlib.crc32(f"bundle-loss@{check.lane_key}".encode())])
+        theta = bootstrap_hl(np.asarray([d for _, d in losses], dtype=float),
+                             hosts if len(set(hosts.tolist())) > 1 else None, policy.bootstrap.loss_resamples, rng)
+        upper = quantile(theta, 1.0 - policy.quality.alpha)
+        if upper > epsilon:
+            gates.append(f"the loss is worse together: upper bound {upper:+.4g} > epsilon {epsilon:.4g}")
+    elif policy.quality.require_loss:
+        gates.append("no loss was measured on the bundle blocks (quality.require_loss)")
+    return gates
 
 
 def held_keys(checks: list[BundleCheck], policy: Policy) -> set[str]:

@@ -110,21 +110,25 @@ def _global_values(defaults: Defaults | Mapping[str, Any]) -> Mapping[str, Any]:
     return defaults.values if isinstance(defaults, Defaults) else defaults
 
 
-def _shape_overrides(tests: list[FeatureVerdict], promoted: list[FeatureVerdict]) -> tuple[dict[str, Any],
-                                                                                           list[str]]:
-    """Lane shape -> override value, for shapes whose promoting lanes agree and where no lane rejected it.
+def _shape_overrides(tests: list[FeatureVerdict], promoted: list[FeatureVerdict],
+                     held: frozenset[str] | set[str] = frozenset()) -> tuple[dict[str, Any], list[str]]:
+    """Lane shape -> override value, for shapes whose promoting lanes agree and where no lane rejected it or
+    held it (a failed or unmeasured bundle check).
 
     A shape ignores feature values, so the lanes of one grid campaign (contexts) share it: one override covers
-    them all, and is written only when they do not contradict each other.
+    them all, and is written only when they do not contradict each other; a lane whose bundle check held the
+    value would otherwise receive it through the override of a sibling lane.
     """
     overrides: dict[str, Any] = {}
     conflicts: list[str] = []
     for shape in sorted({v.lane_shape for v in promoted}):
         values = {str(v.value): v.value for v in promoted if v.lane_shape == shape}
         rejected = any(v.verdict == REJECT and v.lane_shape == shape and str(v.value) in values for v in tests)
-        if len(values) > 1 or rejected:
-            conflicts.append(f"no override for {shape}: its lanes " + ("promoted different values" if
-                                                                       len(values) > 1 else "also rejected it"))
+        withheld = any(v.test_key in held and v.lane_shape == shape for v in tests)
+        if len(values) > 1 or rejected or withheld:
+            conflicts.append(f"no override for {shape}: its lanes " + (
+                "promoted different values" if len(values) > 1 else "also rejected it" if rejected else
+                "include one whose bundle check held it"))
             continue
         overrides[shape] = next(iter(values.values()))
     return overrides, conflicts
@@ -165,7 +169,7 @@ def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mappin
         scope = "global" if flip else "lane"
         overrides: dict[str, Any] = {}
         if not flip:
-            overrides, conflicts = _shape_overrides(tests, promoted)
+            overrides, conflicts = _shape_overrides(tests, promoted, held)
             not_global += conflicts
         changes.append(DefaultsChange(
             feature=feature, old=globals_.get(feature, promoted[0].baseline_value),

@@ -376,6 +376,15 @@ def _check(policy: Policy) -> None:
     if seq.delta1 <= seq.delta0:
         raise _error("sequential.delta1", seq.delta1, f"a fraction above sequential.delta0 = {seq.delta0:g} (H1 "
                                                       f"must be a larger speed-up than H0)")
+    if seq.delta0 < policy.threshold.min_effect:
+        # The upper crossing replaces the fixed rule's min_effect clause: H0 below it would promote wins the
+        # policy calls too small to matter (delta0 0, delta1 1% promotes a true 0.8%).
+        raise _error("sequential.delta0", seq.delta0, f"a fraction >= threshold.min_effect = "
+                                                      f"{policy.threshold.min_effect:g} (H0 is 'no win worth having')")
+    if seq.max_blocks < policy.evidence.min_rounds * policy.evidence.min_blocks_per_round:
+        raise _error("sequential.max_blocks", seq.max_blocks,
+                     f"an integer >= evidence.min_rounds x evidence.min_blocks_per_round = "
+                     f"{policy.evidence.min_rounds * policy.evidence.min_blocks_per_round} (else nothing promotes)")
     if seq.max_blocks < seq.min_blocks:
         raise _error("sequential.max_blocks", seq.max_blocks,
                      f"an integer >= sequential.min_blocks = {seq.min_blocks}")

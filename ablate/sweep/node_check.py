@@ -215,13 +215,14 @@ def assess(requests_for: Any, docs: list[NodeDoc], config: NodeCheckConfig) -> l
         requests = requests_for(doc.has_gpu)
         devices = {r.device for r in requests}
         checked = str((doc.document or {}).get("device", "")).split(":")[0]
-        if doc.document is None or checked not in devices:
-            why = doc.why or (f"{doc.path} checked device {checked or '?'}, the lane runs on "
-                              f"{'/'.join(sorted(devices))} here: run `ablate doctor --deep --device "
-                              f"{sorted(devices)[0]}` on this node")
-            findings.append(Finding(doc.host, "no-document", config.required,
-                                    why + ("" if config.required else " (node_check.required is false: not enforced)")))
+        unenforced = "" if config.required else " (node_check.required is false: not enforced)"
+        if doc.document is None:
+            findings.append(Finding(doc.host, "no-document", config.required, doc.why + unenforced))
             continue
+        for device in sorted(devices - {checked}):  # e.g. a CPU lane on a GPU node checked on CUDA only
+            findings.append(Finding(doc.host, "no-document", config.required,
+                                    f"{doc.path} checked device {checked or '?'}, the lane runs on {device} here: "
+                                    f"run `ablate doctor --deep --device {device}` on this node" + unenforced))
         for req in sorted(requests, key=lambda r: (r.op, r.backend)):
             if req.device != checked:
                 continue

@@ -201,7 +201,7 @@ def _check_size(sweep: SweepConfig, tested_values: dict[str, list[Any]]) -> None
         every = math.prod(axes.values())
         # A tested feature's contexts are the combinations of the others' axes; A/A lanes at most all of them.
         num_blocks = sum(len(tested_values[name]) * (every // size) for name, size in axes.items()) * sweep.blocks
-        num_blocks += every * sweep.aa_blocks
+        num_blocks += every * sweep.aa_blocks + sweep.bundle_blocks
         how = f"{tests} tested value(s) over a grid of {every:,} context lane(s)"
     else:
         num_blocks = tests * sweep.blocks + sweep.aa_blocks + sweep.bundle_blocks

@@ -107,15 +107,16 @@ class SweepProgress(Callback):
             receipt = json.loads(result.get("receipt") or "{}")
             ident, projection = receipt["identity"], receipt.get("projection") or {}
             tps = projection.get("tokens_per_s")
-            if receipt["identity"]["status"] != "valid" or not tps or ident.get("feature") is None \
+            if receipt["identity"]["status"] != "valid" or not tps or ident.get("feature") in (None, "bundle") \
                     or ident.get("kind") == "aa":
                 return
             name = f"{ident['feature']}={ident['feature_value']}"
         except (KeyError, TypeError, ValueError):
             return
         arms = self._metric.setdefault((block, attempt), {})
+        complete = {"baseline", "candidate"} <= set(arms)
         arms[ident["arm"]] = (name, float(tps))
-        if {"baseline", "candidate"} <= set(arms):
+        if not complete and {"baseline", "candidate"} <= set(arms):  # a repeated event adds no second ratio
             self._ratios.setdefault(arms["candidate"][0], []).append(
                 math.log(arms["candidate"][1] / arms["baseline"][1]))
 

@@ -283,9 +283,11 @@ def moe(ratio: float = 1.0, loss_effect: float = 0.0) -> FeatureTruth:
 
 def simulate_bundle(values: dict[str, Any], old: dict[str, Any], ratio: float, seed: int, *, hosts: int = 3,
                     blocks_per_host: int = 2, noise: float = 0.003, campaign: str = "sim",
-                    lane: Optional[dict[str, Any]] = None, day: int = 2) -> list[Receipt]:
+                    lane: Optional[dict[str, Any]] = None, day: int = 2, rounds: int = 2,
+                    software_fingerprint: str = "sw-1", loss_effect: float = 0.0) -> list[Receipt]:
     """Bundle blocks (``ablate.promote.match.BUNDLE``): the candidate runs every value of ``values`` together,
-    the baseline the old defaults ``old``; ``ratio`` is the bundle's true steady speed-up."""
+    the baseline the old defaults ``old``; ``ratio`` is the bundle's true steady speed-up. Each round is its own
+    sweep, a day after the one before (rounds are separate runs in time); ``blocks_per_host`` is per round."""
     rng = np.random.default_rng(seed)
     base = dict(lane or base_lane())
     base["budget.horizon_steps"] = 10_000
@@ -295,23 +297,25 @@ def simulate_bundle(values: dict[str, Any], old: dict[str, Any], ratio: float, s
     for name, value in values.items():
         cand[FEATURE_PATHS[name]] = value
     key = lane_key_of(base)
-    sweep_id = f"{campaign}-bundle"
     receipts = []
     counter = 0
-    for h in range(hosts):
-        for _ in range(blocks_per_host):
-            counter += 1
-            block_id = f"{sweep_id}-b{counter}"
-            cand_order = int(rng.integers(0, 2))
-            host_log = math.log(5000.0) + rng.normal(0, 0.02)
-            for arm_index, is_cand in ((0, False), (1, True)):
-                order = cand_order if is_cand else 1 - cand_order
-                log_tps = host_log + rng.normal(0, noise) + (math.log(ratio) if is_cand else 0.0)
-                receipts.append(make_receipt(
-                    receipt_id=f"{block_id}-a{arm_index}", sweep_id=sweep_id, block_id=block_id,
-                    arm="candidate" if is_cand else "baseline", arm_index=arm_index, order=order, feature="bundle",
-                    feature_value=dict(values) if is_cand else dict(old), baseline_value=dict(old),
-                    lane=cand if is_cand else base, host=f"node-{h}", tps=math.exp(log_tps),
-                    loss=5.0 + rng.normal(0, 0.002), created_at=T0 + timedelta(days=day, minutes=counter * 3 + order),
-                    campaign=campaign, lane_key=key, device="cuda"))
+    for r in range(rounds):
+        sweep_id = f"{campaign}-bundle-r{r}"
+        for h in range(hosts):
+            for _ in range(blocks_per_host):
+                counter += 1
+                block_id = f"{sweep_id}-b{counter}"
+                cand_order = int(rng.integers(0, 2))
+                host_log = math.log(5000.0) + rng.normal(0, 0.02)
+                for arm_index, is_cand in ((0, False), (1, True)):
+                    order = cand_order if is_cand else 1 - cand_order
+                    log_tps = host_log + rng.normal(0, noise) + (math.log(ratio) if is_cand else 0.0)
+                    receipts.append(make_receipt(
+                        receipt_id=f"{block_id}-a{arm_index}", sweep_id=sweep_id, block_id=block_id,
+                        arm="candidate" if is_cand else "baseline", arm_index=arm_index, order=order, feature="bundle",
+                        feature_value=dict(values) if is_cand else dict(old), baseline_value=dict(old),
+                        lane=cand if is_cand else base, host=f"node-{h}", tps=math.exp(log_tps),
+                        loss=5.0 + rng.normal(0, 0.002) + (loss_effect if is_cand else 0.0),
+                        created_at=T0 + timedelta(days=day + r, minutes=counter * 3 + order),
+                        campaign=campaign, lane_key=key, device="cuda", software_fingerprint=software_fingerprint))
     return receipts

@@ -45,7 +45,7 @@ def test_wins_that_do_not_add_up_are_caught(singles: list[Receipt], policy: Poli
     # Together the two only reach 2%: less than either alone.
     result = run(singles + simulate_bundle(NEW, OLD, 1.02, 3), policy, defaults_file)
     [check] = result.bundles
-    assert check.status == "failed" and check.num_blocks == 6 and result.changes == []
+    assert check.status == "failed" and check.num_blocks == 12 and result.changes == []
     assert check.bundle_speedup == pytest.approx(1.02, abs=0.01)
     expected = math.log(check.bundle_speedup) - sum(math.log(s) for s in check.singles.values())
     assert check.interaction == pytest.approx(expected) and check.interaction < -0.07
@@ -94,3 +94,49 @@ def test_a_bundle_block_that_is_not_old_vs_all_new_is_refused(policy: Policy, de
     single = simulate_bundle({"moe_dispatch": "jagged"}, {"moe_dispatch": "padded"}, 1.05, 8, blocks_per_host=1)
     refused = promote(single, policy_path=policy, defaults_path=defaults_file).refusals
     assert refused and "two or more features" in refused[0].reason
+
+
+def test_bundle_evidence_must_be_current_repeated_and_loss_safe(singles: list[Receipt], policy: Policy,
+                                                                defaults_file: Path) -> None:
+    """A bundle passes the gates a promotion passes, not only its size: blocks under older software do not
+    count, one round or one host is not measured, and a loss that is worse together holds the set."""
+    good = 1.05 * 1.06
+    stale = run(singles + simulate_bundle(NEW, OLD, good, 9, software_fingerprint="sw-0"), policy, defaults_file)
+    [check] = stale.bundles
+    assert check.status == "not_measured" and "12 more under older software" in check.reason
+    assert stale.changes == []
+
+    one_round = run(singles + simulate_bundle(NEW, OLD, good, 10, rounds=1, blocks_per_host=3), policy,
+                    defaults_file)
+    assert one_round.bundles[0].status == "not_measured" and "1 counted round(s), need 2" in one_round.bundles[0].reason
+    one_host = run(singles + simulate_bundle(NEW, OLD, good, 11, hosts=1, blocks_per_host=4), policy, defaults_file)
+    assert one_host.bundles[0].status == "not_measured" and "1 host(s), need" in one_host.bundles[0].reason
+    assert one_round.changes == one_host.changes == []
+
+    worse = run(singles + simulate_bundle(NEW, OLD, good, 12, loss_effect=0.05), policy, defaults_file)
+    [check] = worse.bundles
+    assert check.status == "failed" and "the loss is worse together" in check.reason and worse.changes == []
+
+
+def test_a_held_lane_is_not_written_through_its_shapes_override() -> None:
+    from ablate.promote.analysis import FeatureVerdict
+    from ablate.promote.defaults_writer import _shape_overrides
+
+    def verdict(lane: str) -> FeatureVerdict:
+        return FeatureVerdict(feature="moe_dispatch", value="jagged", baseline_value="padded", kind="speed",
+                              lane_key=lane, software_fingerprint="sw-1", lane_shape="shape-aaaaaaaaaaaa",
+                              verdict=PROMOTE)
+
+    tests = [verdict("lane-context"), verdict("lane-bundled")]
+    overrides, conflicts = _shape_overrides(tests, tests[:1], held=set())
+    assert overrides == {"shape-aaaaaaaaaaaa": "jagged"}
+    overrides, conflicts = _shape_overrides(tests, tests[:1], held={tests[1].test_key})
+    assert overrides == {} and "bundle check held it" in conflicts[0]
+
+
+def test_sequential_h0_below_min_effect_is_refused(policy: Policy) -> None:
+    from ablate.config.schema import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        with_overrides(policy, {"sequential.delta0": 0.0, "sequential.delta1": 0.01})
+    assert "sequential.delta0" in str(err.value) and "threshold.min_effect" in str(err.value)

@@ -146,3 +146,19 @@ def test_a_sweep_requesting_a_broken_backend_refuses_before_any_block(
     assert Request("cpu", "recurrent_scan", "recurrent_scan", "sequential") in requests
     findings = assess(lambda g: requests, read_node_checks(str(documents["broken"])), NodeCheckConfig())
     assert findings and not any(f.refuses for f in findings)
+
+
+def test_a_device_the_document_did_not_check_is_reported(tmp_path: Path, documents: dict[str, Path]) -> None:
+    # A GPU node whose document checked CUDA only, running a CPU lane and an auto (CUDA there) lane.
+    data = json.loads(documents["good"].read_text())
+    gpu_doc = tmp_path / "gpu.json"
+    gpu_doc.write_text(json.dumps({**data, "device": "cuda:0"}))
+    cpu_lane = _lane()
+    cpu_lane = replace(cpu_lane, hardware=replace(cpu_lane.hardware, device=type(cpu_lane.hardware.device)("cpu")))
+    doc = read_document(str(gpu_doc), "node-g", "node-g", has_gpu=True)
+    for required in (False, True):
+        findings = assess(lambda has_gpu: lane_requests([cpu_lane, _lane()], has_gpu), [doc],
+                          NodeCheckConfig(required=required))
+        missing = [f for f in findings if f.status == "no-document"]
+        assert len(missing) == 1 and "the lane runs on cpu here" in missing[0].reason
+        assert missing[0].refuses is required

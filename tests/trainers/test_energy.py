@@ -26,7 +26,7 @@ def _zone(root: Path, name: str, zone: str, energy_uj: int, wrap: int = 2 ** 32)
     path.mkdir(parents=True)
     (path / "name").write_text(name + "\n")
     (path / "energy_uj").write_text(f"{energy_uj}\n")
-    (path / "max_energy_range_uj").write_text(f"{wrap}\n")
+    (path / "max_energy_range_uj").write_text(f"{wrap - 1}\n")  # the counter's largest value; it wraps after it
     return path
 
 
@@ -100,18 +100,25 @@ def test_ranks_are_combined_once_per_scope_and_null_when_one_could_not_measure()
 
 
 def test_power_samples_integrate_to_joules() -> None:
-    watts = {"now": 100.0}
-    sampler = _PowerSampler(lambda: watts["now"])
+    # A hand-driven clock: the thread's timing on a loaded host must not decide the test.
+    now, watts = {"t": 0.0}, {"w": 100.0}
+    sampler = _PowerSampler(lambda: watts["w"], clock=lambda: now["t"], thread=False)
+    for _ in range(10):                  # 0.2 s at 100 W
+        now["t"] += 0.02
+        sampler._sample()
+    watts["w"] = 300.0
+    for _ in range(10):                  # 0.2 s at 300 W; the first interval is a trapezoid from 100 W
+        now["t"] += 0.02
+        sampler._sample()
+    assert sampler.joules() == pytest.approx(20.0 + 60.0 - 0.02 * 200.0 / 2)
+    sampler.stop()
+
+    live = _PowerSampler(lambda: 50.0)  # the real thread integrates too
     try:
-        start, begin = sampler.joules(), time.perf_counter()
-        time.sleep(0.2)
-        watts["now"] = 300.0
-        time.sleep(0.2)
-        joules, seconds = sampler.joules() - start, time.perf_counter() - begin
+        time.sleep(0.1)
+        assert 0.0 < live.joules() < 50.0 * 5.0
     finally:
-        sampler.stop()
-    # ~0.2 s at 100 W and ~0.2 s at 300 W, within one 20 ms sample of the change (trapezoids blur one interval).
-    assert 200.0 * seconds * 0.8 < joules < 200.0 * seconds * 1.2, (joules, seconds)
+        live.stop()
 
 
 def test_an_arm_records_its_energy_and_the_receipt_validates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

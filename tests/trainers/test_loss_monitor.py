@@ -83,3 +83,22 @@ def test_every_rank_stops_at_the_same_step(tmp_path) -> None:
     mp.spawn(_rank, args=(port, str(tmp_path / "rank")), nprocs=2, join=True)
     results = [json.loads((tmp_path / f"rank.{r}").read_text()) for r in range(2)]
     assert results[0] == results[1] == {"ran": 6, "nonfinite_step": 3, "first": 1.0}
+
+
+def test_a_fence_that_raises_at_the_end_costs_the_losses_not_the_result() -> None:
+    # After a sticky CUDA error every later synchronize raises: the arm must still return a result (its receipt).
+    from trainers.loop import _ArmState, _collect
+    from trainers.result import WorkerResult
+
+    class Broken:
+        def synchronize(self) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monitor = LossMonitor(1, torch.device("cpu"), lag=4, deferred=True)
+    monitor.push(0, torch.tensor(2.0))
+    monitor._pending.append((1, torch.tensor([1.0, 0.0]), Broken()))
+    result = WorkerResult(rank=0, world_size=1, attempt=0, executor="test", pid=0, host="h", node_id=None,
+                          fn_start=0.0)
+    _collect(result, _ArmState(monitor=monitor))
+    assert result.error is not None and "illegal memory access" in result.error["message"]
+    assert monitor._pending == type(monitor._pending)() and result.losses == monitor.values
