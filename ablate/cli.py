@@ -12,6 +12,7 @@ Heavy imports (torch, Ray, MLflow) happen inside the commands so `ablate validat
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 from typing import Optional
@@ -322,6 +323,9 @@ def promote(
     except ConfigError as exc:
         _fail(markup_escape(str(exc)))
     receipts, rejected, links = _load_source(source, tracking_uri, experiment, sweep_name)
+    # 10,000 receipts are millions of objects that live until exit: the cyclic collector re-scanning them while
+    # the rule allocates cost ~15% of its time. Frozen, they are left alone (nothing here becomes garbage).
+    gc.freeze()
     if not receipts:
         _fail(f"no valid receipts found in {source or redact_uri(default_tracking_uri(tracking_uri))}"
               + (f" ({len(rejected)} rejected: {rejected[0][1]})" if rejected else ""))

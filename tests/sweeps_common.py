@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 from collections import defaultdict
 from typing import Any
@@ -36,6 +42,35 @@ def tiny_smoke(directory: Path, steps: int = 4, name: str = "smoke", lane: dict[
     with path.open("w") as handle:
         yaml.dump(data, handle)
     return path
+
+
+def start_mlflow_server(backend: Path, artifacts: Path, log: Path, port: int | None = None
+                        ) -> tuple[subprocess.Popen[bytes], str]:
+    """A real ``mlflow server`` on loopback (SQLite backend, artifacts served from ``artifacts``), answering HTTP;
+    returns the process (its own session: ``stop_mlflow_server`` ends every worker) and its URL."""
+    port = port or closed_port()
+    command = [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{backend}",
+               "--artifacts-destination", str(artifacts), "--host", "127.0.0.1", "--port", str(port),
+               "--workers", "1"]
+    server = subprocess.Popen(command, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert server.poll() is None, log.read_text()[-2000:]
+        try:
+            # Ready = answers HTTP: on a loaded host the port accepts well before the app serves, and a sweep
+            # started then (no retries) would find MLflow unreachable from its first call.
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+                if response.status == 200:
+                    return server, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.5)
+    stop_mlflow_server(server)
+    raise AssertionError("mlflow server did not start")
+
+
+def stop_mlflow_server(server: subprocess.Popen[bytes]) -> None:
+    os.killpg(server.pid, signal.SIGKILL)
+    server.wait(timeout=30)
 
 
 def closed_port() -> int:

@@ -16,7 +16,10 @@ Child run (what the UI's Compare view lines up for the two arms of a block):
   status, disqualifiers, receipt id;
 - metrics: goodput fraction, wall/steady tokens/s, step p50/p90, MFU (when known), peak memory, loss, badput per
   phase, plus per-step series ``loss``, ``step_time_s`` and ``tokens_per_s`` logged with ``step=``;
-- artifacts: ``receipt.json`` and ``goodput.png``.
+- artifacts: ``receipt.json`` (the authoritative copy) and ``goodput.png``;
+- tags ``ablate.payload.*``: the sealed receipt again, compressed, so readers (``promote``, ``receipts list``) get
+  every receipt from the run search itself instead of one artifact download per run (``ablate.tracking.payload``,
+  ``ablate.tracking.bulk_read``); ``receipts sync`` adds them to runs logged before they existed.
 """
 
 from __future__ import annotations
@@ -32,10 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from ablate.receipts.schema import InvalidReceipt, Receipt, Status, validate_receipt
-from ablate.receipts.store import (SPOOL_FILE, append_spool_or_fallback, digest_problem, load_receipts,
+from ablate.receipts.schema import Receipt, Status
+from ablate.receipts.store import (SPOOL_FILE, append_spool_or_fallback, load_receipts,
                                    receipt_digest, seal, short)
 from ablate.redact import redact_uri
+from ablate.tracking.bulk_read import collector_paused, read_arm_runs
 from ablate.tracking.mapping import (
     ROLE_ARM,
     ROLE_SWEEP,
@@ -47,6 +51,7 @@ from ablate.tracking.mapping import (
     receipt_tags,
     run_name,
 )
+from ablate.tracking.payload import COUNT_TAG, payload_tags
 from ablate.tracking.plots import goodput_png, summary_png
 from ablate.tracking.uri import TrackingStoreError, check_sqlite_store, resolve_tracking_uri, sqlite_path
 
@@ -95,13 +100,14 @@ class TrackingClient:
     def search(self, filters: Iterable[str]) -> list[Any]:
         query = " and ".join(filters)
         runs, token = [], None
-        while True:
-            page = self.client.search_runs([self.experiment_id], filter_string=query, max_results=1000,
-                                           page_token=token)
-            runs.extend(page)
-            token = page.token
-            if not token:
-                return runs
+        with collector_paused():
+            while True:
+                page = self.client.search_runs([self.experiment_id], filter_string=query, max_results=1000,
+                                               page_token=token)
+                runs.extend(page)
+                token = page.token
+                if not token:
+                    return runs
 
     def arm_runs(self, sweep_id: Optional[str] = None) -> dict[str, Any]:
         """receipt id -> run, for arm runs (of one sweep)."""
@@ -154,6 +160,7 @@ class TrackingClient:
         end_ms = epoch_ms(receipt.identity.created_at) or int(time.time() * 1000)
         start_ms = end_ms - int(receipt.time.wall_s * 1000)
         tags = receipt_tags(receipt)
+        tags.update(payload_tags(receipt))  # what the bulk reader uses; receipt.json stays the authoritative copy
         tags["mlflow.parentRunId"] = parent_run_id
         run = self.client.create_run(self.experiment_id, start_time=start_ms, tags=tags, run_name=run_name(receipt))
         run_id = run.info.run_id
@@ -301,6 +308,8 @@ class SyncResult:
     parents: dict[str, str] = field(default_factory=dict)
     differs: list[tuple[str, str, str, str]] = field(default_factory=list)
     """(receipt id, MLflow run id, logged digest, digest on disk): receipts edited after they were logged."""
+    payloads_added: list[str] = field(default_factory=list)
+    """Receipts already there, logged before runs carried the receipt payload tags, that got them now."""
 
     def __rich__(self) -> str:
         return str(self)
@@ -308,7 +317,9 @@ class SyncResult:
     def __str__(self) -> str:
         lines = [f"MLflow {redact_uri(self.tracking_uri)} experiment {self.experiment!r}: {len(self.logged)} "
                  f"receipt(s) logged, {len(self.already)} already there, {len(self.differs)} differ from the logged "
-                 f"copy, {len(self.rejected)} rejected, {len(self.parents)} sweep(s)"]
+                 f"copy, {len(self.rejected)} rejected, {len(self.parents)} sweep(s)"
+                 + (f"; receipt payload added to {len(self.payloads_added)} older run(s)" if self.payloads_added
+                    else "")]
         lines += [f"  differs {rid}: the receipt on disk differs from the logged copy: digest {short(logged)} vs "
                   f"{short(mine)} (the logged copy in run {run_id} is kept; if the file is the true record, delete "
                   f"that run and sync again)" for rid, run_id, logged, mine in self.differs]
@@ -374,15 +385,23 @@ def sync(source: str | Path, tracking_uri: Optional[str] = None, experiment: Opt
                 continue
             _, new = client.log_receipt(receipt, parent_id, existing=existing)
             (result.logged if new else result.already).append(rid)
+            if not new and logged_digest and COUNT_TAG not in existing.data.tags:
+                # Logged before payloads existed, and the file is the logged copy (same digest): give it one, so
+                # readers stop downloading its receipt.json.
+                client._log_batch(existing.info.run_id, tags=payload_tags(receipt))
+                result.payloads_added.append(rid)
         client.log_summary(parent_id, sweep_id, mine)
         if created:
             client.client.set_terminated(parent_id, status="FINISHED")
     return result
 
 
-def load_receipts_from_mlflow(tracking_uri: Optional[str], experiment: str, sweep_id: Optional[str] = None
+def load_receipts_from_mlflow(tracking_uri: Optional[str], experiment: str, sweep_id: Optional[str] = None,
+                              use_payload: bool = True
                               ) -> tuple[list[Receipt], list[tuple[str, str]], dict[str, str]]:
-    """(receipts, (run, reason) rejects, receipt id -> run link) of the experiment's arm runs (one sweep)."""
+    """(receipts, (run, reason) rejects, receipt id -> run link) of the experiment's arm runs (one sweep), read
+    from the runs' payload tags (``ablate.tracking.payload``) and, for runs without one or with
+    ``use_payload=False``, from their ``receipt.json`` artifacts."""
     from mlflow import MlflowClient
 
     uri = resolve_tracking_uri(tracking_uri)
@@ -397,7 +416,8 @@ def load_receipts_from_mlflow(tracking_uri: Optional[str], experiment: str, swee
         if MlflowClient(tracking_uri=uri).get_experiment_by_name(experiment) is None:
             return [], [(f"{redact_uri(uri)} experiment {experiment!r}", "no such experiment")], {}
         client = TrackingClient(uri, experiment)
-        _read_receipts(client, sweep_id, uri, receipts, rejected, links)
+        with collector_paused():  # 10,000 validated receipts are millions of objects, none of them garbage
+            _read_receipts(client, sweep_id, uri, receipts, rejected, links, use_payload)
     except TrackingStoreError:
         raise
     except Exception as exc:  # noqa: BLE001 - a damaged or unreachable store: one line, never a sqlalchemy traceback
@@ -411,28 +431,15 @@ def load_receipts_from_mlflow(tracking_uri: Optional[str], experiment: str, swee
 
 
 def _read_receipts(client: TrackingClient, sweep_id: Optional[str], uri: str, receipts: dict[str, Receipt],
-                   rejected: list[tuple[str, str]], links: dict[str, str]) -> None:
-    with tempfile.TemporaryDirectory(prefix="ablate-receipts-") as tmp:
-        for receipt_id, run in sorted(client.arm_runs(sweep_id).items()):
-            run_id = run.info.run_id
-            if run.data.tags.get(TAG + "logged") != "1":
-                rejected.append((f"run {run_id}", "incomplete run (logging was interrupted); run a sync"))
-                continue
-            try:
-                path = client.client.download_artifacts(run_id, "receipt.json", dst_path=str(Path(tmp) / run_id))
-                raw = json.loads(Path(path).read_text())
-                receipt = validate_receipt(raw)
-                problem = digest_problem(raw)
-                if problem:
-                    raise InvalidReceipt(problem)
-            except (InvalidReceipt, OSError, json.JSONDecodeError) as exc:
-                rejected.append((f"run {run_id}", str(exc)))
-                continue
-            except Exception as exc:  # noqa: BLE001 - MlflowException for a missing artifact
-                rejected.append((f"run {run_id}", f"receipt.json unavailable: {exc}"))
-                continue
-            receipts.setdefault(receipt.identity.receipt_id, receipt)
-            links[receipt.identity.receipt_id] = run_link(uri, client.experiment_id, run_id)
+                   rejected: list[tuple[str, str]], links: dict[str, str], use_payload: bool = True) -> None:
+    runs = [run for _, run in sorted(client.arm_runs(sweep_id).items())]
+    for outcome in read_arm_runs(runs, uri, use_payload=use_payload):
+        run_id = outcome.run.info.run_id
+        if outcome.receipt is None:
+            rejected.append((f"run {run_id}", outcome.reason or "unreadable"))
+            continue
+        receipts.setdefault(outcome.receipt.identity.receipt_id, outcome.receipt)
+        links[outcome.receipt.identity.receipt_id] = run_link(uri, client.experiment_id, run_id)
 
 
 def store_failure(uri: str, exc: BaseException) -> str:

@@ -19,19 +19,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import defaultdict
 from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-from sweeps_common import REPO, by_block, fresh_mlflow_uri, tiny_smoke
+from sweeps_common import (REPO, by_block, closed_port, fresh_mlflow_uri, start_mlflow_server, stop_mlflow_server,
+                           tiny_smoke)
 
 from ablate.promote import promote
 from ablate.promote.policy import load_policy
@@ -145,48 +143,18 @@ def _leaks(haystacks: dict[str, bytes]) -> dict[str, list[str]]:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _start_server(backend: Path, artifacts: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
-    command = [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{backend}",
-               "--artifacts-destination", str(artifacts), "--host", "127.0.0.1", "--port", str(port),
-               "--workers", "1"]
-    server = subprocess.Popen(command, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert server.poll() is None, log.read_text()[-2000:]
-        try:
-            # Ready = answers HTTP: on a loaded host the port accepts well before the app serves, and a sweep
-            # started then (no retries) would find MLflow unreachable from its first call.
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
-                if response.status == 200:
-                    return server
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError("mlflow server did not start")
-
-
-def _stop_server(server: subprocess.Popen[bytes]) -> None:
-    os.killpg(server.pid, signal.SIGKILL)
-    server.wait(timeout=30)
-
-
 def test_tracking_server_outage_spools_and_sync_restores_exactly(tmp_path: Path) -> None:
     """The sweep's driver starts its own local Ray, the embedded default, so everything it starts inherits the
     driver's environment with the planted secrets (an attached cluster, like the ``ray_address`` fixture, never
     sees it); ``RAY_TMPDIR`` puts that Ray's session logs where the test greps them."""
     backend, artifacts, server_log = tmp_path / "server.db", tmp_path / "artifacts", tmp_path / "server.log"
-    port = _free_port()
+    port = closed_port()
     uri = f"http://ablate:{URI_PASSWORD}@127.0.0.1:{port}"
     plain_uri = f"http://127.0.0.1:{port}"
     campaign = tiny_smoke(tmp_path / "campaign", name="outage", steps=4, features={"fused_residual": ["on"]},
                           blocks=2, aa_blocks=0, resources={"cpus_per_worker": 1, "max_concurrent_blocks": 1})
     storage = tmp_path / "runs"
-    server = _start_server(backend, artifacts, port, server_log)
+    server = start_mlflow_server(backend, artifacts, server_log, port)[0]
     driver: subprocess.Popen[bytes] | None = None
     ray_tmp = Path(tempfile.mkdtemp(prefix="ab-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
     try:
@@ -203,20 +171,20 @@ def test_tracking_server_outage_spools_and_sync_restores_exactly(tmp_path: Path)
                 assert driver.poll() is None, driver_log.read_text()[-3000:]
                 assert time.monotonic() < deadline, "the sweep never reached the tracking server"
                 time.sleep(0.3)
-            _stop_server(server)
+            stop_mlflow_server(server)
             assert driver.wait(timeout=300) == 0, driver_log.read_text()[-3000:]
     finally:
         if driver is not None and driver.poll() is None:
             driver.kill()
         if server.poll() is None:
-            _stop_server(server)
+            stop_mlflow_server(server)
 
     sweep_dir = storage / "outage"
     on_disk, rejected = load_receipts(sweep_dir / "receipts")
     assert rejected == [] and len(on_disk) == 4
     assert (sweep_dir / "spool.jsonl").exists(), "receipts the server could not take were spooled"
 
-    server = _start_server(backend, artifacts, port, server_log)
+    server = start_mlflow_server(backend, artifacts, server_log, port)[0]
     try:
         sync_env = {**env, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
         for _ in range(2):  # a second sync must change nothing: replays are idempotent by receipt id
@@ -230,7 +198,7 @@ def test_tracking_server_outage_spools_and_sync_restores_exactly(tmp_path: Path)
             assert ids == sorted(r.identity.receipt_id for r in on_disk), "MLflow holds exactly the receipts on disk"
         params_and_tags = [(run.data.params, run.data.tags) for run in runs]
     finally:
-        _stop_server(server)
+        stop_mlflow_server(server)
 
     # Secrets: nowhere the sweep wrote. Receipts, spool, sweep metadata, Tune's experiment (result.json, experiment
     # state) and Train storage are all under `storage`; then the MLflow store, its artifacts, every stream, and

@@ -240,13 +240,23 @@ def test_sync_reports_a_receipt_edited_after_it_was_logged_instead_of_already_th
     assert [origin for origin, _ in third.rejected] == [str(path)]
     assert "content does not match its digest" in third.rejected[0][1]
 
-    # The copy in MLflow is checked on read too.
+    # The copy in MLflow is checked on read too: receipt.json when it is what is read (runs without the payload
+    # tags, or use_payload=False) ...
     artifact = next((tmp_path / "mlartifacts").rglob("receipt.json"))
     data = json.loads(artifact.read_text())
     data["quality"]["loss_final"] = 0.001
     artifact.write_text(json.dumps(data))
-    found, rejected, _ = load_receipts_from_mlflow(uri, "ablate", sweep_id="track-1")
+    found, rejected, _ = load_receipts_from_mlflow(uri, "ablate", sweep_id="track-1", use_payload=False)
     assert len(found) == 1 and len(rejected) == 1 and "does not match its digest" in rejected[0][1]
+    # ... and the payload tags otherwise (tests/tracking/test_bulk_read.py covers them in depth).
+    from ablate.tracking.payload import encode_json
+
+    run_id = artifact.parent.parent.name
+    for key, value in encode_json(json.dumps(data).encode()).items():
+        TrackingClient(uri, "ablate").client.set_tag(run_id, key, value)
+    found, rejected, _ = load_receipts_from_mlflow(uri, "ablate", sweep_id="track-1")
+    assert len(found) == 1 and [r[0] for r in rejected] == [f"run {run_id}"]
+    assert "does not match its digest" in rejected[0][1]
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated"])
