@@ -381,13 +381,13 @@ def _check(policy: Policy) -> None:
         # policy calls too small to matter (delta0 0, delta1 1% promotes a true 0.8%).
         raise _error("sequential.delta0", seq.delta0, f"a fraction >= threshold.min_effect = "
                                                       f"{policy.threshold.min_effect:g} (H0 is 'no win worth having')")
+    if seq.max_blocks < seq.min_blocks:
+        raise _error("sequential.max_blocks", seq.max_blocks,
+                     f"an integer >= sequential.min_blocks = {seq.min_blocks}")
     if seq.max_blocks < policy.evidence.min_rounds * policy.evidence.min_blocks_per_round:
         raise _error("sequential.max_blocks", seq.max_blocks,
                      f"an integer >= evidence.min_rounds x evidence.min_blocks_per_round = "
                      f"{policy.evidence.min_rounds * policy.evidence.min_blocks_per_round} (else nothing promotes)")
-    if seq.max_blocks < seq.min_blocks:
-        raise _error("sequential.max_blocks", seq.max_blocks,
-                     f"an integer >= sequential.min_blocks = {seq.min_blocks}")
     if seq.max_rounds < policy.evidence.min_rounds:
         raise _error("sequential.max_rounds", seq.max_rounds, f"an integer >= evidence.min_rounds = "
                                                               f"{policy.evidence.min_rounds} (else nothing promotes)")

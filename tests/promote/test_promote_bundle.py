@@ -133,10 +133,3 @@ def test_a_held_lane_is_not_written_through_its_shapes_override() -> None:
     overrides, conflicts = _shape_overrides(tests, tests[:1], held={tests[1].test_key})
     assert overrides == {} and "bundle check held it" in conflicts[0]
 
-
-def test_sequential_h0_below_min_effect_is_refused(policy: Policy) -> None:
-    from ablate.config.schema import ConfigError
-
-    with pytest.raises(ConfigError) as err:
-        with_overrides(policy, {"sequential.delta0": 0.0, "sequential.delta1": 0.01})
-    assert "sequential.delta0" in str(err.value) and "threshold.min_effect" in str(err.value)

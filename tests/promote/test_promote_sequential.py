@@ -136,6 +136,8 @@ def test_report_shows_the_trace_its_bounds_and_the_stop_reason(seq_policy: Polic
     ("sequential.beta", 0.0, r"a probability in \(0, 0.5\)"),
     ("sequential.delta1", 0.005, "above sequential.delta0 = 0.01"),
     ("sequential.max_blocks", 3, "sequential.min_blocks = 4"),
+    ("sequential.max_blocks", 7, "evidence.min_rounds x evidence.min_blocks_per_round = 8"),
+    ("sequential.delta0", 0.005, "threshold.min_effect = 0.01"),
     ("sequential.max_blocks", 24.5, "an integer"),
     ("sequential.max_rounds", 1, "evidence.min_rounds = 2"),
     ("sequential.enabled", "yes", "true or false"),
