@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 def tiny_smoke(directory: Path, steps: int = 4, name: str = "smoke", lane: dict[str, dict[str, Any]] | None = None,
                **overrides: Any) -> Path:
     """A tiny version of the smoke campaign (search_spaces/smoke.yaml): its defaults and resources, a small AEMR
-    lane, two features with one block each and one A/A block, and a tiny step budget; ``lane`` sections are merged
+    lane, two features with one block each, one A/A block and no bundle block, and a tiny step budget; ``lane`` sections are merged
     into the lane (``{"engine": {"workers": 2}}``), other keyword arguments replace top-level keys."""
     yaml = YAML()
     data = yaml.load((REPO / "search_spaces" / "smoke.yaml").read_text())
@@ -32,7 +32,7 @@ def tiny_smoke(directory: Path, steps: int = 4, name: str = "smoke", lane: dict[
                     "budget": {"steps": steps, "family_sample_steps": 2, "min_steady_steps": 2},
                     "compile": {"warmup_steps": 1}}
     data["features"] = {"moe_dispatch": ["jagged"], "mamba_scan": ["chunked"]}
-    data["blocks"], data["aa_blocks"] = 1, 1
+    data["blocks"], data["aa_blocks"], data["bundle_blocks"] = 1, 1, 0
     for section, values in (lane or {}).items():
         data["lane"].setdefault(section, {}).update(values)
     data.update(overrides)
