@@ -21,8 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 def tiny_smoke(directory: Path, steps: int = 4, name: str = "smoke", lane: dict[str, dict[str, Any]] | None = None,
                **overrides: Any) -> Path:
     """A tiny version of the smoke campaign (search_spaces/smoke.yaml): its defaults and resources, a small AEMR
-    lane, two features with one block each, one A/A block and no bundle block, and a tiny step budget; ``lane`` sections are merged
-    into the lane (``{"engine": {"workers": 2}}``), other keyword arguments replace top-level keys."""
+    lane, two features with one block each, one A/A block and no bundle block, and a tiny step budget; ``lane``
+    sections are merged into the lane (``{"engine": {"workers": 2}}``), other keyword arguments replace top-level
+    keys."""
     yaml = YAML()
     data = yaml.load((REPO / "search_spaces" / "smoke.yaml").read_text())
     data["name"] = name
