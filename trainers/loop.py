@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ablate.config.schema import ConfigError, HardwareConfig
-from ablate.sweep.node_check import read_document
+from ablate.sweep.node_check import failed_backends, read_document
 from trainers.compile import CompileWatch, WarmupDecision, compile_regions, is_graph_break_error, resolve_warmup
 from trainers.data import build_source
 from trainers.energy import EnergyMeter, combine_energy, open_meter
@@ -261,8 +261,9 @@ def run_worker(spec: ArmSpec, ctx: WorkerContext, finalize: Optional[Callable[[W
 
         result.software = software_versions()
         result.env = capture_env()
-        if ctx.rank == 0:
-            result.node_check = read_document(spec.node_check_path, ctx.node_id or "").summary()
+        node_doc = read_document(spec.node_check_path, ctx.node_id or "") if ctx.rank == 0 else None
+        if node_doc is not None:
+            result.node_check = node_doc.summary()
         device = resolve_device(lane.hardware, ctx.cuda_index)
         result.device = device.type
         torch.set_num_threads(_threads(lane.hardware, ctx.local_world_size))
@@ -289,6 +290,8 @@ def run_worker(spec: ArmSpec, ctx: WorkerContext, finalize: Optional[Callable[[W
         # its reference, and the receipt must say what really ran (observed inertness compares these records).
         st.dispatcher = Dispatcher(device, strict=False, compile_posture=lane.compile.posture.value)
         model = HybridLM(lane.model, lane.features, st.dispatcher)
+        if node_doc is not None:
+            result.node_check["wrong"] = failed_backends(node_doc, device.type, st.dispatcher.table())
         result.layer_counts = dict(model.layer_counts())
         result.params = _param_counts(model)
         flops = flops_per_token(lane.model, lane.features, lane.batch.seq_len)

@@ -130,6 +130,11 @@ def _disqualifiers(spec: ArmSpec, result: Optional[WorkerResult], launch: Launch
         if fallbacks:
             add(Code.BACKEND_FALLBACK, "; ".join(f"{b['op']}: requested {b['requested']}, ran {b['observed']} "
                                                  f"({b.get('reason', '')})" for b in fallbacks))
+        wrong = (result.node_check or {}).get("wrong") or []
+        if wrong:
+            doc = result.node_check
+            add(Code.BACKEND_FAILED_NODE_CHECK, f"{', '.join(wrong)}: fails its reference twin in {doc.get('path')} "
+                                                f"(sha256 {doc.get('sha256')}); fix the kernel or run another backend")
         if result.device == "cpu" and lane.hardware.device.value == "cuda":
             add(Code.HARDWARE_MISMATCH, "lane asked for cuda; no CUDA here, ran on CPU (lane.hardware.cpu_fallback)")
         drift = [t for t in result.tokens_per_step_observed if t != tokens_per_step]

@@ -83,6 +83,9 @@ class Code(str, enum.Enum):
     ARM_FAILED = "ARM_FAILED"
     LOW_PRIORITY = "LOW_PRIORITY"
     """The arm ran at a lowered CPU priority (inherited niceness it could not reset): not measured fairly."""
+    BACKEND_FAILED_NODE_CHECK = "BACKEND_FAILED_NODE_CHECK"
+    """A backend the arm ran is marked wrong (fails its reference twin) in its node's ``ablate doctor --deep``
+    document: its time is the time of a kernel that computes something else."""
     HOST_CONTENDED = "HOST_CONTENDED"
     """Foreign processes wanted more CPU than the node had left while the arm ran (warn: flagged in reports)."""
 

@@ -201,6 +201,15 @@ def _row(document: dict[str, Any], op: str, backend: str) -> Optional[dict[str, 
     return None
 
 
+def failed_backends(doc: NodeDoc, device: str, ran: list[dict[str, Any]]) -> list[str]:
+    """``op/backend`` of every backend an arm ran (dispatcher table rows) that this node's document, made for the
+    arm's device, marks wrong: the receipt's BACKEND_FAILED_NODE_CHECK."""
+    if doc.document is None or str(doc.document.get("device", "")).split(":")[0] != device:
+        return []
+    return [f"{r['op']}/{r['observed']}" for r in ran
+            if (_row(doc.document, r["op"], r["observed"]) or {}).get("status") == "wrong"]
+
+
 def _wrong_detail(row: dict[str, Any]) -> str:
     failed = [p for p in row.get("parity") or [] if isinstance(p, dict) and not p.get("ok")]
     parts = [f"{p.get('dtype')} {p.get('size')}: " + (p.get("error") or f"error {p.get('rel_error')} > tolerance "

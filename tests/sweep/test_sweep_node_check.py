@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -162,3 +163,33 @@ def test_a_device_the_document_did_not_check_is_reported(tmp_path: Path, documen
         missing = [f for f in findings if f.status == "no-document"]
         assert len(missing) == 1 and "the lane runs on cpu here" in missing[0].reason
         assert missing[0].refuses is required
+
+
+def test_an_arm_that_ran_a_backend_its_node_found_wrong_is_disqualified(tmp_path: Path,
+                                                                          documents: dict[str, Path]) -> None:
+    """The sweep refuses such a lane up front; a receipt made anyway (a node checked after the sweep started, an
+    arm run by hand) carries BACKEND_FAILED_NODE_CHECK, which gates promotion like any fatal code."""
+    import time
+
+    from ablate.config.load import load_lane
+    from trainers.run import run_arm
+    from trainers.spec import ArmSpec
+
+    lane = load_lane({"model": {"pattern": "AR", "d_model": 32, "n_heads": 2, "ssm_chunk": 16, "q_lora_rank": 16,
+                                "kv_lora_rank": 16, "qk_nope_head_dim": 8, "v_head_dim": 8},
+                      "features": {"recurrent_scan": "parallel"}, "batch": {"micro_batch": 2, "seq_len": 32},
+                      "budget": {"steps": 4, "family_sample_steps": 1, "min_steady_steps": 2},
+                      "hardware": {"threads": 1}})
+
+    def arm(document: Path) -> Any:
+        return run_arm(ArmSpec(lane=lane, sweep_id="s", campaign="c", block_id="b0", arm="candidate", arm_index=1,
+                               order=0, feature="recurrent_scan", feature_value="parallel",
+                               baseline_value="sequential", kind="speed", lane_key="k",
+                               receipt_dir=str(tmp_path / document.stem), scheduled_at=time.time(),
+                               node_check_path=str(document)))
+
+    broken, good = arm(documents["broken"]), arm(documents["good"])
+    assert broken.observed.node_check["wrong"] == ["recurrent_scan/parallel"]
+    (code,) = [d for d in broken.disqualifiers if d.code.value == "BACKEND_FAILED_NODE_CHECK"]
+    assert "fails its reference twin" in code.detail and broken.observed.node_check["sha256"][:16] in code.detail
+    assert good.observed.node_check["wrong"] == [] and "BACKEND_FAILED_NODE_CHECK" not in good.codes()
