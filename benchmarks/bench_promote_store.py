@@ -46,6 +46,7 @@ import store_10k  # noqa: E402
 from sweeps_common import start_mlflow_server, stop_mlflow_server  # noqa: E402
 
 from ablate.tracking.bulk_read import DOWNLOAD_THREADS  # noqa: E402
+from trainers.provenance import git_state  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "promote_store.json"
 TARGETS_S = {"sqlite": 10.0, "server": 20.0}
@@ -71,10 +72,8 @@ def quiet_window(enabled: bool) -> Iterator[None]:
 
 
 def _git_commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                           text=True).stdout.strip()
-    return out.stdout.strip() + ("+dirty" if dirty else "")
+    sha, dirty = git_state(REPO)
+    return (sha or "unknown") + ("+dirty" if dirty else "")
 
 
 def _host() -> dict[str, Any]:

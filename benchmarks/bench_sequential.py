@@ -30,7 +30,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -46,6 +45,7 @@ from ablate.promote import PROMOTE, REJECT, load_policy, promote, with_overrides
 from ablate.promote.policy import Policy  # noqa: E402
 from ablate.promote.sequential import LOWER, UPPER, SprtBounds, sequential_state  # noqa: E402
 from ablate.promote.stats import bootstrap_hl, hodges_lehmann, quantile  # noqa: E402
+from trainers.provenance import git_state  # noqa: E402
 
 POLICY = REPO / "search_spaces" / "policies" / "default.yaml"
 DEFAULTS = REPO / "search_spaces" / "defaults.yaml"
@@ -216,13 +216,8 @@ def _code_digest() -> str:
 
 
 def _git() -> dict[str, Any]:
-    def run(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-    return {"commit": run("rev-parse", "HEAD"), "branch": run("rev-parse", "--abbrev-ref", "HEAD"),
-            "dirty": bool(run("status", "--porcelain"))}
+    sha, dirty = git_state(REPO)
+    return {"commit": sha, "dirty": dirty}
 
 
 def _fmt(x: Optional[float]) -> str:

@@ -52,6 +52,7 @@ from trainers.family import FamilySampler  # noqa: E402
 from trainers.goodput import StepTracker  # noqa: E402
 from trainers.loop import LossMonitor, _threads, measured_step  # noqa: E402
 from trainers.model import HybridLM  # noqa: E402
+from trainers.provenance import git_state  # noqa: E402
 
 Batches = Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]]
 
@@ -217,17 +218,10 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+
 def _commit() -> str:
-    import subprocess
-
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
-        return sha + ("+dirty" if dirty.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
+    sha, dirty = git_state(REPO)
+    return (sha or "unknown")[:12] + ("+dirty" if dirty else "")
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import socket
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -270,6 +270,3 @@ def check_plan(plan: Any, config: NodeCheckConfig) -> list[dict[str, Any]]:
     enforce(assess(lambda has_gpu: lane_requests(lanes, has_gpu), docs, config))
     return [doc.summary() for doc in docs]
 
-
-def as_dicts(findings: list[Finding]) -> list[dict[str, Any]]:
-    return [asdict(f) for f in findings]

@@ -73,14 +73,12 @@ def _rank(rank: int, port: int, out: str) -> None:
 
 def test_every_rank_stops_at_the_same_step(tmp_path) -> None:
     import json
-    import socket
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_rank, args=(port, str(tmp_path / "rank")), nprocs=2, join=True)
+    from ablate.comm_check import _free_port
+
+    mp.spawn(_rank, args=(_free_port(), str(tmp_path / "rank")), nprocs=2, join=True)
     results = [json.loads((tmp_path / f"rank.{r}").read_text()) for r in range(2)]
     assert results[0] == results[1] == {"ran": 6, "nonfinite_step": 3, "first": 1.0}
 

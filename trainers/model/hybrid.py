@@ -79,7 +79,6 @@ class HybridLM(nn.Module):
         self.cfg, self.features = model_cfg, features
         self.letters = parse_pattern(model_cfg.pattern)
         dispatcher = dispatcher if dispatcher is not None else Dispatcher(torch.device("cpu"))
-        counts = family_counts(self.letters)
         resolved = _resolve_kernels(model_cfg, features, dispatcher)
         self._records = [resolved[op].record for op in sorted(resolved)]
         fns = {op: r.fn for op, r in resolved.items()}
