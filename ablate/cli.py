@@ -152,6 +152,12 @@ def sweep(
     progress: bool = typer.Option(True, "--progress/--no-progress"),
     wait: bool = typer.Option(False, "--wait", help="If another sweep of this campaign is running in the same "
                                                    "directory, wait for it to end instead of refusing."),
+    until_decided: bool = typer.Option(False, "--until-decided",
+                                       help="Run rounds of blocks only for the speed tests still undecided (the "
+                                            "policy's sequential test) until each is decided or capped."),
+    policy: Path = typer.Option(Path("search_spaces/policies/default_sequential.yaml"), "--policy",
+                                help="With --until-decided: the policy (sequential.enabled: true) that decides; "
+                                     "promote with the same one."),
 ) -> None:
     """Run a campaign: one Ray Tune trial per block, a receipt per arm, MLflow parent + child runs."""
     import math
@@ -161,11 +167,20 @@ def sweep(
     from ablate.sweep.layout import SweepLocked
     from ablate.sweep.node_check import NodeCheckRefused
     from ablate.sweep.run import run_sweep
+    from ablate.sweep.until_decided import run_until_decided
     from ablate.tracking.uri import TrackingStoreError
 
+    def echo(text: str) -> None:
+        console.print(text, markup=False, highlight=False, soft_wrap=True)
+
     try:
-        summary = run_sweep(campaign, resume=resume, tracking_uri=tracking_uri, storage=storage, progress=progress,
-                            lock_wait_s=math.inf if wait else 0.0)
+        if until_decided:
+            summary = run_until_decided(campaign, policy_path=policy, resume=resume, tracking_uri=tracking_uri,
+                                        storage=storage, progress=progress, lock_wait_s=math.inf if wait else 0.0,
+                                        echo=echo)
+        else:
+            summary = run_sweep(campaign, resume=resume, tracking_uri=tracking_uri, storage=storage,
+                                progress=progress, lock_wait_s=math.inf if wait else 0.0)
     except ConfigError as exc:
         _fail(str(exc))
     except (SweepLocked, TrackingStoreError, NodeCheckRefused) as exc:

@@ -185,5 +185,7 @@ def test_validate_passes_on_the_promotion_branch_and_names_what_it_skips(tmp_pat
     assert "FAIL" not in out.stdout + out.stderr
     for name in ("smoke.yaml", "nam56r_gpu.yaml"):
         assert f"ok   search_spaces/{name}" in out.stdout
+    testing = [p for p in spaces.glob("*.yaml") if "mamba_scan: [chunked]" in p.read_text()]
+    assert len(testing) >= 2  # smoke.yaml and nam56r_gpu.yaml at least
     assert out.stdout.count("skip mamba_scan=chunked: already this lane's default (global default since report "
-                            "promote-cli-1)") == 2, out.stdout
+                            "promote-cli-1)") == len(testing), out.stdout

@@ -73,6 +73,8 @@ class PromotionResult:
     defaults_path: str
     run_links: dict[str, str] = field(default_factory=dict)
     plots: dict[str, str] = field(default_factory=dict)
+    sprt_plots: dict[str, str] = field(default_factory=dict)
+    """lane key -> the SPRT trace plot (``write_plots``), when the policy's sequential test is on."""
     """Lane key -> the speed-up-vs-horizon PNG, as the report refers to it (relative to the report file)."""
     plot_locations: dict[str, str] = field(default_factory=dict)
     """Lane key -> where the same PNG was logged in MLflow (the sweep's parent run)."""
@@ -98,6 +100,21 @@ class PromotionResult:
             if path is not None:
                 written[lane.lane_key] = path
                 self.plots[lane.lane_key] = str(path.relative_to(relative_to) if relative_to else path)
+        written.update(self._write_sprt_plots(directory, relative_to))
+        return written
+
+    def _write_sprt_plots(self, directory: Path, relative_to: Optional[Path]) -> dict[str, Path]:
+        from ablate.promote.sequential_plot import llr_png
+
+        written: dict[str, Path] = {}
+        for lane in self.lanes:
+            tests = [(f"{v.feature}={v.value}", v.sequential) for v in self.speed_verdicts
+                     if v.lane_key == lane.lane_key and v.sequential]
+            slug = re.sub(r"[^0-9A-Za-z_-]", "_", lane.lane_key[:12])
+            path = llr_png(tests, directory / f"sprt-{slug}.png", f"SPRT, lane {lane.lane_key[:12]}: {lane.label()}")
+            if path is not None:
+                written[f"sprt-{lane.lane_key}"] = path
+                self.sprt_plots[lane.lane_key] = str(path.relative_to(relative_to) if relative_to else path)
         return written
 
     @property
@@ -136,7 +153,7 @@ class PromotionResult:
             "revalidations": [asdict(r) for r in self.revalidations],
             "refusals": [asdict(r) for r in self.refusals],
             "rejected_receipts": [{"origin": o, "reason": r} for o, r in self.rejected],
-            "run_links": self.run_links, "plots": self.plots, "plot_locations": self.plot_locations,
+            "run_links": self.run_links, "plots": self.plots, "sprt_plots": self.sprt_plots, "plot_locations": self.plot_locations,
             "not_run": self.not_run, "bundles": [b.to_dict() for b in self.bundles],
         }
 
@@ -329,6 +346,10 @@ def _sequential(result: PromotionResult) -> list[str]:
     for v in tests:
         lines.append(f"- {_c(v.feature)}→{_c(v.value)} {_lane_label(result, v.lane_key)}: **{v.verdict}**; "
                      f"{_t(sprt_line(v.sequential))}")
+    for lane in result.lanes:
+        if lane.lane_key in result.sprt_plots:
+            lines += ["", f"![SPRT log-likelihood ratio against its bounds, lane {_t(lane.lane_key[:12])}]"
+                          f"{_url(result.sprt_plots[lane.lane_key])}"]
     return lines
 
 

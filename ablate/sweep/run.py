@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 from ray.tune import Callback
 
@@ -246,6 +246,13 @@ class SweepSummary:
     """Spool file -> why it is a fallback spool (None: the campaign's own)."""
     fatal: Optional[str] = None
     """Ray Tune itself stopped with an error (e.g. it could not save its state on a full disk)."""
+    left_out: dict[str, str] = field(default_factory=dict)
+    """--until-decided: planned block id -> why it did not run in this round (its test was decided)."""
+    schedule: str = "fixed"
+    """fixed (every planned block) or until_decided (a round of ``ablate.sweep.until_decided``, which prints the
+    campaign's next commands itself)."""
+    judge_s: float = 0.0
+    """--until-decided: driver seconds spent judging between blocks."""
 
     @property
     def exit_code(self) -> int:
@@ -291,7 +298,10 @@ class SweepSummary:
             lines.append(f"          (an arm still running elsewhere writes its receipt to {self.sweep_dir}/receipts: "
                          f"--resume, or ablate receipts sync {self.sweep_dir}, logs it)")
         lines += [f"error:    block {block}: {message}" for block, message in sorted(self.errors.items())]
-        if not self.interrupted and not self.fatal and self.blocks_done:
+        if self.left_out:
+            lines.append(f"left out: {len(self.left_out)} planned block(s) whose test was decided "
+                         f"({self.judge_s:.1f}s of judging between blocks)")
+        if not self.interrupted and not self.fatal and self.blocks_done and self.schedule == "fixed":
             lines += self._next_commands()
         return "\n".join(lines)
 
@@ -392,16 +402,21 @@ def _sweep_identity(path: Path, resume: bool, storage: Optional[str]
 
 
 def _tuner(trainable: Any, sweep: SweepConfig, layout: Layout, plan: SweepPlan, capacity: Capacity,
-           resume: bool) -> Any:
+           resume: bool, searcher: Any = None) -> Any:
     from ray import tune
 
     tune_path = layout.tune_path(plan.sweep_id)
     if resume and tune.Tuner.can_restore(tune_path):
+        # A searcher comes back from the experiment state with the blocks it had handed out.
         return tune.Tuner.restore(tune_path, trainable, resume_unfinished=True, resume_errored=True)
+    # Fixed campaign: every planned block, as a grid. --until-decided: the searcher picks them one by one (at
+    # most all of them), leaving out blocks whose test is decided.
+    space = {} if searcher is not None else {"block_id": tune.grid_search([b.block_id for b in plan.blocks])}
     return tune.Tuner(
         trainable,
-        param_space={"block_id": tune.grid_search([b.block_id for b in plan.blocks])},
+        param_space=space,
         tune_config=tune.TuneConfig(max_concurrent_trials=capacity.max_concurrent, reuse_actors=True,
+                                    search_alg=searcher, num_samples=len(plan.blocks) if searcher is not None else 1,
                                     trial_name_creator=trial_name, trial_dirname_creator=trial_dirname),
         run_config=tune.RunConfig(
             name=plan.sweep_id, storage_path=layout.tune_root, verbose=0,
@@ -520,8 +535,12 @@ def _catch_up(store: MlflowStore, on_disk: list[Receipt]) -> int:
 
 def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[str] = None,
               storage: Optional[str] = None, progress: bool = True,
-              inject: Optional[Mapping[str, dict[str, Any]]] = None, lock_wait_s: float = 0.0) -> SweepSummary:
+              inject: Optional[Mapping[str, dict[str, Any]]] = None, lock_wait_s: float = 0.0,
+              searcher_factory: Optional[Callable[[SweepPlan], Any]] = None) -> SweepSummary:
     """Run (or, with ``resume``, continue) the campaign in ``path``; see the module docstring.
+
+    ``searcher_factory``: plan -> a Tune ``Searcher`` that chooses which planned blocks run (``--until-decided``,
+    ``ablate.sweep.until_decided``); None runs every planned block.
 
     ``lock_wait_s``: how long to wait for another sweep of the campaign to end (``math.inf``: until it does)
     before refusing with ``SweepLocked``. ``inject`` is for tests only: block id -> fault injection for the first
@@ -542,14 +561,15 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
     try:
         with _disk_faults_in_one_line(), _quiet_libraries():
             return _run_locked(path, sweep, layout, plan, meta, uri, resume=resume, progress=progress,
-                               inject=inject, started=started, resume_command=resume_command)
+                               inject=inject, started=started, resume_command=resume_command,
+                               searcher_factory=searcher_factory)
     finally:
         lock.release()
 
 
 def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan, meta: dict[str, Any], uri: str, *,
                 resume: bool, progress: bool, inject: Optional[Mapping[str, dict[str, Any]]], started: float,
-                resume_command: str) -> SweepSummary:
+                resume_command: str, searcher_factory: Optional[Callable[[SweepPlan], Any]] = None) -> SweepSummary:
     import ray
     from ray import tune
 
@@ -566,6 +586,8 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         # Before any block and before anything is written: a backend a node found wrong or absent refuses here.
         node_checks = check_plan(plan, sweep.node_check)
         params = _parent_params(sweep, plan, capacity, path)
+        params["schedule"] = "until_decided" if searcher_factory is not None else "fixed"
+        searcher = searcher_factory(plan) if searcher_factory is not None else None
         if not resume:
             meta = {"sweep_id": sweep_id, "campaign": sweep.name, "campaign_file": str(path.resolve()),
                     "experiment": sweep.tracking.experiment, "tracking_uri": shown(uri),
@@ -598,7 +620,8 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
                                                  attempts):
                 log.info("removed the scratch of arm %s: the killed driver's attempt never wrote its receipt", rid)
         recorder = _Recorder(layout, store, start_clock(sweep_id))
-        display = SweepProgress(len(plan.blocks), title=sweep_id, live=None if progress else False)
+        expected = searcher.expected_blocks() if searcher is not None and not resume else len(plan.blocks)
+        display = SweepProgress(expected, title=sweep_id, live=None if progress else False)
         _LIVE[sweep_id] = [recorder] + ([display] if progress else [])
         context = {"sweep_id": sweep_id, "campaign": sweep.name, "receipt_dir": layout.trial_receipt_dir(),
                    "blocks": {b.block_id: b.to_dict() for b in plan.blocks}, "inject": dict(inject or {}),
@@ -613,7 +636,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         fatal: Optional[str] = None
         try:
             with tune_env_filter():  # Tune would copy AWS_* keys into every trial's logged runtime env
-                grid = _tuner(trainable, sweep, layout, plan, capacity, resume).fit()
+                grid = _tuner(trainable, sweep, layout, plan, capacity, resume, searcher).fit()
         except KeyboardInterrupt:  # a second Ctrl+C: Tune skipped its last save; still account for every receipt
             interrupted.seen = True
         except Exception as exc:  # noqa: BLE001 - e.g. Tune cannot save its state on a full disk: a line, then the
@@ -648,11 +671,20 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         caught_up = _catch_up(store, on_disk)
         finished = set(block_progress(on_disk, sweep_id)[0]) - stopped
         store.close_sweep(sweep_id, on_disk, failed=bool(errors) or fatal is not None)
+        total, left_out = len(plan.blocks), {}
+        if searcher_factory is not None:
+            # The round's blocks are those the searcher handed out; the rest were left out as decided.
+            ran = {(r.config or {}).get("block_id") for r in results} | set(recorder.timeline) | set(finished)
+            total = len([b for b in plan.blocks if b.block_id in ran])
+            reasons = searcher.skipped if searcher is not None else {}
+            left_out = {b.block_id: reasons.get(b.block_id, "its test was decided") for b in plan.blocks
+                        if b.block_id not in ran}
         return SweepSummary(
             sweep_id=sweep_id, campaign=sweep.name, sweep_dir=str(layout.local_dir),
             tune_path=layout.tune_path(sweep_id), tracking_uri=shown(uri), experiment=sweep.tracking.experiment,
             parent_run_id=store.parent_run_id, resumed=resume, executor=need.executor,
-            max_concurrent=capacity.max_concurrent, blocks_total=len(plan.blocks),
+            max_concurrent=capacity.max_concurrent, blocks_total=total, left_out=left_out,
+            schedule=params["schedule"], judge_s=getattr(searcher, "judge_s", 0.0),
             blocks_done=sum(1 for r in results if r.error is None and (r.config or {}).get("block_id") in finished),
             blocks_errored=len(errors), arms_logged=len(mine),
             arms_failed=sum(r.identity.status is Status.failed for r in mine),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -129,6 +130,22 @@ def test_report_shows_the_trace_its_bounds_and_the_stop_reason(seq_policy: Polic
     assert "upper bound crossed at block" in line and f"{v.sequential['llr_trace'][-1]:.2f}" in line
     data = json.loads(result.to_json())["verdicts"][0]["sequential"]
     assert data["decision"] == UPPER and len(data["llr_trace"]) == data["blocks"] and data["stop_reason"]
+
+
+def test_report_plots_each_lanes_llr_trace_against_its_bounds(seq_policy: Policy, tmp_path: Path) -> None:
+    from matplotlib.image import imread
+
+    result = run(simulate(Sim(features=[moe(1.05)], **QUIET), 0), seq_policy)
+    written = result.write_plots(tmp_path / "report", relative_to=tmp_path)
+    lane = moe_verdict(result).lane_key
+    png = written[f"sprt-{lane}"]
+    assert imread(png).shape[:2] == (462, 770)  # 7.0 x 4.2 in at 110 dpi: a real figure, not an empty file
+    assert result.sprt_plots[lane] == str(png.relative_to(tmp_path))
+    assert f"]({result.sprt_plots[lane]})" in result.markdown.split("### Sequential test (SPRT)")[1]
+    assert json.loads(result.to_json())["sprt_plots"] == {lane: result.sprt_plots[lane]}
+    # The fixed rule has no trace to plot.
+    fixed = run(simulate(Sim(features=[moe(1.05)], **QUIET), 0), with_overrides(seq_policy, {"sequential.enabled": False}))
+    assert not any(k.startswith("sprt-") for k in fixed.write_plots(tmp_path / "fixed"))
 
 
 @pytest.mark.parametrize(("key", "value", "allowed"), [

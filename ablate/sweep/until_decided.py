@@ -1,0 +1,368 @@
+"""``ablate sweep --until-decided``: rounds of blocks only for the tests still undecided, until each is decided.
+
+How to run me: ``ablate sweep search_spaces/smoke.yaml --until-decided --policy
+search_spaces/policies/single_node_sequential.yaml`` (under ``ray job submit`` exactly as a fixed campaign;
+``--resume`` continues the round a killed driver left, then the rounds after it).
+
+A round is one ordinary sweep of the campaign (its own sweep id, Tune experiment and MLflow parent run), so
+"repeated" keeps the meaning the promotion rule gives it. Inside a round, ``UntilDecidedSearcher`` (a Ray Tune
+``Searcher``) hands Tune the plan's blocks in plan order, leaving out every block whose test is decided: before
+the round from the receipts of earlier rounds, and within it after each finished block. Between rounds the
+driver waits out ``evidence.min_round_gap_s`` (closer sweeps are one round to the rule), then starts the next.
+
+"Decided" is what the verdict will be built on, read from the promotion rule itself run over every receipt of the
+campaign (``promote``, the code ``ablate promote`` runs, under the same policy):
+- the SPRT crossed its lower bound or reached its cap (sticky), or the rule rejected the test outright (a gate,
+  the failure rate, an inert toggle): more blocks cannot change the answer;
+- the SPRT crossed its upper bound and every other clause holds (PROMOTE).
+A test whose SPRT crossed the upper bound while another clause still holds it (per-host consistency, the order
+check, a suspicious win waiting for a confirming round) keeps its blocks until ``sequential.max_rounds`` rounds:
+crossing the bound is necessary, not sufficient. A/A blocks, bundle blocks and taxes run in every round (they
+calibrate and qualify the speed tests, and taxes are never decided). The campaign ends when no speed test is
+open, when ``sequential.max_rounds`` rounds have run, or when a round finishes no block (said, never looped).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+from ray.tune.search import Searcher
+
+from ablate.config.schema import ConfigError
+from ablate.promote.analysis import PROMOTE, REJECT
+from ablate.promote.policy import Policy, load_policy
+from ablate.promote.sequential import CAP, LOWER, UPPER
+from ablate.receipts.schema import Receipt
+from ablate.sweep.plan import SweepPlan
+
+log = logging.getLogger(__name__)
+
+SpeedKey = tuple[str, str, str]
+"""(feature, candidate value as text, lane key): one speed test, in the plan and in the rule alike."""
+OPEN, DECIDED = "open", "decided"
+
+
+def speed_key(feature: str, value: Any, lane_key: str) -> SpeedKey:
+    # The plan and the rule both hold the registry's view of a value (enum -> str), so str() matches them.
+    return (feature, str(value), lane_key)
+
+
+@dataclass
+class Standing:
+    """Where one speed test stands after the receipts so far."""
+
+    feature: str
+    value: str
+    lane_key: str
+    state: str
+    """open or decided."""
+    verdict: str
+    why: str
+    blocks: int = 0
+    rounds: int = 0
+    decision: Optional[str] = None
+    """The SPRT's: upper, lower, cap, continue (None: no sequential state yet)."""
+    llr: Optional[float] = None
+    lower: Optional[float] = None
+    upper: Optional[float] = None
+    trace: list[Optional[float]] = field(default_factory=list)
+
+    @property
+    def key(self) -> SpeedKey:
+        return (self.feature, self.value, self.lane_key)
+
+    @property
+    def decided(self) -> bool:
+        return self.state == DECIDED
+
+    def line(self) -> str:
+        shown = [f"{x:+.2f}" for x in self.trace if x is not None][-6:]
+        llr = ("LLR n/a" if self.llr is None else
+               f"LLR trace [{', '.join(shown)}] against ({self.lower:.2f}, {self.upper:.2f})")
+        return (f"{self.feature}={self.value} lane {self.lane_key[:12]}: {self.state} ({self.verdict}), "
+                f"{self.blocks} block(s) over {self.rounds} round(s), {llr}: {self.why}")
+
+
+def judge_states(receipts: Iterable[Receipt], policy: Policy, defaults_path: str | Path) -> dict[SpeedKey, Standing]:
+    """Every speed test in ``receipts`` judged by the promotion rule under ``policy`` (sequential enabled)."""
+    from ablate.promote.engine import promote
+
+    result = promote(list(receipts), policy_path=policy, defaults_path=defaults_path)
+    states: dict[SpeedKey, Standing] = {}
+    for v in result.speed_verdicts:
+        seq = v.sequential or {}
+        decision = seq.get("decision")
+        state = Standing(feature=v.feature, value=str(v.value), lane_key=v.lane_key, state=OPEN, verdict=v.verdict,
+                          why=v.reason, blocks=v.n_blocks, rounds=v.n_rounds, decision=decision,
+                          llr=seq.get("llr"), lower=seq.get("lower"), upper=seq.get("upper"),
+                          trace=list(seq.get("llr_trace") or []))
+        if v.verdict in (PROMOTE, REJECT) or decision in (LOWER, CAP):
+            state.state = DECIDED
+            state.why = seq.get("stop_reason") if decision in (LOWER, CAP) and v.verdict != REJECT else v.reason
+        elif decision == UPPER and v.n_rounds >= policy.sequential.max_rounds:
+            state.state = DECIDED
+            state.why = (f"upper bound crossed but held by the fixed rule after {v.n_rounds} round(s), the round cap: "
+                         f"{v.reason}")
+        elif decision == UPPER:
+            state.why = f"upper bound crossed; held by the fixed rule ({v.reason}): another round"
+        elif seq.get("stop_reason"):
+            state.why = seq["stop_reason"]
+        states[state.key] = state
+    return states
+
+
+@dataclass
+class CampaignJudge:
+    """Reads the campaign's receipts on disk and judges them: picklable (Tune keeps its searcher in the
+    experiment state, so ``--resume`` brings it back) and holding no live object of the driver."""
+
+    campaign_dir: str
+    policy: Policy
+    defaults_path: str
+
+    def receipts(self) -> list[Receipt]:
+        from ablate.tracking.mlflow_store import gather
+
+        return gather(Path(self.campaign_dir))[0] if Path(self.campaign_dir).is_dir() else []
+
+    def states(self) -> dict[SpeedKey, Standing]:
+        return judge_states(self.receipts(), self.policy, self.defaults_path)
+
+
+def block_keys(plan: SweepPlan) -> list[tuple[str, Optional[SpeedKey]]]:
+    """(block id, its speed test) in plan order; None for blocks that run every round (A/A, bundle, taxes)."""
+    from ablate.config.features import BUNDLE
+
+    keys: list[tuple[str, Optional[SpeedKey]]] = []
+    for block in plan.blocks:
+        speed = block.feature is not None and block.feature != BUNDLE and block.kind == "speed"
+        keys.append((block.block_id, speed_key(block.feature, block.candidate_value, block.lane_key)
+                     if speed else None))
+    return keys
+
+
+class UntilDecidedSearcher(Searcher):
+    """Suggests the round's planned blocks in plan order, skipping those whose test is decided.
+
+    The decision is refreshed after every finished block, so a test that crosses a bound mid-round stops getting
+    blocks at once (the plan interleaves repetitions, so its later repeats are the ones left out). A decision
+    never reopens: it is taken on the blocks in time order and stops at the first crossing or the cap."""
+
+    def __init__(self, blocks: list[tuple[str, Optional[SpeedKey]]], judge: Any) -> None:
+        super().__init__(metric=None, mode=None)
+        self._blocks = list(blocks)
+        self._judge = judge
+        self.suggested: list[str] = []
+        self.closed: dict[SpeedKey, str] = {}
+        """Decided test -> why (the stop reason), as the searcher last saw it."""
+        self.skipped: dict[str, str] = {}
+        """Block id -> why it was not run in this round."""
+        self.judge_s = 0.0
+        """Driver time spent judging (Tune waits for it before the next block starts)."""
+        self._refresh()
+
+    def _refresh(self) -> None:
+        begun = time.perf_counter()
+        for key, state in self._judge.states().items():
+            if state.decided:
+                self.closed[key] = state.why
+        self.judge_s += time.perf_counter() - begun
+
+    def expected_blocks(self) -> int:
+        """Blocks the round runs if no test is decided during it (the progress display's total)."""
+        return sum(1 for block_id, key in self._blocks if block_id not in self.skipped and
+                   (key is None or key not in self.closed))
+
+    def suggest(self, trial_id: str) -> Optional[dict[str, Any]]:
+        done = set(self.suggested)
+        for block_id, key in self._blocks:
+            if block_id in done or block_id in self.skipped:
+                continue
+            if key is not None and key in self.closed:
+                self.skipped[block_id] = f"{key[0]}={key[1]} decided: {self.closed[key]}"
+                continue
+            self.suggested.append(block_id)
+            return {"block_id": block_id}
+        return Searcher.FINISHED
+
+    def on_trial_complete(self, trial_id: str, result: Optional[dict[str, Any]] = None, error: bool = False) -> None:
+        self._refresh()
+
+    def get_state(self) -> dict[str, Any]:
+        return {"suggested": list(self.suggested), "closed": [[list(k), why] for k, why in self.closed.items()],
+                "skipped": dict(self.skipped), "judge_s": self.judge_s}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.suggested = list(state["suggested"])
+        self.closed = {(k[0], k[1], k[2]): why for k, why in state["closed"]}
+        self.skipped = dict(state["skipped"])
+        self.judge_s = float(state.get("judge_s", 0.0))
+
+    def save(self, checkpoint_path: str) -> None:
+        Path(checkpoint_path).write_text(json.dumps(self.get_state()))
+
+    def restore(self, checkpoint_path: str) -> None:
+        self.set_state(json.loads(Path(checkpoint_path).read_text()))
+
+
+def sequential_policy(path: str | Path) -> Policy:
+    """The policy the rounds are judged by; refused unless its sequential test is enabled."""
+    policy = load_policy(path)
+    if not policy.sequential.enabled:
+        raise ConfigError("sequential.enabled", False,
+                          f"true in the policy given to --until-decided ({path}): the campaign stops on the sequential "
+                          f"test, so the verdict must be taken under it too (shipped: "
+                          f"search_spaces/policies/default_sequential.yaml, single_node_sequential.yaml)")
+    return policy
+
+
+def defaults_path_of(campaign_file: Path, defaults: str) -> Path:
+    path = Path(defaults)
+    return path if path.is_absolute() else campaign_file.parent / path
+
+
+@dataclass
+class RoundRecord:
+    sweep_id: str
+    blocks_run: int
+    blocks_skipped: int
+    started_at: float
+    elapsed_s: float
+    exit_code: int
+    judge_s: float = 0.0
+
+
+@dataclass
+class UntilDecidedSummary:
+    campaign: str
+    campaign_file: str
+    policy_path: str
+    policy_ref: str
+    tracking_uri: str
+    experiment: str
+    rounds: list[RoundRecord]
+    states: list[Standing]
+    stop_reason: str
+    sweep_summaries: list[Any] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return max([r.exit_code for r in self.rounds], default=0)
+
+    def render(self) -> str:
+        lines = [f"until decided: campaign {self.campaign}, {len(self.rounds)} round(s) this run under "
+                 f"{self.policy_ref}; stopped: {self.stop_reason}"]
+        lines += [f"  round {r.sweep_id}: {r.blocks_run} block(s) run, {r.blocks_skipped} left out as decided, "
+                  f"{r.elapsed_s:.0f}s ({r.judge_s:.1f}s of it judging)" for r in self.rounds]
+        lines += ["  " + s.line() for s in self.states]
+        experiment = f" --experiment {self.experiment}" if self.experiment != "ablate" else ""
+        lines.append(f"next:     ablate promote --tracking-uri {self.tracking_uri}{experiment} --sweep {self.campaign} "
+                     f"--policy {self.policy_path}   (the verdicts, under the policy the rounds stopped on)")
+        return "\n".join(lines)
+
+
+def _latest_start(campaign_dir: Path) -> Optional[float]:
+    """Start time (epoch s) of the campaign's latest sweep, from its metadata."""
+    from ablate.sweep.layout import LATEST
+    from ablate.tracking.mlflow_store import SWEEPS_DIR
+
+    latest = (campaign_dir / LATEST)
+    if not latest.is_file():
+        return None
+    meta = campaign_dir / SWEEPS_DIR / f"{latest.read_text().strip()}.json"
+    try:
+        return datetime.fromisoformat(json.loads(meta.read_text())["created_at"]).timestamp()
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def run_until_decided(path: str | Path, *, policy_path: str | Path, resume: bool = False,
+                      tracking_uri: Optional[str] = None, storage: Optional[str] = None, progress: bool = True,
+                      lock_wait_s: float = 0.0, echo: Callable[[str], None] = print,
+                      sleep: Callable[[float], None] = time.sleep) -> UntilDecidedSummary:
+    """Rounds of ``run_sweep`` with ``UntilDecidedSearcher`` until every speed test is decided (module docstring)."""
+    from ablate.config.load import load_sweep
+    from ablate.sweep.layout import Layout
+    from ablate.sweep.run import run_sweep
+
+    path = Path(path)
+    policy = sequential_policy(policy_path)
+    sweep, _ = load_sweep(path)
+    layout = Layout.for_campaign(sweep.name, storage or sweep.tracking.storage)
+    judge = CampaignJudge(str(layout.local_dir), policy, str(defaults_path_of(path, sweep.defaults)))
+    rounds: list[RoundRecord] = []
+    summaries: list[Any] = []
+    planned: set[SpeedKey] = set()
+
+    def factory(plan: SweepPlan) -> UntilDecidedSearcher:
+        keys = block_keys(plan)
+        planned.update(k for _, k in keys if k is not None)
+        if not planned:
+            raise ConfigError("features", sorted(sweep.features), "at least one speed feature that can act in this "
+                                                                  "lane: --until-decided decides speed tests")
+        return UntilDecidedSearcher(keys, judge)
+
+    stop = ""
+    while True:
+        states = judge.states()
+        open_tests = [k for k in planned if not (k in states and states[k].decided)]
+        if rounds and not open_tests:
+            stop = "every speed test of the campaign is decided"
+            break
+        if len(rounds) >= policy.sequential.max_rounds:
+            stop = f"{len(rounds)} rounds run, the policy's sequential.max_rounds"
+            break
+        if rounds and rounds[-1].blocks_run == 0:
+            stop = "the last round ran no block (every block's test was decided before it started)"
+            break
+        if rounds and rounds[-1].exit_code:
+            stop = f"round {rounds[-1].sweep_id} did not finish cleanly (see its summary; --resume continues it)"
+            break
+        wait = _gap_wait(layout.local_dir, policy, resume and not rounds)
+        if wait > 0:
+            echo(f"waiting {wait:.0f}s before the next round: sweeps starting less than "
+                 f"{policy.evidence.min_round_gap_s:.0f}s apart are one round to the rule (evidence.min_round_gap_s)")
+            sleep(wait)
+        begun = time.time()
+        summary = run_sweep(path, resume=resume and not rounds, tracking_uri=tracking_uri, storage=storage,
+                            progress=progress, lock_wait_s=lock_wait_s, searcher_factory=factory)
+        summaries.append(summary)
+        rounds.append(RoundRecord(sweep_id=summary.sweep_id, blocks_run=summary.blocks_total,
+                                  blocks_skipped=len(summary.left_out), started_at=begun,
+                                  elapsed_s=summary.elapsed_s, exit_code=summary.exit_code,
+                                  judge_s=summary.judge_s))
+        echo(summary.render())
+        for state in sorted(judge.states().values(), key=lambda s: s.key):
+            if state.key in planned:
+                echo("  " + state.line())
+        if summary.interrupted or summary.fatal:
+            stop = "interrupted: `ablate sweep ... --until-decided --resume` continues"
+            break
+    final = judge.states()
+    return UntilDecidedSummary(
+        campaign=sweep.name, campaign_file=str(path), policy_path=str(policy_path), policy_ref=policy.ref,
+        tracking_uri=summaries[-1].tracking_uri if summaries else "", experiment=sweep.tracking.experiment,
+        rounds=rounds, states=sorted((final[k] for k in planned if k in final), key=lambda s: s.key),
+        stop_reason=stop, sweep_summaries=summaries)
+
+
+def _gap_wait(campaign_dir: Path, policy: Policy, resuming: bool) -> float:
+    """Seconds to wait so the next sweep starts ``min_round_gap_s`` after the latest one (0 when resuming it)."""
+    if resuming:
+        return 0.0
+    start = _latest_start(campaign_dir)
+    if start is None:
+        return 0.0
+    return max(0.0, policy.evidence.min_round_gap_s - (time.time() - start) + 1.0)
+
+
+def states_json(states: Iterable[Standing]) -> list[dict[str, Any]]:
+    return [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(s).items()}
+            for s in states]

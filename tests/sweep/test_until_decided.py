@@ -1,0 +1,166 @@
+"""``ablate sweep --until-decided`` (issue 15): the searcher runs blocks only for undecided tests, round after round.
+
+The judge is the promotion rule itself (``promote`` under a sequential policy); the searcher is a real Ray Tune
+``Searcher`` driving a real sweep; the rounds are real sweeps on a local Ray cluster with a real MLflow store.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from ruamel.yaml import YAML
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "promote"))
+
+from promote_sim import FeatureTruth, Sim, moe, simulate  # noqa: E402
+from sweeps_common import REPO, fresh_mlflow_uri, tiny_smoke  # noqa: E402
+
+from ablate.config.load import load_sweep  # noqa: E402
+from ablate.config.schema import ConfigError  # noqa: E402
+from ablate.promote import PROMOTE, load_policy, with_overrides  # noqa: E402
+from ablate.promote.sequential import CAP, LOWER, UPPER  # noqa: E402
+from ablate.receipts.store import load_receipts  # noqa: E402
+from ablate.sweep.plan import plan_sweep  # noqa: E402
+from ablate.sweep.run import run_sweep  # noqa: E402
+from ablate.sweep.until_decided import (DECIDED, OPEN, Standing, UntilDecidedSearcher, block_keys,  # noqa: E402
+                                        judge_states, run_until_decided, sequential_policy)
+
+POLICIES = REPO / "search_spaces" / "policies"
+DEFAULTS = REPO / "search_spaces" / "defaults.yaml"
+QUIET = {"noise": 0.007, "aa_per_host": 2}
+
+
+def test_the_judge_is_the_promotion_rule_under_the_sequential_policy() -> None:
+    """A clear 30% win is decided (upper crossing, then PROMOTE); a null is decided by the lower bound or left open,
+    never promoted; a test with one round of blocks stays open (the rule needs two counted rounds)."""
+    policy = load_policy(POLICIES / "default_sequential.yaml")
+    mamba_null = FeatureTruth("mamba_scan", "chunked", "sequential", 1.0)
+    two_rounds = simulate(Sim([moe(1.3), mamba_null], **QUIET), seed=3)
+    states = {s.feature: s for s in judge_states(two_rounds, policy, DEFAULTS).values()}
+    assert states["moe_dispatch"].decided and states["moe_dispatch"].verdict == PROMOTE
+    assert states["moe_dispatch"].decision == UPPER and states["moe_dispatch"].llr >= states["moe_dispatch"].upper
+    assert states["mamba_scan"].verdict != PROMOTE and states["mamba_scan"].decision != UPPER
+    assert states["mamba_scan"].decided == (states["mamba_scan"].decision in (LOWER, CAP))
+
+    one_round = simulate(Sim([moe(1.3)], rounds=1, **QUIET), seed=3)
+    only = next(iter(judge_states(one_round, policy, DEFAULTS).values()))
+    assert only.state == OPEN and only.decision != LOWER and "round" in only.why
+
+
+def test_a_policy_without_the_sequential_test_is_refused_before_anything_runs() -> None:
+    with pytest.raises(ConfigError) as caught:
+        sequential_policy(POLICIES / "single_node.yaml")
+    assert "sequential.enabled" in str(caught.value) and "single_node_sequential.yaml" in str(caught.value)
+
+
+def test_the_sequential_twins_differ_from_their_policies_only_in_the_sequential_switch() -> None:
+    for fixed, twin in (("default", "default_sequential"), ("single_node", "single_node_sequential")):
+        a, b = load_policy(POLICIES / f"{fixed}.yaml"), load_policy(POLICIES / f"{twin}.yaml")
+        assert b.sequential.enabled and not a.sequential.enabled
+        assert with_overrides(a, {"sequential.enabled": True}).__dict__ | {"name": b.name, "version": b.version,
+                                                                             "path": b.path} == b.__dict__
+
+
+@dataclass
+class _Judged:
+    """The judge's answers as data: the searcher's scheduling is tested apart from the rule."""
+
+    answers: dict
+
+    def states(self) -> dict:
+        return dict(self.answers)
+
+
+def _state(key: tuple, state: str) -> Standing:
+    return Standing(feature=key[0], value=key[1], lane_key=key[2], state=state, verdict="HOLD", why="test says so")
+
+
+def test_the_searcher_hands_out_open_blocks_in_plan_order_and_drops_a_test_decided_mid_round(tmp_path: Path) -> None:
+    sweep, defaults = load_sweep(tiny_smoke(tmp_path, blocks=3, aa_blocks=1))
+    plan = plan_sweep(sweep, "smoke-20261123-000000-ab12", defaults)
+    keys = block_keys(plan)
+    moe_key = next(k for _, k in keys if k and k[0] == "moe_dispatch")
+    mamba_key = next(k for _, k in keys if k and k[0] == "mamba_scan")
+    judge = _Judged({moe_key: _state(moe_key, DECIDED)})
+    searcher = UntilDecidedSearcher(keys, judge)
+    assert searcher.expected_blocks() == 3 + 1  # mamba's three blocks and the A/A block
+    first = searcher.suggest("t1")
+    assert first == {"block_id": next(b for b, k in keys if k != moe_key)}
+    judge.answers[mamba_key] = _state(mamba_key, DECIDED)  # mamba crosses a bound with its first block
+    searcher.on_trial_complete("t1")
+    rest = []
+    while (suggestion := searcher.suggest(f"t{len(rest) + 2}")) != UntilDecidedSearcher.FINISHED:
+        rest.append(suggestion["block_id"])
+    ran = [first["block_id"]] + rest
+    assert [b for b, k in keys if b in ran] == ran  # plan order
+    assert {k for b, k in keys if b in rest} == {None}  # after the decision: only the A/A block
+    assert set(searcher.skipped) == {b for b, k in keys if k in (moe_key, mamba_key) and b != first["block_id"]}
+    assert all("decided: test says so" in why for why in searcher.skipped.values())
+
+    # Tune keeps the searcher in its experiment state (--resume): it pickles, and save/restore keep its place.
+    copy = pickle.loads(pickle.dumps(searcher))
+    assert copy.suggested == searcher.suggested
+    searcher.save(str(tmp_path / "searcher.json"))
+    fresh = UntilDecidedSearcher(keys, _Judged({}))
+    fresh.restore(str(tmp_path / "searcher.json"))
+    assert fresh.suggest("t9") == UntilDecidedSearcher.FINISHED and fresh.suggested == searcher.suggested
+
+
+def _policy_file(directory: Path, **overrides: object) -> Path:
+    yaml = YAML()
+    data = yaml.load((POLICIES / "single_node_sequential.yaml").read_text())
+    for dotted, value in overrides.items():
+        section, key = dotted.split(".")
+        data[section][key] = value
+    path = directory / "policy.yaml"
+    with path.open("w") as handle:
+        yaml.dump(data, handle)
+    return path
+
+
+def test_until_decided_runs_only_undecided_tests_and_stops_when_all_are_decided(tmp_path: Path) -> None:
+    """Real rounds: a fixed sweep first gives moe_dispatch its capped evidence; --until-decided on the campaign
+    with both features then runs mamba_scan's blocks (and the A/A block) only, and stops after that round because
+    mamba_scan has reached the cap too."""
+    uri = fresh_mlflow_uri(tmp_path)
+    storage = str(tmp_path / "storage")
+    policy = _policy_file(tmp_path, **{"evidence.min_rounds": 1, "evidence.min_blocks_per_round": 2,
+                                       "evidence.min_round_gap_s": 0, "sequential.min_blocks": 2,
+                                       "sequential.max_blocks": 2, "sequential.max_rounds": 2})
+    earlier = tiny_smoke(tmp_path / "fixed", name="decide", steps=4, blocks=2, aa_blocks=1,
+                         features={"moe_dispatch": ["jagged"]})
+    first = run_sweep(earlier, tracking_uri=uri, storage=storage, progress=False)
+    assert first.exit_code == 0 and first.blocks_done == 3
+
+    campaign = tiny_smoke(tmp_path / "until", name="decide", steps=4, blocks=2, aa_blocks=1)
+    lines: list[str] = []
+    summary = run_until_decided(campaign, policy_path=policy, tracking_uri=uri, storage=storage, progress=False,
+                                echo=lines.append)
+    assert summary.exit_code == 0 and len(summary.rounds) == 1, summary.render()
+    assert summary.stop_reason == "every speed test of the campaign is decided"
+    round_ = summary.sweep_summaries[0]
+    assert round_.blocks_total == round_.blocks_done == 3  # mamba_scan's two blocks + the A/A block
+    assert len(round_.left_out) == 2 and all("moe_dispatch=jagged decided" in why for why in round_.left_out.values())
+    receipts = [r for r in load_receipts(Path(round_.sweep_dir) / "receipts")[0]
+                if r.identity.sweep_id == round_.sweep_id]
+    assert len(receipts) == 6 and {r.identity.feature for r in receipts} == {"mamba_scan", None}
+    assert {s.feature: s.state for s in summary.states} == {"moe_dispatch": DECIDED, "mamba_scan": DECIDED}
+    text = summary.render()
+    assert "1 round(s)" in text and f"--policy {policy}" in text and "left out as decided" in text
+
+
+def test_the_cli_refuses_a_fixed_policy_before_any_sweep_starts(tmp_path: Path) -> None:
+    import subprocess
+
+    campaign = tiny_smoke(tmp_path, name="refused_policy")
+    done = subprocess.run([sys.executable, "-m", "ablate", "sweep", str(campaign), "--until-decided", "--policy",
+                           str(POLICIES / "single_node.yaml"), "--storage", str(tmp_path / "runs"),
+                           "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "sequential.enabled" in done.stdout + done.stderr
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
