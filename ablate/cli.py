@@ -5,6 +5,7 @@
     ablate sweep search_spaces/smoke.yaml # run a campaign (local Ray, or the cluster under `ray job submit`)
     ablate receipts list|show|sync        # receipts on disk and in MLflow
     ablate promote --write                # decide, report, update search_spaces/defaults.yaml
+    ablate revalidate --run --write       # re-test values marked for revalidation; keep or demote them
     ablate doctor                         # hardware, Ray, MLflow, versions
 
 Heavy imports (torch, Ray, MLflow) happen inside the commands so `ablate validate` and `--help` stay fast.
@@ -391,6 +392,95 @@ def promote(
             console.print("open the pull request with:", highlight=False)
             for command in outcome.pr_commands:
                 console.print(f"  {command}", markup=False, highlight=False)
+
+
+# --- revalidate ---
+
+
+@app.command()
+def revalidate(
+    defaults: Path = typer.Option(SEARCH_SPACES / "defaults.yaml", "--defaults"),
+    campaigns: Optional[list[Path]] = typer.Option(None, "--campaign", help="Campaign file whose lane is the "
+                                                                           "recorded one (repeatable; default: "
+                                                                           "the file next to --defaults named "
+                                                                           "like the record's campaign)."),
+    run: bool = typer.Option(False, "--run", help="Run the re-test campaigns and judge them (default: only "
+                                                  "write and print them)."),
+    write: bool = typer.Option(False, "--write", help="With --run: write the outcomes into the defaults file "
+                                                      "(confirmed, demoted, or still unconfirmed)."),
+    policy: Path = typer.Option(SEARCH_SPACES / "policies" / "default.yaml", "--policy"),
+    blocks: Optional[int] = typer.Option(None, "--blocks", min=1, help="Blocks per round (default: enough "
+                                                                       "for the policy to decide)."),
+    aa_blocks: Optional[int] = typer.Option(None, "--aa-blocks", min=1, help="A/A blocks per round (default: "
+                                                                             "enough to calibrate the lane)."),
+    rounds: Optional[int] = typer.Option(None, "--rounds", min=1, help="Rounds (default: the policy's "
+                                                                       "evidence.min_rounds)."),
+    campaign_dir: Optional[Path] = typer.Option(None, "--campaign-dir", help="Where to write the re-test "
+                                                                             "campaigns (default: each one's "
+                                                                             "directory under the storage)."),
+    out: Path = typer.Option(Path("reports"), "--out", help="Directory for the Markdown and JSON report."),
+    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri"),
+    storage: Optional[str] = typer.Option(None, "--storage", help="Ray storage path (shared on multi-node)."),
+    progress: bool = typer.Option(True, "--progress/--no-progress"),
+    repeat: bool = typer.Option(False, "--repeat", help="Also re-test values whose earlier re-test ended "
+                                                        "inconclusive (sticky by default: repeating until a "
+                                                        "verdict comes is multiple testing)."),
+) -> None:
+    """Re-test promoted values marked for revalidation against the values they replaced; keep or demote them."""
+    from ablate import promote as promotion
+    from ablate.promote import revalidate as reval
+    from ablate.promote.policy import load_policy
+
+    if write and not run:
+        _fail("--write needs --run: only a re-test's verdict can change the defaults")
+    try:
+        rule = load_policy(policy)
+        plans, refused, notes = reval.plan_retests(defaults, rule, campaigns=list(campaigns or []),
+                                                   out_dir=campaign_dir, storage=storage, blocks=blocks,
+                                                   rounds=rounds, aa_blocks=aa_blocks, repeat=repeat)
+    except ConfigError as exc:
+        _fail(markup_escape(str(exc)))
+    for note in notes:
+        err.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+    for exc in refused:
+        err.print(f"refused: {exc}", markup=False, highlight=False, soft_wrap=True)
+    if not plans:
+        console.print(f"nothing to re-test in {defaults}", highlight=False)
+        raise typer.Exit(2 if refused else 0)
+    for plan in plans:
+        console.print(plan.describe(), markup=False, highlight=False, soft_wrap=True)
+    if not run:
+        again = " ".join([f"--defaults {defaults}", *(f"--campaign {c}" for c in campaigns or []),
+                          f"--policy {policy}"])
+        console.print(f"dry plan: run them with `ablate revalidate {again} --run --write` (same sizes: the same "
+                      f"--blocks / --aa-blocks / --rounds)", markup=False, highlight=False)
+        raise typer.Exit(2 if refused else 0)
+    from ablate.sweep.layout import SweepLocked
+    from ablate.sweep.node_check import NodeCheckRefused
+    from ablate.tracking.uri import TrackingStoreError
+
+    try:
+        summaries = reval.run_retests(plans, rule, tracking_uri=tracking_uri, storage=storage, progress=progress,
+                                      say=lambda line: console.print(line, markup=False, highlight=False))
+    except (ConfigError, SweepLocked, TrackingStoreError, NodeCheckRefused, RuntimeError) as exc:
+        # Nothing is judged on a re-test that did not finish: the defaults stay as they are.
+        _fail(markup_escape(str(exc)))
+    receipts, rejected = reval.receipts_of(summaries)
+    _print_rejected(rejected)
+    result = reval.judge([p.target for p in plans], receipts, rule, defaults, rejected=rejected,
+                         workdir=campaign_dir or plans[0].campaign_path.parent)
+    print(result.markdown)  # raw: it is the PR body
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{result.report_id}.md").write_text(result.markdown)
+    (out / f"{result.report_id}.json").write_text(result.to_json())
+    console.print(f"\nreport: {out / (result.report_id + '.md')}", highlight=False)
+    if write:
+        edits = promotion.write_defaults(result, defaults)
+        console.print(f"defaults: {len(edits)} edit(s) in {defaults}", highlight=False)
+        for edit in edits:
+            console.print(f"  {edit}", markup=False, highlight=False)
+    if refused:
+        raise typer.Exit(2)
 
 
 # --- doctor ---

@@ -23,7 +23,7 @@ def ablate(*args: str, cwd: Path = REPO, timeout: int = 180) -> subprocess.Compl
 def test_help_lists_every_command() -> None:
     out = ablate("--help")
     assert out.returncode == 0, out.stderr
-    for command in ("validate", "sweep", "receipts", "promote", "doctor"):
+    for command in ("validate", "sweep", "receipts", "promote", "revalidate", "doctor"):
         assert command in out.stdout
 
 

@@ -12,6 +12,10 @@ device class in ``scope.global_device_classes`` (evidence from CPU lanes alone n
 Otherwise each promoting lane *shape* gets a lane override (``lane_overrides`` under the feature, keyed by
 ``ablate.config.lane_shape.lane_shape``), which ``load_defaults`` turns into that lane's baseline; a second
 promotion on the same shape updates its entry instead of adding one.
+
+Revalidation (``ablate.promote.revalidate``): a ``RevalidationOutcome`` in ``result.revalidations`` writes a
+re-test into the marked record (``revalidate.retests``, ``status``, ``required``) and, when the win is gone,
+puts the value the promotion replaced back (``apply_outcome``).
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ class Edit(str):
     """One line of ``apply_to_document``'s edit list; ``kind`` says what it is, so callers count without parsing.
 
     kinds: ``value`` (a global value flipped), ``override`` (a lane override added or updated), ``evidence``,
-    ``revalidate``.
+    ``revalidate`` (a mark set, or a re-test's outcome written), ``demote`` (a value or override put back).
     """
 
     kind: str
@@ -87,6 +91,30 @@ class Revalidation:
     recorded_fingerprint: str
     current_fingerprint: str
     report: Optional[str]
+
+
+CONFIRMED, DEMOTED, UNCONFIRMED = "confirmed", "demoted", "still unconfirmed"
+"""Outcomes of a re-test (``ablate revalidate``): the rule PROMOTEd the value again (the mark is resolved and the
+re-test becomes fresh evidence), REJECTed it (the win is gone: the value goes back to the one it replaced), or
+neither (HOLD, or no usable block: the value stays and so does the mark)."""
+
+
+@dataclass
+class RevalidationOutcome(Revalidation):
+    """A re-test of a marked value and what it does to the defaults file (``ablate.promote.revalidate``)."""
+
+    outcome: str = UNCONFIRMED
+    verdict: Optional[str] = None
+    """The rule's verdict on the re-test (None: the re-test produced no verdict for this value and lane)."""
+    reason: str = ""
+    previous: Any = None
+    """The value the promotion replaced: what a demotion restores."""
+    scope: str = "global"
+    lane_shape: Optional[str] = None
+    retest: dict[str, Any] = field(default_factory=dict)
+    """What is appended to the mark's ``retests`` list: report, date, sweeps, verdict, speed-up, fingerprint."""
+    evidence: Optional[dict[str, Any]] = None
+    """Confirmed: the fresh evidence record (under the new fingerprint) appended to the feature's evidence."""
 
 
 def _round(x: Optional[float], digits: int = 4) -> Optional[float]:
@@ -201,8 +229,11 @@ def find_revalidations(defaults_raw: Mapping[str, Any], lanes: Mapping[str, Lane
             state = lanes.get(record.get("lane_key")) or latest_by_shape.get(record.get("lane_shape"))
             if state is None or record.get("software_fingerprint") == state.current_fingerprint:
                 continue
-            if (record.get("revalidate") or {}).get("current_fingerprint") == state.current_fingerprint:
+            mark = record.get("revalidate") or {}
+            if mark.get("current_fingerprint") == state.current_fingerprint:
                 continue  # already marked for this fingerprint
+            if mark.get("required") is False:
+                continue  # resolved by a re-test: confirmed (its fresh record carries on) or demoted (history)
             found.append(Revalidation(feature=str(feature), value=record.get("value"),
                                       lane_key=str(record.get("lane_key")),
                                       recorded_fingerprint=str(record.get("software_fingerprint")),
@@ -336,6 +367,9 @@ def apply_to_document(doc: CommentedMap, result: "PromotionResult") -> list[str]
             edits.append(Edit(f"features.{change.feature}.evidence += {record['report']} on {record['lane_key']}",
                               "evidence"))
     for reval in result.revalidations:
+        if isinstance(reval, RevalidationOutcome):
+            edits += apply_outcome(features, reval, result.report_id, result.date)
+            continue
         entry = features.get(reval.feature) or {}
         for record in entry.get("evidence") or []:
             if (record.get("lane_key") == reval.lane_key and "revalidate" not in record
@@ -353,6 +387,74 @@ def apply_to_document(doc: CommentedMap, result: "PromotionResult") -> list[str]
                     override["revalidate"] = _node(mark)
                     edits.append(Edit(f"features.{reval.feature}.lane_overrides[{record.get('lane_shape')}]: "
                                       f"revalidation required", "revalidate"))
+    return edits
+
+
+def marked_record(entry: Mapping[str, Any], lane_key: str, report: Optional[str]) -> Optional[CommentedMap]:
+    """The evidence record of ``report`` on ``lane_key`` that carries a revalidation mark, if any."""
+    for record in entry.get("evidence") or []:
+        if (isinstance(record, Mapping) and isinstance(record.get("revalidate"), Mapping)
+                and record.get("lane_key") == lane_key and record.get("report") == report):
+            return record  # type: ignore[return-value]
+    return None
+
+
+def _demote(entry: CommentedMap, o: RevalidationOutcome, report_id: str, date: str) -> list[str]:
+    """Put the value the promotion replaced back: the global value, or the lane's override (dropped when the
+    lane would then run the global value anyway, so the file keeps one way of saying it)."""
+    where = f"features.{o.feature}"
+    if o.scope == "global":
+        if str(entry.get("value")) != str(o.value):
+            return []  # something else has been promoted since: nothing of this value left to demote
+        entry["value"] = _node(o.previous)
+        _replace_value_comment(entry, f"demoted by {report_id} on {date} (was {o.value}: its win is gone on "
+                                      f"re-test); evidence below")
+        return [Edit(f"{where}.value: {o.value!r} -> {o.previous!r} (demoted)", "demote")]
+    overrides = entry.get("lane_overrides") or []
+    override = _overrides_by_shape(entry).get(str(o.lane_shape))
+    if override is None or str(override.get("value")) != str(o.value):
+        return []
+    if str(o.previous) == str(entry.get("value")):
+        overrides.remove(override)
+        if not overrides:
+            del entry["lane_overrides"]
+        return [Edit(f"{where}.lane_overrides[{o.lane_shape}]: {o.value!r} removed, the lane runs the global "
+                     f"{o.previous!r} again (demoted)", "demote")]
+    override.update({"value": _node(o.previous), "previous": _node(o.value), "report": report_id, "date": date})
+    override.pop("revalidate", None)
+    return [Edit(f"{where}.lane_overrides[{o.lane_shape}]: {o.value!r} -> {o.previous!r} (demoted)", "demote")]
+
+
+def apply_outcome(features: CommentedMap, o: RevalidationOutcome, report_id: str, date: str) -> list[str]:
+    """Write one re-test's outcome: the marked record gets the re-test appended to ``revalidate.retests``, its
+    ``status`` and ``required`` (false once confirmed or demoted); a confirmation appends the fresh evidence and
+    moves the lane override onto it; a demotion puts the previous value back. Writing it twice changes nothing."""
+    entry = features.get(o.feature)
+    record = marked_record(entry, o.lane_key, o.report) if isinstance(entry, Mapping) else None
+    if record is None:
+        return []
+    mark = record["revalidate"]
+    if mark.get("required") is not True:
+        return []  # already resolved (by another re-test's report): an older result must not overwrite it
+    retests = _block_seq(mark, "retests")
+    if any(isinstance(t, Mapping) and t.get("report") == report_id for t in retests):
+        return []
+    retests.append(_node(o.retest))
+    mark["status"] = o.outcome
+    mark["required"] = o.outcome == UNCONFIRMED  # an inconclusive re-test answers nothing: still required
+    edits: list[str] = [Edit(f"features.{o.feature}.evidence[{o.lane_key}]: revalidation {o.outcome} "
+                             f"({o.verdict or 'no verdict'})", "revalidate")]
+    if o.outcome == DEMOTED:
+        edits += _demote(entry, o, report_id, date)
+    elif o.outcome == CONFIRMED and o.evidence is not None:
+        _block_seq(entry, "evidence").append(_node(o.evidence))
+        edits.append(Edit(f"features.{o.feature}.evidence += {report_id} on {o.lane_key} (revalidation)",
+                          "evidence"))
+        override = _overrides_by_shape(entry).get(str(o.lane_shape))
+        if override is not None and override.get("report") == o.report:
+            # The override now rests on the fresh record: a later fingerprint change marks both together again.
+            override.update({"report": report_id, "date": date})
+            override.pop("revalidate", None)
     return edits
 
 

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from ablate.promote.analysis import PROMOTE, TAX_REPORTED, FeatureVerdict
 from ablate.promote.bundle import BundleCheck
-from ablate.promote.defaults_writer import DefaultsChange, Revalidation
+from ablate.promote.defaults_writer import DEMOTED, DefaultsChange, Revalidation, RevalidationOutcome
 from ablate.promote.energy import energy_cell
 from ablate.promote.evidence import Calibration
 from ablate.promote.match import Refusal
@@ -444,12 +444,43 @@ def _taxes(result: PromotionResult) -> list[str]:
 
 
 def _revalidations(result: PromotionResult) -> list[str]:
-    if not result.revalidations:
-        return []
-    rows = [[f"{_c(r.feature)}={_c(r.value)}", _c(_short(r.lane_key)), _c(_short(r.recorded_fingerprint)),
-             _c(_short(r.current_fingerprint)), _t(r.report or "–")] for r in result.revalidations]
-    return (["", "### Needs revalidation (software fingerprint changed)", ""] +
-            _table(["default", "lane", "recorded fingerprint", "current fingerprint", "report"], rows))
+    """Marks (``promote``: evidence whose software changed) and re-test outcomes (``ablate revalidate``): values
+    demoted because their win is gone, and values confirmed or still unconfirmed."""
+    marks = [r for r in result.revalidations if not isinstance(r, RevalidationOutcome)]
+    outcomes = [r for r in result.revalidations if isinstance(r, RevalidationOutcome)]
+    lines: list[str] = []
+    if marks:
+        rows = [[f"{_c(r.feature)}={_c(r.value)}", _c(_short(r.lane_key)), _c(_short(r.recorded_fingerprint)),
+                 _c(_short(r.current_fingerprint)), _t(r.report or "–")] for r in marks]
+        lines += (["", "### Needs revalidation (software fingerprint changed)", ""] +
+                  _table(["default", "lane", "recorded fingerprint", "current fingerprint", "report"], rows))
+
+    def retested(o: RevalidationOutcome) -> list[Any]:
+        t = o.retest
+        ci = t.get("ci95") or [None, None]
+        shown = _interval(None if None in ci else (ci[0], ci[1]))
+        return [f"**{_t(o.verdict or 'no verdict')}**", f"{_x(t.get('speedup'))} {shown}",
+                _c(_short(t.get("software_fingerprint") or "–")), _t(o.report or "–"), _t(o.reason)]
+
+    demoted = [o for o in outcomes if o.outcome == DEMOTED]
+    if demoted:
+        rows = [[_c(o.feature), f"{_c(o.value)} → {_c(o.previous)}", _t(o.scope), _c(_short(o.lane_key)),
+                 *retested(o)] for o in demoted]
+        lines += (["", "### Demoted (the win is gone on re-test)", ""] +
+                  _table(["feature", "value", "scope", "lane", "verdict", "speed-up [95% CI]", "re-tested under",
+                          "promoted by", "why"], rows) +
+                  ["", "Each demoted value goes back to the value it replaced; its evidence record keeps the "
+                       "re-test under `revalidate.retests`."])
+    kept = [o for o in outcomes if o.outcome != DEMOTED]
+    if kept:
+        rows = [[f"{_c(o.feature)}={_c(o.value)}", _t(o.outcome), _t(o.scope), _c(_short(o.lane_key)),
+                 *retested(o)] for o in kept]
+        lines += (["", "### Revalidated (the value stays)", ""] +
+                  _table(["default", "outcome", "scope", "lane", "verdict", "speed-up [95% CI]",
+                          "re-tested under", "promoted by", "why"], rows) +
+                  ["", "Confirmed: the mark is resolved and the re-test is the value's new evidence. Still "
+                       "unconfirmed: the re-test did not decide, so the value stays and stays marked."])
+    return lines
 
 
 def _not_run(result: PromotionResult) -> list[str]:

@@ -1,0 +1,422 @@
+"""``ablate revalidate``: re-test promoted values whose evidence went stale, and keep or demote them.
+
+How to use (the CLI does exactly this)::
+
+    plans, refused = plan_retests("search_spaces/defaults.yaml", policy, campaigns=[Path("search_spaces/smoke.yaml")])
+    for plan in plans:
+        print(plan.describe())                      # dry plan: the campaign files are written, nothing runs
+    sweeps = run_retests(plans, policy)             # --run: every campaign through run_sweep, policy rounds
+    result = judge(plans, receipts_of(sweeps), policy, "search_spaces/defaults.yaml")
+    print(result.markdown)                          # the promotion report, with Demoted / Revalidated sections
+    write_defaults(result, "search_spaces/defaults.yaml")   # --write: outcomes into the evidence records
+
+What is re-tested: every evidence record carrying a ``revalidate`` mark with ``required: true`` (``promote
+--write`` sets it when the record's lane was measured again under another software fingerprint) whose value is
+still what runs: the global value (``scope: global``) or the lane override of its shape (``scope: lane``). The
+re-test is an ordinary campaign on the recorded lane: baseline = the value the promotion replaced (the record's
+``previous``), candidate = the promoted value. A record does not store the lane's full config, only its key, so
+the lane comes from a campaign file (``--campaign``, else a file next to the defaults whose ``name`` is the
+record's campaign); it is used only when the campaign's lane, with the feature set back to ``previous``, hashes
+to the recorded lane key. A record without ``previous`` is refused: guessing the baseline would re-test against
+the wrong value.
+
+How an outcome is decided: the promotion rule, unchanged, on the re-test's receipts, judged against the defaults
+as they were before the promotion (so "measured against the current default" holds). PROMOTE confirms (the mark
+is resolved, the re-test becomes a fresh evidence record under the new fingerprint); REJECT means the win is gone
+(no meaningful win with a calibrated lane and enough blocks, a gated disqualifier, flakiness or worse quality):
+the value is demoted to ``previous``. Anything else (HOLD, too few blocks, no verdict) keeps the value and the
+mark, with the re-test recorded as "still unconfirmed": a wrong demotion is as bad as a wrong promotion, and the
+rule's own REJECT already requires enough evidence.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+from omegaconf import OmegaConf
+
+from ablate.config.load import load_defaults, load_sweep, read_yaml, with_feature
+from ablate.config.schema import ConfigError, LaneConfig, SweepConfig
+from ablate.promote.analysis import PROMOTE, REJECT, FeatureVerdict
+from ablate.promote.defaults_writer import (CONFIRMED, DEMOTED, UNCONFIRMED, DefaultsChange, RevalidationOutcome,
+                                            _node, _overrides_by_shape, _yaml, evidence_record)
+from ablate.promote.policy import Policy
+from ablate.promote.report import PromotionResult
+from ablate.receipts.schema import Receipt
+
+CAMPAIGN_PREFIX = "revalidate"
+
+
+@dataclass
+class Target:
+    """One promoted value marked for revalidation, as its evidence record describes it."""
+
+    feature: str
+    value: Any
+    previous: Any
+    scope: str
+    lane_key: str
+    lane_shape: Optional[str]
+    report: Optional[str]
+    campaign: str
+    recorded_fingerprint: str
+    current_fingerprint: str
+    policy: Optional[str]
+
+    @property
+    def where(self) -> str:
+        return f"features.{self.feature}.evidence[{self.lane_key}]"
+
+
+@dataclass
+class RetestPlan:
+    target: Target
+    campaign_path: Path
+    """The generated campaign: baseline = ``target.previous``, candidate = ``target.value``, on the recorded lane."""
+    source: Path
+    """The campaign file the lane was taken from."""
+    name: str
+    blocks: int
+    aa_blocks: int
+    rounds: int
+    thin: list[str] = field(default_factory=list)
+    """Why the policy cannot decide on this many blocks (then the re-test can only end "still unconfirmed")."""
+
+    def describe(self) -> str:
+        t = self.target
+        lines = [f"{t.feature}: {t.previous!r} (baseline) vs {t.value!r} (candidate) on lane {t.lane_key} "
+                 f"[{t.scope}], promoted by {t.report}, fingerprint {t.recorded_fingerprint} -> "
+                 f"{t.current_fingerprint}",
+                 f"  campaign {self.campaign_path} (lane from {self.source}): {self.blocks} block(s) + "
+                 f"{self.aa_blocks} A/A block(s) per round, {self.rounds} round(s)"]
+        lines += [f"  note: {why}" for why in self.thin]
+        return "\n".join(lines)
+
+
+# --- 1. what is marked ---
+
+
+def find_targets(defaults_path: str | Path, repeat: bool = False) -> tuple[list[Target], list[ConfigError],
+                                                                           list[str]]:
+    """Marked records whose value still runs (targets), records refused (no ``previous``), and notes on marked
+    records left alone: their value no longer runs (something else was promoted since), or a re-test already
+    ended inconclusive and ``repeat`` is not set (inconclusive is sticky, promotion-rule.md §5.6: re-testing
+    until a verdict comes is multiple testing, and would demote true wins by chance)."""
+    defaults = load_defaults(defaults_path)
+    targets: list[Target] = []
+    refused: list[ConfigError] = []
+    notes: list[str] = []
+    for feature, entry in (defaults.raw.get("features") or {}).items():
+        if not isinstance(entry, Mapping):
+            continue
+        overrides = {str(o.get("lane_shape")): o for o in entry.get("lane_overrides") or [] if isinstance(o, Mapping)}
+        for record in entry.get("evidence") or []:
+            mark = record.get("revalidate") if isinstance(record, Mapping) else None
+            if not isinstance(mark, Mapping) or mark.get("required") is not True:
+                continue
+            target = _target(str(feature), record, mark)
+            if record.get("previous") is None:
+                refused.append(ConfigError(f"{defaults_path}: {target.where}.previous", None,
+                                           f"the value {target.value!r} replaced, as `promote --write` records it; "
+                                           f"without it the baseline of the re-test would be a guess, so "
+                                           f"{feature} is not re-tested (add `previous:` by hand from report "
+                                           f"{target.report}, or re-promote it)"))
+                continue
+            running = (overrides.get(str(target.lane_shape), {}).get("value") if target.scope == "lane"
+                       else entry.get("value"))
+            if str(running) != str(target.value):
+                notes.append(f"{target.where}: {target.value!r} is no longer what the lane runs ({running!r}); "
+                             f"not re-tested")
+                continue
+            earlier = [t for t in mark.get("retests") or [] if isinstance(t, Mapping)]
+            if earlier and not repeat:
+                last = earlier[-1]
+                notes.append(f"{target.where}: re-tested already ({last.get('verdict')} under "
+                             f"{last.get('software_fingerprint')}, report {last.get('report')}), still unconfirmed; "
+                             f"an inconclusive re-test is sticky: pass --repeat once the software or the lane has "
+                             f"changed again")
+                continue
+            targets.append(target)
+    return targets, refused, notes
+
+
+def _target(feature: str, record: Mapping[str, Any], mark: Mapping[str, Any]) -> Target:
+    return Target(feature=feature, value=record.get("value"), previous=record.get("previous"),
+                  scope=str(record.get("scope") or "global"), lane_key=str(record.get("lane_key")),
+                  lane_shape=record.get("lane_shape"), report=record.get("report"),
+                  campaign=str(record.get("campaign") or ""),
+                  recorded_fingerprint=str(record.get("software_fingerprint")),
+                  current_fingerprint=str(mark.get("current_fingerprint")), policy=record.get("policy"))
+
+
+# --- 2. the campaign that re-tests it ---
+
+
+def _named_campaigns(directory: Path, campaign: str) -> list[Path]:
+    """Campaign files in ``directory`` whose ``name`` is one of the record's campaigns (``a+b`` for several)."""
+    names = set(campaign.split("+"))
+    found = []
+    for path in sorted(directory.glob("*.yaml")):
+        try:
+            data = read_yaml(path)
+        except ConfigError:
+            continue
+        if isinstance(data, dict) and data.get("name") in names and "lane" in data:
+            found.append(path)
+    return found
+
+
+def campaign_lane(target: Target, campaigns: list[Path], defaults_path: Path) -> tuple[Path, SweepConfig,
+                                                                                       LaneConfig]:
+    """The campaign whose lane, with the feature set back to ``previous``, has the recorded lane key; that lane."""
+    from ablate.sweep.plan import lane_key
+
+    candidates = campaigns or _named_campaigns(defaults_path.parent, target.campaign)
+    if not candidates:
+        raise ConfigError("--campaign", None, f"a campaign file for {target.where} (report {target.report}, "
+                                              f"campaign {target.campaign!r}): the record stores the lane's key, "
+                                              f"not its config, and no file named {target.campaign!r} is in "
+                                              f"{defaults_path.parent}")
+    seen = []
+    for path in candidates:
+        sweep, _ = load_sweep(path)
+        baseline = with_feature(sweep.lane, target.feature, target.previous)
+        key = lane_key(baseline)
+        if key == target.lane_key:
+            return path, sweep, baseline
+        seen.append((path, key))
+    path, key = seen[0]
+    raise ConfigError(f"{path}: lane key (with {target.feature}={target.previous})", key,
+                      f"the recorded lane key {target.lane_key} of {target.where} (report {target.report}): a "
+                      f"campaign whose lane, with {target.feature} set back to {target.previous!r}, is the lane "
+                      f"that was measured" + (f" (also tried: {', '.join(f'{p} -> {k}' for p, k in seen[1:])})"
+                                              if len(seen) > 1 else ""))
+
+
+def retest_size(sweep: SweepConfig, policy: Policy, blocks: Optional[int], rounds: Optional[int],
+                aa_blocks: Optional[int] = None) -> tuple[int, int, int, list[str]]:
+    """(blocks, A/A blocks) per round, rounds, and why that is too little for the policy to decide.
+
+    By default enough for the rule to decide either way: ``min_rounds`` rounds, each with at least
+    ``min_blocks_per_round`` blocks, ``min_blocks`` in all, and ``min_aa_blocks`` A/A blocks in all (an
+    uncalibrated lane can neither promote nor reject). ``--blocks`` / ``--aa-blocks`` / ``--rounds`` override it.
+    """
+    ev = policy.evidence
+    rounds = rounds or ev.min_rounds
+    blocks = blocks or max(sweep.blocks, ev.min_blocks_per_round, math.ceil(ev.min_blocks / rounds))
+    aa_blocks = aa_blocks or max(sweep.aa_blocks, math.ceil(policy.threshold.min_aa_blocks / rounds))
+    thin = []
+    if blocks * rounds < ev.min_blocks or blocks < ev.min_blocks_per_round or rounds < ev.min_rounds:
+        thin.append(f"{blocks} block(s) x {rounds} round(s) is below the policy's {ev.min_blocks} blocks, "
+                    f"{ev.min_blocks_per_round} per round, {ev.min_rounds} rounds: the rule cannot confirm the "
+                    f"value nor reject it as no win, so unless a gate rejects it, it stays, still unconfirmed")
+    if aa_blocks * rounds < policy.threshold.min_aa_blocks:
+        thin.append(f"{aa_blocks * rounds} A/A block(s) in all < the policy's {policy.threshold.min_aa_blocks}: "
+                    f"the lane is uncalibrated, so nothing can be confirmed or rejected as no win")
+    return blocks, aa_blocks, rounds, thin
+
+
+def campaign_name(target: Target) -> str:
+    raw = f"{CAMPAIGN_PREFIX}-{target.feature}-{target.value}-{target.lane_key[:8]}"
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", raw).replace("..", "_")[:100]
+
+
+def campaign_document(target: Target, sweep: SweepConfig, baseline: LaneConfig, defaults_path: Path, *,
+                      name: str, blocks: int, aa_blocks: int) -> dict[str, Any]:
+    """The re-test campaign as YAML data. The whole baseline lane is written out, every feature pinned, so the
+    sweep runs exactly the recorded lane whatever the defaults say now; only ``features`` adds the candidate."""
+    from ablate.config.load import lane_to_dict
+
+    keep = OmegaConf.to_container(OmegaConf.structured(sweep), enum_to_str=True)
+    assert isinstance(keep, dict)
+    return {"name": name, "defaults": str(defaults_path.resolve()), "lane": lane_to_dict(baseline),
+            "features": {target.feature: [target.value]}, "blocks": blocks, "aa_blocks": aa_blocks,
+            "bundle_blocks": 0, "design": "one_at_a_time", "block_mode": keep["block_mode"],
+            "resources": keep["resources"], "tracking": keep["tracking"], "node_check": keep["node_check"],
+            "max_failures": keep["max_failures"], "seed": keep["seed"]}
+
+
+def write_campaign(plan_path: Path, document: dict[str, Any], target: Target) -> None:
+    """Write the campaign and check that it plans exactly the re-test: one lane, the recorded one."""
+    from ablate.sweep.plan import plan_sweep
+
+    plan_path.parent.mkdir(parents=True, exist_ok=True)
+    header = (f"# Generated by `ablate revalidate`: re-tests {target.feature}={target.value} (promoted by "
+              f"{target.report}) against {target.previous}, the value it replaced,\n# on lane {target.lane_key}: "
+              f"its evidence was recorded under software {target.recorded_fingerprint}, the lane now runs "
+              f"{target.current_fingerprint}.\n")
+    with plan_path.open("w") as handle:
+        handle.write(header)
+        _yaml().dump(_node(document), handle)
+    sweep, defaults = load_sweep(plan_path)
+    plan = plan_sweep(sweep, "revalidate-check", defaults)
+    tested = {(b.feature, str(b.candidate_value)) for b in plan.blocks if b.feature}
+    if plan.lane_keys() != [target.lane_key] or tested != {(target.feature, str(target.value))}:
+        raise ConfigError(f"{plan_path}", f"lanes {plan.lane_keys()}, tests {sorted(tested)}",
+                          f"one lane {target.lane_key} testing {target.feature}={target.value}")
+
+
+def plan_retests(defaults_path: str | Path, policy: Policy, *, campaigns: Iterable[Path] = (),
+                 out_dir: Optional[Path] = None, storage: Optional[str] = None, blocks: Optional[int] = None,
+                 rounds: Optional[int] = None, aa_blocks: Optional[int] = None, repeat: bool = False
+                 ) -> tuple[list[RetestPlan], list[ConfigError], list[str]]:
+    """A written campaign per marked value, the values refused (with why), and notes.
+
+    Campaign files go to ``out_dir``, else into the re-test campaign's own directory under the storage
+    (``<storage>/<name>/<name>.yaml``, beside the receipts its sweep will write).
+    """
+    from ablate.sweep.layout import Layout
+
+    defaults_path = Path(defaults_path)
+    targets, refused, notes = find_targets(defaults_path, repeat)
+    plans = []
+    for target in targets:
+        try:
+            source, sweep, baseline = campaign_lane(target, list(campaigns), defaults_path)
+            name = campaign_name(target)
+            n_blocks, n_aa, n_rounds, thin = retest_size(sweep, policy, blocks, rounds, aa_blocks)
+            if target.policy and target.policy != policy.ref:
+                thin.append(f"promoted under policy {target.policy}, re-tested under {policy.ref}")
+            directory = out_dir or Layout.for_campaign(name, storage or sweep.tracking.storage).local_dir
+            path = Path(directory) / f"{name}.yaml"
+            write_campaign(path, campaign_document(target, sweep, baseline, defaults_path, name=name,
+                                                   blocks=n_blocks, aa_blocks=n_aa), target)
+        except ConfigError as exc:
+            refused.append(exc)
+            continue
+        plans.append(RetestPlan(target=target, campaign_path=path, source=source, name=name, blocks=n_blocks,
+                                aa_blocks=n_aa, rounds=n_rounds, thin=thin))
+    return plans, refused, notes
+
+
+# --- 3. running it ---
+
+
+def run_retests(plans: list[RetestPlan], policy: Policy, *, tracking_uri: Optional[str] = None,
+                storage: Optional[str] = None, progress: bool = False,
+                say: Callable[[str], None] = print) -> list[Any]:
+    """Every round of every plan through ``run_sweep``; returns the sweep summaries.
+
+    Rounds of one campaign start at least ``evidence.min_round_gap_s`` apart, or the rule would count them as
+    one round. A sweep that stopped (interrupted, Tune failed) ends the run here: nothing is judged on it.
+    """
+    from ablate.sweep.run import run_sweep
+
+    summaries = []
+    for plan in plans:
+        started: Optional[float] = None
+        for index in range(plan.rounds):
+            if started is not None:
+                wait = policy.evidence.min_round_gap_s - (time.monotonic() - started)
+                if wait > 0:
+                    say(f"waiting {wait:.0f} s: rounds start at least {policy.evidence.min_round_gap_s:g} s apart")
+                    time.sleep(wait)
+            started = time.monotonic()
+            say(f"{plan.name}: round {index + 1} of {plan.rounds}")
+            summary = run_sweep(plan.campaign_path, tracking_uri=tracking_uri, storage=storage, progress=progress)
+            summaries.append(summary)
+            if summary.interrupted or summary.fatal:
+                raise RuntimeError(f"sweep {summary.sweep_id} of {plan.campaign_path} stopped "
+                                   f"({summary.fatal or 'interrupted'}); nothing was judged or written")
+    return summaries
+
+
+def receipts_of(summaries: list[Any]) -> tuple[list[Receipt], list[tuple[str, str]]]:
+    """The receipts these sweeps wrote (files are the source of truth; MLflow has the same ones)."""
+    from ablate.receipts.store import load_receipts_from
+
+    sweeps = {s.sweep_id for s in summaries}
+    receipts, rejected = load_receipts_from(sorted({s.sweep_dir for s in summaries}))
+    return [r for r in receipts if r.identity.sweep_id in sweeps], rejected
+
+
+# --- 4. the verdict and what it does ---
+
+
+def defaults_before(defaults_path: Path, targets: list[Target], directory: Path) -> Path:
+    """A copy of the defaults with each target's value set back to ``previous``: the defaults the promotion was
+    decided against, so the rule's "measured against the current default" clause judges the re-test the same
+    way. Written next to the re-test campaigns; the real file is untouched."""
+    yaml = _yaml()
+    doc = yaml.load(defaults_path.read_text())
+    for t in targets:
+        entry = doc["features"][t.feature]
+        if t.scope == "global":
+            entry["value"] = _node(t.previous)
+            continue
+        override = _overrides_by_shape(entry).get(str(t.lane_shape))
+        if override is not None:
+            override["value"] = _node(t.previous)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "defaults.before-revalidation.yaml"
+    with path.open("w") as handle:
+        yaml.dump(doc, handle)
+    load_defaults(path)
+    return path
+
+
+def outcome_of(target: Target, v: Optional[FeatureVerdict], policy: Policy, *, report_id: str, campaign: str,
+               date: str, sweeps: list[str]) -> RevalidationOutcome:
+    """PROMOTE confirms, REJECT demotes, anything else keeps the value with the mark (see the module docstring)."""
+    if v is None:
+        outcome, reason = UNCONFIRMED, "the re-test gave no verdict for this value on this lane (no usable block)"
+    elif v.verdict == PROMOTE:
+        outcome, reason = CONFIRMED, "the win holds under the new software"
+    elif v.verdict == REJECT:
+        outcome, reason = DEMOTED, v.reason
+    else:
+        outcome, reason = UNCONFIRMED, f"inconclusive ({v.verdict}): {v.reason}; the value stays, still marked"
+    retest = {"report": report_id, "date": date, "sweeps": sweeps, "verdict": v.verdict if v else None,
+              "outcome": outcome, "reason": reason, "policy": policy.ref,
+              "software_fingerprint": v.software_fingerprint if v else None}
+    evidence = None
+    if v is not None:
+        retest.update(speedup=None if v.speedup is None else round(float(v.speedup), 4),
+                      ci95=[None if x is None else round(float(x), 4) for x in (v.ci95 or (None, None))],
+                      blocks=v.n_blocks, hosts=v.n_hosts)
+        if outcome == CONFIRMED:
+            evidence = {**evidence_record(v, report_id=report_id, campaign=campaign, date=date, policy=policy,
+                                          scope=target.scope), "revalidates": target.report}
+    return RevalidationOutcome(
+        feature=target.feature, value=target.value, lane_key=target.lane_key,
+        recorded_fingerprint=target.recorded_fingerprint, current_fingerprint=target.current_fingerprint,
+        report=target.report, outcome=outcome, verdict=v.verdict if v else None, reason=reason,
+        previous=target.previous, scope=target.scope, lane_shape=target.lane_shape, retest=retest,
+        evidence=evidence)
+
+
+def _verdict_for(target: Target, verdicts: list[FeatureVerdict]) -> Optional[FeatureVerdict]:
+    return next((v for v in verdicts if v.feature == target.feature and str(v.value) == str(target.value)
+                 and v.lane_key == target.lane_key and str(v.baseline_value) == str(target.previous)), None)
+
+
+def judge(targets: list[Target], receipts: list[Receipt], policy: Policy, defaults_path: str | Path, *,
+          workdir: Path, rejected: Iterable[tuple[str, str]] = (), now: Optional[datetime] = None
+          ) -> PromotionResult:
+    """The promotion rule on the re-test receipts; the result carries one ``RevalidationOutcome`` per target
+    (``write_defaults`` writes them) and, for each demoted global value, a defaults-diff row."""
+    from ablate.promote.engine import promote
+
+    defaults_path = Path(defaults_path)
+    before = defaults_before(defaults_path, targets, workdir)
+    result = promote(receipts, policy_path=policy, defaults_path=before, rejected=rejected,
+                     now=now or datetime.now(timezone.utc))
+    outcomes = []
+    for target in targets:
+        sweeps = sorted({r.identity.sweep_id for r in receipts if r.identity.lane_key == target.lane_key})
+        outcomes.append(outcome_of(target, _verdict_for(target, result.verdicts), policy,
+                                   report_id=result.report_id, campaign=result.campaign, date=result.date,
+                                   sweeps=sweeps))
+    # What this report changes is the outcomes, not the promotions the rule would plan against the old defaults.
+    result.changes = [DefaultsChange(feature=o.feature, old=o.value, new=o.previous, scope="global",
+                                     lanes=[o.lane_key]) for o in outcomes if o.outcome == DEMOTED
+                      and o.scope == "global"]
+    result.revalidations = list(outcomes)
+    result.defaults_path = str(defaults_path)
+    return result

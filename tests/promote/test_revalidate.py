@@ -1,0 +1,269 @@
+"""`ablate revalidate`: a value marked after a software change is re-tested against the value it replaced, then
+confirmed, demoted (its win is gone) or kept still unconfirmed; bad records and campaigns are refused by name."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import DEFAULT_POLICY, SINGLE_NODE_POLICY
+from promote_sim import FeatureTruth, Sim, moe, simulate
+from ruamel.yaml import YAML
+from sweeps_common import fresh_mlflow_uri, tiny_smoke
+from typer.testing import CliRunner
+
+from ablate.cli import app
+from ablate.config.load import flat_lane, load_defaults, load_sweep, with_feature
+from ablate.config.schema import ConfigError
+from ablate.promote import PROMOTE, REJECT, Policy, promote, with_overrides, write_defaults
+from ablate.promote.defaults_writer import CONFIRMED, DEMOTED, UNCONFIRMED
+from ablate.promote.revalidate import find_targets, judge, plan_retests
+from ablate.receipts.schema import Receipt
+from ablate.sweep.plan import lane_key, plan_sweep
+
+QUIET = {"noise": 0.007, "aa_per_host": 2}
+
+
+@dataclass
+class Marked:
+    defaults: Path
+    campaign: Path
+    lane_key: str
+    """The recorded lane: the tiny campaign's lane with moe_dispatch back at padded (what real sweeps hash)."""
+    flat: dict
+    report: str
+
+
+def keyed(receipts: list[Receipt], key: str) -> list[Receipt]:
+    """The simulator hashes lanes its own way; a real sweep's lane key is ``ablate.sweep.plan.lane_key``."""
+    return [r.model_copy(update={"identity": r.identity.model_copy(update={"lane_key": key})}) for r in receipts]
+
+
+def mark_jagged(tmp_path: Path, policy: Policy) -> Marked:
+    """moe_dispatch=jagged promoted globally on the tiny smoke lane under software sw-1, then marked for
+    revalidation by a later campaign on that lane under sw-2: the state `ablate revalidate` starts from."""
+    campaign = tiny_smoke(tmp_path / "campaign", name="tiny")
+    defaults = campaign.parent / "defaults.yaml"
+    lane = load_sweep(campaign)[0].lane
+    flat = flat_lane(lane)
+    key = lane_key(lane)
+    horizon = flat["budget.horizon_steps"]
+    anywhere = with_overrides(policy, {"scope.global_device_classes": []})
+    first = promote(keyed(simulate(Sim(features=[moe(1.05)], lane=flat, horizon=horizon, campaign="tiny", **QUIET),
+                                   0), key), policy_path=anywhere, defaults_path=defaults)
+    assert first.verdicts[0].verdict == PROMOTE
+    write_defaults(first, defaults)
+    later_lane = flat_lane(with_feature(lane, "moe_dispatch", "jagged"))  # its baseline now runs jagged
+    later = Sim(features=[FeatureTruth("mamba_scan", "chunked", "sequential", 1.0)], lane=later_lane,
+                horizon=horizon, fingerprints=["sw-2", "sw-2"], campaign="later", block_prefix="L-", **QUIET)
+    marked = promote(simulate(later, 4), policy_path=policy, defaults_path=defaults)
+    assert [(r.feature, r.recorded_fingerprint, r.current_fingerprint) for r in marked.revalidations] == [
+        ("moe_dispatch", "sw-1", "sw-2")]
+    write_defaults(marked, defaults)
+    return Marked(defaults=defaults, campaign=campaign, lane_key=key, flat=flat, report=first.report_id)
+
+
+def record(defaults: Path) -> dict:
+    return load_defaults(defaults).raw["features"]["moe_dispatch"]["evidence"][0]
+
+
+def invoke(*args: str) -> object:
+    return CliRunner().invoke(app, ["revalidate", *map(str, args)], catch_exceptions=False)
+
+
+# --- (a) plan mode ---
+
+
+def test_plan_mode_writes_a_retest_of_the_promoted_value_against_the_previous_one(policy: Policy,
+                                                                                  tmp_path: Path) -> None:
+    m = mark_jagged(tmp_path, policy)
+    assert record(m.defaults)["revalidate"]["required"] is True
+    before = m.defaults.read_text()
+    out = tmp_path / "retests"
+    result = invoke("--defaults", m.defaults, "--campaign", m.campaign, "--campaign-dir", out,
+                    "--policy", DEFAULT_POLICY)
+    assert result.exit_code == 0, result.output
+    [written] = sorted(out.glob("revalidate-*.yaml"))
+    assert str(written) in result.output.replace("\n", "") and "dry plan" in result.output
+    assert m.defaults.read_text() == before  # a plan writes campaigns, never the defaults
+    sweep, defaults = load_sweep(written)
+    plan = plan_sweep(sweep, "t", defaults)
+    assert plan.lane_keys() == [m.lane_key]  # the recorded lane, though its default now runs jagged
+    tests = [b for b in plan.blocks if b.feature]
+    assert {(b.feature, b.baseline_value, b.candidate_value) for b in tests} == {("moe_dispatch", "padded",
+                                                                                  "jagged")}
+    # Enough for the default policy to decide: 2 rounds x 4 blocks = its 8 blocks, 2 x 2 A/A = its 4.
+    assert (len(tests), len(plan.blocks) - len(tests)) == (4, 2) and "2 round(s)" in result.output
+
+
+def test_without_campaign_the_file_named_like_the_records_campaign_is_used(policy: Policy,
+                                                                            tmp_path: Path) -> None:
+    m = mark_jagged(tmp_path, policy)
+    plans, refused, _ = plan_retests(m.defaults, policy, out_dir=tmp_path / "r")
+    assert refused == [] and [p.source for p in plans] == [m.campaign]  # tiny.yaml, `name: tiny`, beside it
+
+
+# --- (b) the outcome, from simulated re-test receipts with known truth ---
+
+
+def retest(m: Marked, policy: Policy, tmp_path: Path, sim: Sim, seed: int = 7) -> object:
+    [target], refused, _ = find_targets(m.defaults)
+    assert refused == []
+    receipts = keyed(simulate(sim, seed), m.lane_key)
+    result = judge([target], receipts, policy, m.defaults, workdir=tmp_path / "work")
+    write_defaults(result, m.defaults)
+    return result
+
+
+def retest_sim(m: Marked, truth: FeatureTruth, **knobs: object) -> Sim:
+    params = {**QUIET, **knobs}
+    return Sim(features=[truth], lane=m.flat, horizon=m.flat["budget.horizon_steps"], fingerprints=["sw-2", "sw-2"],
+               campaign="revalidate-moe", block_prefix="R-", **params)
+
+
+def test_a_retest_without_a_win_demotes_the_value_and_says_why(policy: Policy, tmp_path: Path) -> None:
+    m = mark_jagged(tmp_path, policy)
+    result = retest(m, policy, tmp_path, retest_sim(m, moe(0.95)))
+    [v] = result.verdicts
+    assert v.verdict == REJECT and v.baseline_value == "padded"
+    defaults = load_defaults(m.defaults)
+    assert defaults.values["moe_dispatch"] == "padded"  # back to the value it replaced
+    mark = record(m.defaults)["revalidate"]
+    assert (mark["required"], mark["status"]) == (False, DEMOTED)
+    [t] = mark["retests"]
+    assert t["verdict"] == REJECT and t["software_fingerprint"] == "sw-2" and t["report"] == result.report_id
+    assert t["speedup"] < 1.0 and t["ci95"][1] < 1.01 and t["reason"] == v.reason
+    assert "demoted by" in m.defaults.read_text()  # the value line says so too
+    md = result.markdown
+    assert "### Demoted (the win is gone on re-test)" in md and "`jagged` → `padded`" in md
+    assert "| `moe_dispatch` | `jagged` | `padded` | global |" in md  # the defaults diff row
+    # Resolved: the same software no longer finds it, and writing the report again changes nothing.
+    assert find_targets(m.defaults)[0] == []
+    assert write_defaults(result, m.defaults) == []
+
+
+def test_a_retest_with_a_clear_win_confirms_the_value_and_resolves_the_mark(policy: Policy,
+                                                                              tmp_path: Path) -> None:
+    m = mark_jagged(tmp_path, policy)
+    result = retest(m, policy, tmp_path, retest_sim(m, moe(1.05)))
+    assert [v.verdict for v in result.verdicts] == [PROMOTE]
+    entry = load_defaults(m.defaults).raw["features"]["moe_dispatch"]
+    assert entry["value"] == "jagged"
+    old, fresh = entry["evidence"]
+    assert (old["revalidate"]["required"], old["revalidate"]["status"]) == (False, CONFIRMED)
+    assert fresh["software_fingerprint"] == "sw-2" and fresh["revalidates"] == m.report
+    assert fresh["lane_key"] == m.lane_key and fresh["previous"] == "padded" and "revalidate" not in fresh
+    assert "### Revalidated (the value stays)" in result.markdown and "Demoted" not in result.markdown
+    assert result.changes == []  # nothing in the defaults diff: the value stays
+
+
+def test_an_inconclusive_retest_keeps_the_value_and_the_mark(policy: Policy, tmp_path: Path) -> None:
+    m = mark_jagged(tmp_path, policy)
+    # One round of 3 blocks: too little for the rule to promote or to reject "no win".
+    result = retest(m, policy, tmp_path, retest_sim(m, moe(1.0), blocks_per_host=1, rounds=1))
+    [v] = result.verdicts
+    assert v.verdict not in (PROMOTE, REJECT)
+    assert load_defaults(m.defaults).values["moe_dispatch"] == "jagged"
+    mark = record(m.defaults)["revalidate"]
+    assert (mark["required"], mark["status"]) == (True, UNCONFIRMED)
+    assert [t["verdict"] for t in mark["retests"]] == [v.verdict]
+    # Still marked, but inconclusive is sticky: no second re-test of the same mark unless asked for.
+    targets, _, [note] = find_targets(m.defaults)
+    assert targets == [] and "--repeat" in note and v.verdict in note
+    assert [t.feature for t in find_targets(m.defaults, repeat=True)[0]] == ["moe_dispatch"]
+    assert "still unconfirmed" in result.markdown
+    assert write_defaults(result, m.defaults) == []  # the same re-test is recorded once
+
+
+def test_a_lane_override_is_demoted_by_removing_it(policy: Policy, tmp_path: Path) -> None:
+    m = mark_jagged(tmp_path, policy)
+    # The same promotion as a lane override (CPU evidence under the default policy is never global).
+    yaml = YAML()
+    doc = yaml.load(m.defaults.read_text())
+    entry = doc["features"]["moe_dispatch"]
+    rec = entry["evidence"][0]
+    entry["value"], rec["scope"] = "padded", "lane"
+    entry["lane_overrides"] = [{"lane_shape": rec["lane_shape"], "value": "jagged", "previous": "padded",
+                                "report": rec["report"], "date": rec["date"],
+                                "revalidate": dict(rec["revalidate"])}]
+    with m.defaults.open("w") as handle:
+        yaml.dump(doc, handle)
+    result = retest(m, policy, tmp_path, retest_sim(m, moe(0.95)))
+    assert [v.verdict for v in result.verdicts] == [REJECT]
+    defaults = load_defaults(m.defaults)
+    assert defaults.overrides == {}  # the lane runs the global padded again
+    assert "lane_overrides" not in defaults.raw["features"]["moe_dispatch"]
+    assert result.changes == [] and "### Demoted" in result.markdown
+
+
+# --- (d) bad input ---
+
+
+def test_a_marked_record_without_its_previous_value_is_refused(policy: Policy, tmp_path: Path) -> None:
+    m = mark_jagged(tmp_path, policy)
+    yaml = YAML()
+    doc = yaml.load(m.defaults.read_text())
+    del doc["features"]["moe_dispatch"]["evidence"][0]["previous"]
+    with m.defaults.open("w") as handle:
+        yaml.dump(doc, handle)
+    targets, [refused], _ = find_targets(m.defaults)
+    assert targets == []
+    assert refused.key.endswith(f"features.moe_dispatch.evidence[{m.lane_key}].previous")
+    assert refused.value is None and "jagged" in refused.allowed and "guess" in refused.allowed
+    result = invoke("--defaults", m.defaults, "--campaign", m.campaign, "--campaign-dir", tmp_path / "r")
+    assert result.exit_code == 2 and "previous" in result.output and "nothing to re-test" in result.output
+
+
+def test_a_campaign_on_another_lane_is_refused_naming_both_keys(policy: Policy, tmp_path: Path) -> None:
+    m = mark_jagged(tmp_path, policy)
+    other = tiny_smoke(tmp_path / "other", name="tiny", lane={"batch": {"seq_len": 128}})
+    _, [refused], _ = plan_retests(m.defaults, policy, campaigns=[other], out_dir=tmp_path / "r")
+    assert isinstance(refused, ConfigError)
+    assert "lane key" in refused.key and str(other) in refused.key
+    assert refused.value == lane_key(with_feature(load_sweep(other)[0].lane, "moe_dispatch", "padded"))
+    assert m.lane_key in refused.allowed and "padded" in refused.allowed
+    assert not (tmp_path / "r").exists() or not list((tmp_path / "r").glob("*.yaml"))  # nothing written
+    result = invoke("--defaults", m.defaults, "--campaign", other, "--campaign-dir", tmp_path / "r")
+    assert result.exit_code == 2 and m.lane_key in result.output
+
+
+def test_write_without_run_is_refused(policy: Policy, tmp_path: Path) -> None:
+    m = mark_jagged(tmp_path, policy)
+    result = invoke("--defaults", m.defaults, "--write")
+    assert result.exit_code == 2 and "--write needs --run" in result.output
+
+
+# --- (c) end to end on a real tiny CPU campaign ---
+
+
+@pytest.mark.ray
+def test_revalidate_run_write_end_to_end(ray_address: str, policy: Policy, tmp_path: Path) -> None:
+    m = mark_jagged(tmp_path, policy)
+    uri = fresh_mlflow_uri(tmp_path / "mlflow")
+    started = time.monotonic()
+    result = invoke("--defaults", m.defaults, "--campaign", m.campaign, "--campaign-dir", tmp_path / "retests",
+                    "--run", "--write", "--blocks", 1, "--aa-blocks", 1, "--rounds", 1, "--policy",
+                    SINGLE_NODE_POLICY, "--tracking-uri", uri, "--storage", tmp_path / "runs", "--no-progress",
+                    "--out", tmp_path / "reports")
+    assert result.exit_code == 0, result.output
+    elapsed = time.monotonic() - started
+    mark = record(m.defaults)["revalidate"]
+    [t] = mark["retests"]
+    assert len(t["sweeps"]) == 1 and t["software_fingerprint"] not in (None, "sw-1")  # this machine's software
+    [report] = sorted((tmp_path / "reports").glob("*.md"))
+    assert t["report"] == report.stem
+    # The receipts reached MLflow under the re-test's sweep.
+    from ablate.tracking.mlflow_store import load_receipts_from_mlflow
+
+    logged = [r for r in load_receipts_from_mlflow(uri, "ablate")[0] if r.identity.sweep_id == t["sweeps"][0]]
+    assert len(logged) == 4 and {r.identity.lane_key for r in logged} == {m.lane_key}
+    # One block cannot confirm the value; only a gate (a disqualified candidate) could reject it.
+    assert t["verdict"] != PROMOTE
+    value = load_defaults(m.defaults).values["moe_dispatch"]
+    if t["verdict"] == REJECT:
+        assert (mark["status"], value) == (DEMOTED, "padded")
+    else:
+        assert (mark["status"], mark["required"], value) == (UNCONFIRMED, True, "jagged")
+    print(f"end-to-end revalidation: {elapsed:.1f} s, verdict {t['verdict']}")
