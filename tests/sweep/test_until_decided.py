@@ -7,7 +7,10 @@ The judge is the promotion rule itself (``promote`` under a sequential policy); 
 from __future__ import annotations
 
 import pickle
+import signal
+import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,40 +125,67 @@ def _policy_file(directory: Path, **overrides: object) -> Path:
     return path
 
 
-def test_until_decided_runs_only_undecided_tests_and_stops_when_all_are_decided(tmp_path: Path) -> None:
-    """Real rounds: a fixed sweep first gives moe_dispatch its capped evidence; --until-decided on the campaign
-    with both features then runs mamba_scan's blocks (and the A/A block) only, and stops after that round because
-    mamba_scan has reached the cap too."""
+def test_until_decided_runs_only_undecided_tests_resumes_after_ctrl_c_and_stops_when_all_are_decided(
+        tmp_path: Path) -> None:
+    """Real rounds through the CLI: a fixed sweep first gives moe_dispatch its capped evidence; `ablate sweep
+    --until-decided` on the campaign with both features then runs mamba_scan's blocks (and the A/A block) only.
+    Ctrl+C once its first block is in; `--until-decided --resume` continues that same round (Tune restores the
+    searcher: no block twice, moe_dispatch still left out) and the campaign stops once mamba_scan is capped too."""
     uri = fresh_mlflow_uri(tmp_path)
     storage = str(tmp_path / "storage")
     policy = _policy_file(tmp_path, **{"evidence.min_rounds": 1, "evidence.min_blocks_per_round": 2,
                                        "evidence.min_round_gap_s": 0, "sequential.min_blocks": 2,
                                        "sequential.max_blocks": 2, "sequential.max_rounds": 2})
     earlier = tiny_smoke(tmp_path / "fixed", name="decide", steps=4, blocks=2, aa_blocks=1,
-                         features={"moe_dispatch": ["jagged"]})
+                         features={"moe_dispatch": ["jagged"]}, resources={"cpus_per_worker": 1,
+                                                                           "max_concurrent_blocks": 1})
     first = run_sweep(earlier, tracking_uri=uri, storage=storage, progress=False)
     assert first.exit_code == 0 and first.blocks_done == 3
 
-    campaign = tiny_smoke(tmp_path / "until", name="decide", steps=4, blocks=2, aa_blocks=1)
-    lines: list[str] = []
-    summary = run_until_decided(campaign, policy_path=policy, tracking_uri=uri, storage=storage, progress=False,
-                                echo=lines.append)
-    assert summary.exit_code == 0 and len(summary.rounds) == 1, summary.render()
-    assert summary.stop_reason == "every speed test of the campaign is decided"
-    round_ = summary.sweep_summaries[0]
-    assert round_.blocks_total == round_.blocks_done == 3  # mamba_scan's two blocks + the A/A block
-    assert len(round_.left_out) == 2 and all("moe_dispatch=jagged decided" in why for why in round_.left_out.values())
-    receipts = [r for r in load_receipts(Path(round_.sweep_dir) / "receipts")[0]
-                if r.identity.sweep_id == round_.sweep_id]
-    assert len(receipts) == 6 and {r.identity.feature for r in receipts} == {"mamba_scan", None}
-    assert {s.feature: s.state for s in summary.states} == {"moe_dispatch": DECIDED, "mamba_scan": DECIDED}
-    text = summary.render()
-    assert "1 round(s)" in text and f"--policy {policy}" in text and "left out as decided" in text
+    campaign = tiny_smoke(tmp_path / "until", name="decide", steps=4, blocks=2, aa_blocks=1,
+                          resources={"cpus_per_worker": 1, "max_concurrent_blocks": 1})
+    receipts_dir = Path(storage) / "decide" / "receipts"
+    command = [sys.executable, "-m", "ablate", "sweep", str(campaign), "--until-decided", "--policy", str(policy),
+               "--storage", storage, "--tracking-uri", uri, "--no-progress"]
+
+    def this_round() -> list:
+        return [r for r in load_receipts(receipts_dir)[0] if r.identity.sweep_id != first.sweep_id]
+
+    log_path = tmp_path / "driver.log"
+    with log_path.open("w") as log:
+        driver = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while len(this_round()) < 2:  # the round's first block (an interleaved pair writes both at its end)
+            assert driver.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no block of the round in time"
+            time.sleep(0.2)
+        driver.send_signal(signal.SIGINT)
+        driver.wait(timeout=240)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    interrupted = log_path.read_text()
+    assert "interrupted" in interrupted and "every speed test of the campaign is decided" not in interrupted, \
+        interrupted[-3000:]
+    round_id = this_round()[0].identity.sweep_id
+
+    resumed = subprocess.run(command + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=400)
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-4000:]
+    assert "stopped: every speed test of the campaign is decided" in output, output[-4000:]
+    assert f"round {round_id}: " in output and "1 round(s) this run" in output, output[-4000:]
+    receipts = this_round()
+    assert {r.identity.sweep_id for r in receipts} == {round_id}  # no second round was needed
+    valid = [r for r in receipts if r.identity.status.value == "valid"]
+    blocks = {(r.identity.block_id, r.identity.feature) for r in valid}
+    assert {f for _, f in blocks} == {"mamba_scan", None} and len(blocks) == 3, blocks  # never moe_dispatch
+    assert len(valid) == 6  # each of the three blocks once: nothing ran twice after the resume
+    assert "moe_dispatch=jagged lane" in output and output.count(": decided (") >= 2, output[-4000:]
+    assert f"--policy {policy}" in output
 
 
 def test_the_cli_refuses_a_fixed_policy_before_any_sweep_starts(tmp_path: Path) -> None:
-    import subprocess
-
     campaign = tiny_smoke(tmp_path, name="refused_policy")
     done = subprocess.run([sys.executable, "-m", "ablate", "sweep", str(campaign), "--until-decided", "--policy",
                            str(POLICIES / "single_node.yaml"), "--storage", str(tmp_path / "runs"),
