@@ -281,6 +281,7 @@ def build_receipt(spec: ArmSpec, result: Optional[WorkerResult], launch: LaunchI
             node_id=(result.node_id if result is not None else None) or launch.node_id,
             pid=result.pid if result is not None else None, executor=launch.executor,
             pairing="interleaved" if result is not None and result.paired else "sequential", git_sha=launch.git_sha,
+            schedule=spec.schedule,
             git_dirty=launch.git_dirty, created_at=dt.datetime.now(dt.timezone.utc).isoformat(), software=software,
             campaign_sha256=spec.campaign_sha256, defaults_sha256=spec.defaults_sha256),
         requested=Requested(

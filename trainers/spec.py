@@ -43,6 +43,8 @@ class ArmSpec:
     attempt: int = 0
     receipt_id: Optional[str] = None
     """Stable across retries of the same arm attempt so replays stay idempotent; generated when None."""
+    schedule: str = "fixed"
+    """fixed, or until_decided (the sequential searcher scheduled this block): recorded in the receipt."""
     node_check_path: str = "~/.ablate/node_check.json"
     """Where this node keeps its ``ablate doctor --deep`` document (the campaign's ``node_check.path``); the
     receipt names the document the arm ran under."""

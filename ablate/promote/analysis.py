@@ -161,6 +161,8 @@ class FeatureVerdict:
     contended_blocks: list[str] = field(default_factory=list)
     sequential: Optional[dict[str, Any]] = None
     """The SPRT's state when the policy enables it: decision, LLR trace against its bounds, stop reason."""
+    until_decided_rounds: list[str] = field(default_factory=list)
+    """Rounds (sweep ids) whose blocks ``--until-decided`` scheduled: evidence only a sequential policy may judge."""
     gated_arms: list[str] = field(default_factory=list)
     """Every candidate arm carrying a gated code, named: block, receipt id and the code's detail."""
     work: Optional[Work] = field(default=None, repr=False, compare=False)
@@ -350,6 +352,7 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
     blocks = test.blocks
     verdict.lane_shape = shape_key(blocks[0].lane, policy) if blocks else ""
     verdict.receipt_ids = [rid for b in blocks for rid in b.receipt_ids()]
+    verdict.until_decided_rounds = sorted({b.round_id for b in blocks if b.schedule == "until_decided"})
     verdict.delta = calibration.delta(policy)
     verdict.noise_floor = calibration.noise_floor
     verdict.aa_blocks = calibration.num_blocks

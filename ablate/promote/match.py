@@ -38,7 +38,7 @@ from ablate.receipts.schema import WARN_CODES, Receipt
 
 # Identity fields both arms of a block must share; a difference means the two runs are not one comparison.
 _SHARED_IDENTITY = ("sweep_id", "campaign", "lane_key", "feature", "kind", "host", "software_fingerprint", "pairing",
-                    "code_fingerprint", "hardware_fingerprint")
+                    "code_fingerprint", "hardware_fingerprint", "schedule")
 # ``identity.feature`` of a bundle block: the candidate arm runs every value of ``feature_value`` (a mapping
 # feature -> value, two or more registered speed features) together, against ``baseline_value`` (feature -> old
 # value); nothing else in the lane differs. Judged by ``ablate.promote.bundle``, never a promotion test itself.
@@ -118,6 +118,8 @@ class Block:
     horizon_steps: int = 0
     tokens_per_step: int = 0
     device_class: str = ""
+    schedule: str = "fixed"
+    """``identity.schedule`` of both arms: until_decided blocks are judged by a sequential policy only."""
 
     @property
     def is_aa(self) -> bool:
@@ -497,7 +499,7 @@ def _make_block(block_id: str, receipts: list[Receipt], policy: Policy) -> Block
         lane=base.requested.lane, family_share=dict(base.family_share),
         layer_counts=dict(base.requested.layer_counts), earlier_failures=earlier_failed,
         horizon_steps=int(base.requested.lane.get("budget.horizon_steps") or 0),
-        tokens_per_step=base.requested.tokens_per_step,
+        tokens_per_step=base.requested.tokens_per_step, schedule=ident.schedule,
         device_class=base_view.device_class if base_view.device_class else cand_view.device_class)
 
 

@@ -322,6 +322,16 @@ def decide(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, Any], num_t
     if not v.receipt_ids:
         v.verdict, v.reason = HOLD, "no block under the lane's current software fingerprint (count restarted)"
         return v
+    if v.until_decided_rounds and not policy.sequential.enabled:
+        # Those rounds stopped giving this test blocks when the SPRT decided it: optional stopping the fixed rule's
+        # intervals and Holm levels do not account for (a lucky early run would be promoted more often than alpha).
+        v.verdict = HOLD
+        v.reason = (f"blocks from --until-decided round(s) {', '.join(v.until_decided_rounds[:3])}"
+                    f"{' ...' if len(v.until_decided_rounds) > 3 else ''} stopped when the sequential test decided: "
+                    f"the fixed rule of {policy.ref} cannot judge them; promote with a policy whose sequential test is "
+                    f"on (its *_sequential twin)")
+        v.clauses.append(Clause("judged_by_its_stopping_rule", False, v.reason))
+        return v
     sprt = None
     if policy.sequential.enabled and v.work is not None and v.n_blocks:
         sprt = sprt_of(v, policy, num_tests)

@@ -22,8 +22,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ablate.receipts import derive
 from ablate.receipts.derive import Projection
 
-SCHEMA_VERSION = "2.2.0"
-"""2.2: ``energy`` (joules over the budget steps, per token, with source and scope, or null with the reason) and
+SCHEMA_VERSION = "2.3.0"
+"""2.3: ``identity.schedule`` (fixed, or until_decided: the block was scheduled by the sequential searcher, so
+only a sequential policy may judge it); optional, absent reads as fixed.
+2.2: ``energy`` (joules over the budget steps, per token, with source and scope, or null with the reason) and
 ``observed.node_check`` (the node's ``ablate doctor --deep`` document the arm ran under); both optional.
 2.1: ``digest``, the sha256 of the receipt's canonical JSON without it (``ablate.receipts.store``), set when
 the receipt is written and checked when it is read; optional, so 2.0 receipts (which have none) still validate.
@@ -149,6 +151,10 @@ class Identity(_Model):
     """subprocess (one-worker arm in a fresh process) or ray_train (TorchTrainer worker group)."""
     pairing: str = "sequential"
     """interleaved (both arms of the block side by side, taking turns step by step) or sequential (back to back)."""
+    schedule: str = "fixed"
+    """fixed (the campaign ran every planned block) or until_decided (``ablate sweep --until-decided`` scheduled
+    the block while its test was undecided: the fixed rule's error rates do not hold on such optionally stopped
+    evidence, so only a policy with the sequential test on may judge it)."""
     git_sha: Optional[str] = None
     git_dirty: Optional[bool] = None
     created_at: str

@@ -627,6 +627,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
                    "blocks": {b.block_id: b.to_dict() for b in plan.blocks}, "inject": dict(inject or {}),
                    "completed": completed, "next_attempt": next_attempt, "hashes": _file_hashes(path, sweep),
                    "block_mode": sweep.block_mode.value, "node_check_path": sweep.node_check.path,
+                   "schedule": params["schedule"],
                    "run_arm": _run_arm_options(sweep, layout, sweep_id)}
         trainable = tune.with_resources(tune.with_parameters(run_block, context=context), need.trial_resources())
         interrupted = _TuneInterrupted()

@@ -183,3 +183,30 @@ def test_aa_campaigns_are_rarely_promoted_under_host_and_round_effects(seq_polic
                                  bounds=SprtBounds.of(seq_policy), policy=seq_policy).decision == UPPER
     assert promoted <= 4, promoted  # nominal alpha 5% is at a 1% speed-up; at 0% it must stay near 1%
     assert wins >= 180, wins
+
+
+def _scheduled(receipts: list, schedule: str, only_arm: Any = None) -> list:
+    from ablate.receipts.store import seal
+
+    out = []
+    for r in receipts:
+        if only_arm is None or r.identity.arm_index == only_arm:
+            r = seal(r.model_copy(update={"identity": r.identity.model_copy(update={"schedule": schedule})}))
+        out.append(r)
+    return out
+
+
+def test_until_decided_evidence_is_held_by_the_fixed_rule_and_judged_by_the_sequential_one(
+        policy: Policy, seq_policy: Policy) -> None:
+    """Blocks the sequential searcher scheduled stopped when the SPRT decided: the fixed rule (whose intervals
+    assume a fixed sample) must not judge them, even a clear win; the sequential rule does."""
+    receipts = _scheduled(simulate(Sim(features=[moe(1.3)], **QUIET), 0), "until_decided")
+    fixed = moe_verdict(run(receipts, policy))
+    assert fixed.verdict == HOLD and "--until-decided" in fixed.reason and "sequential" in fixed.reason
+    assert fixed.clauses[-1].name == "judged_by_its_stopping_rule"
+    assert moe_verdict(run(receipts, seq_policy)).verdict == PROMOTE
+    # The same receipts from a fixed campaign are the fixed rule's to judge.
+    assert moe_verdict(run(simulate(Sim(features=[moe(1.3)], **QUIET), 0), policy)).verdict == PROMOTE
+    # Arms that disagree on how their block was scheduled are not one comparison.
+    mixed = run(_scheduled(simulate(Sim(features=[moe(1.3)], **QUIET), 0), "until_decided", only_arm=1), policy)
+    assert not mixed.verdicts and any("schedule" in r.reason for r in mixed.refusals)

@@ -184,6 +184,17 @@ def test_until_decided_runs_only_undecided_tests_resumes_after_ctrl_c_and_stops_
     assert "moe_dispatch=jagged lane" in output and output.count(": decided (") >= 2, output[-4000:]
     assert f"--policy {policy}" in output
 
+    # The receipts say how their blocks were scheduled; the fixed rule holds the sequentially stopped test only.
+    everything = load_receipts(receipts_dir)[0]
+    assert {r.identity.schedule for r in everything if r.identity.sweep_id == round_id} == {"until_decided"}
+    assert {r.identity.schedule for r in everything if r.identity.sweep_id == first.sweep_id} == {"fixed"}
+    from ablate.promote import promote
+
+    fixed = {v.feature: v for v in promote(everything, policy_path=POLICIES / "single_node.yaml",
+                                           defaults_path=tmp_path / "until" / "defaults.yaml").verdicts}
+    assert "--until-decided round(s)" in fixed["mamba_scan"].reason
+    assert "--until-decided" not in fixed["moe_dispatch"].reason
+
 
 def test_the_cli_refuses_a_fixed_policy_before_any_sweep_starts(tmp_path: Path) -> None:
     campaign = tiny_smoke(tmp_path, name="refused_policy")
