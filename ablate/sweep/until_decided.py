@@ -126,11 +126,33 @@ class CampaignJudge:
     campaign_dir: str
     policy: Policy
     defaults_path: str
+    _parsed: dict[str, tuple[tuple[int, int], Optional[Receipt]]] = field(default_factory=dict, repr=False,
+                                                                          compare=False)
+    """receipt file -> ((mtime ns, size), receipt): validating a receipt re-derives every figure, so a judge that
+    looks after every block parses each file once, not once per look (a campaign's looks would go quadratic)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_parsed": {}}  # a cache, not state: Tune's experiment snapshot stays small
 
     def receipts(self) -> list[Receipt]:
-        from ablate.tracking.mlflow_store import gather
+        """The campaign's receipt files (``receipts/*.json``; a file that does not validate is left out: the
+        final ``promote`` reports it)."""
+        from ablate.receipts.store import RECEIPTS_DIR, load_receipts
 
-        return gather(Path(self.campaign_dir))[0] if Path(self.campaign_dir).is_dir() else []
+        found = []
+        for path in sorted((Path(self.campaign_dir) / RECEIPTS_DIR).glob("*.json")):
+            try:
+                stat = path.stat()
+            except FileNotFoundError:
+                continue  # renamed or removed between listing and reading
+            key = (stat.st_mtime_ns, stat.st_size)
+            hit = self._parsed.get(path.name)
+            if hit is None or hit[0] != key:
+                loaded = load_receipts(path)[0]
+                hit = self._parsed[path.name] = (key, loaded[0] if loaded else None)
+            if hit[1] is not None:
+                found.append(hit[1])
+        return found
 
     def states(self) -> dict[SpeedKey, Standing]:
         return judge_states(self.receipts(), self.policy, self.defaults_path)

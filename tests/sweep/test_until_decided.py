@@ -205,3 +205,24 @@ def test_the_cli_refuses_a_fixed_policy_before_any_sweep_starts(tmp_path: Path) 
     assert done.returncode == 2, done.stdout + done.stderr
     assert "sequential.enabled" in done.stdout + done.stderr
     assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_the_judge_parses_each_receipt_file_once_and_again_when_it_changes(tmp_path: Path) -> None:
+    from ablate.receipts.store import write_receipt
+    from ablate.sweep.until_decided import CampaignJudge
+
+    receipts = simulate(Sim([moe(1.3)], rounds=1, **QUIET), seed=5)
+    directory = tmp_path / "campaign" / "receipts"
+    for receipt in receipts[:4]:
+        write_receipt(receipt, directory)
+    judge = CampaignJudge(str(tmp_path / "campaign"), load_policy(POLICIES / "default_sequential.yaml"),
+                          str(DEFAULTS))
+    assert [r.identity.receipt_id for r in judge.receipts()] == sorted(r.identity.receipt_id for r in receipts[:4])
+    first = judge.receipts()[0]
+    assert judge.receipts()[0] is first  # served from the cache: the file did not change
+    for receipt in receipts[4:]:
+        write_receipt(receipt, directory)
+    assert len(judge.receipts()) == len(receipts)
+    (directory / f"{first.identity.receipt_id}.json").write_text("{not json")  # damaged after it was read
+    assert first.identity.receipt_id not in {r.identity.receipt_id for r in judge.receipts()}
+    assert pickle.loads(pickle.dumps(judge))._parsed == {}  # Tune's snapshot carries no cache
