@@ -201,8 +201,10 @@ def sweep(
 
 
 def _load_source(source: Optional[Path], tracking_uri: Optional[str], experiment: str,
-                 sweep_name: Optional[list[str]]) -> tuple[list, list, dict]:
-    """Receipts from a directory/JSONL (when given) or from MLflow, plus rejects and MLflow run links.
+                 sweep_name: Optional[list[str]], ui_url: Optional[str] = None,
+                 run_labels: Optional[dict] = None) -> tuple[list, list, dict]:
+    """Receipts from a directory/JSONL (when given) or from MLflow, plus rejects and MLflow run links (pages
+    of the UI at ``ui_url``; ``run_labels`` is filled as ``load_receipts_from_mlflow`` describes).
 
     Every file, spool line or run that could not be used is printed with its reason (stderr), whichever command
     asked: a receipt never disappears from evidence without a word.
@@ -222,7 +224,8 @@ def _load_source(source: Optional[Path], tracking_uri: Optional[str], experiment
         from ablate.tracking.uri import TrackingStoreError
 
         try:
-            receipts, rejected, links = load_receipts_from_mlflow(default_tracking_uri(tracking_uri), experiment)
+            receipts, rejected, links = load_receipts_from_mlflow(default_tracking_uri(tracking_uri), experiment,
+                                                                  ui_url=ui_url, run_labels=run_labels)
         except TrackingStoreError as exc:  # damaged, missing (never re-created empty) or unreachable store
             _fail(escape(str(exc)))
     _print_rejected(rejected)
@@ -322,6 +325,9 @@ def promote(
     write: bool = typer.Option(False, "--write", help="Update the defaults file in place with the evidence."),
     branch: Optional[str] = typer.Option(None, "--branch", help="Commit defaults + report on a new git branch."),
     open_pr: bool = typer.Option(False, "--open-pr", help="Open the PR with gh (or print the command)."),
+    ui_url: Optional[str] = typer.Option(None, "--ui-url", help="MLflow UI the report's run links open in "
+                                                                "(default: the tracking URI when it is http(s); "
+                                                                "for a local store, where `mlflow ui` serves it)."),
 ) -> None:
     """Apply the promotion rule to the receipts and write a PR-ready report."""
     from ablate import promote as promotion
@@ -338,7 +344,8 @@ def promote(
         load_policy(policy)
     except ConfigError as exc:
         _fail(markup_escape(str(exc)))
-    receipts, rejected, links = _load_source(source, tracking_uri, experiment, sweep_name)
+    run_labels: dict = {}
+    receipts, rejected, links = _load_source(source, tracking_uri, experiment, sweep_name, ui_url, run_labels)
     # 10,000 receipts are millions of objects that live until exit: the cyclic collector re-scanning them while
     # the rule allocates cost ~15% of its time. Frozen, they are left alone (nothing here becomes garbage).
     gc.freeze()
@@ -355,6 +362,11 @@ def promote(
                                    run_links=links, not_run=[n for n in not_run if n["sweep_id"] in sweeps])
     except ConfigError as exc:
         _fail(str(exc))
+    if source is None:
+        from ablate.tracking.uri import ui_base
+
+        result.run_labels = run_labels
+        result.ui_url, result.ui_command = ui_base(default_tracking_uri(tracking_uri), ui_url)
     if not branch:
         out = out if out is not None else Path("reports")
         out.mkdir(parents=True, exist_ok=True)
@@ -377,6 +389,9 @@ def promote(
         md_path.write_text(result.markdown)
         (out / f"{result.report_id}.json").write_text(result.to_json())
         console.print(f"\nreport: {md_path}", highlight=False)
+    if result.ui_command and result.run_links:
+        console.print(f"MLflow links in the report open at {result.ui_url} once it is served: "
+                      f"{result.ui_command}", markup=False, highlight=False, soft_wrap=True)
     if write or branch:
         edits = promotion.write_defaults(result, defaults)
         # Count promoted values, not edit lines: one flip also appends its evidence record.

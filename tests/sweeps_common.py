@@ -16,6 +16,9 @@ from typing import Any
 from ruamel.yaml import YAML
 
 REPO = Path(__file__).resolve().parents[1]
+SMOKE_RECEIPTS = REPO / "tests" / "promote" / "assets" / "smoke_run" / "receipts"
+SMOKE_ROUND = "smoke-20261122-180629-0b9e"
+"""One round of the recorded smoke run (real receipts of a real sweep)."""
 
 
 def tiny_smoke(directory: Path, steps: int = 4, name: str = "smoke", lane: dict[str, dict[str, Any]] | None = None,
@@ -111,3 +114,18 @@ def by_block(receipts: list[Any]) -> dict[str, list[Any]]:
         blocks[receipt.identity.block_id].append(receipt)
     return blocks
 
+
+
+def smoke_round(directory: Path, feature: str = "moe_dispatch", sweep_id: str = SMOKE_ROUND) -> Path:
+    """A sweep directory holding one recorded smoke round's receipts of ``feature`` (four blocks, eight arms):
+    a real campaign's evidence that syncs into MLflow in seconds."""
+    import json
+    import shutil
+
+    receipts = directory / "receipts"
+    receipts.mkdir(parents=True, exist_ok=True)
+    for path in sorted(SMOKE_RECEIPTS.glob("*.json")):
+        identity = json.loads(path.read_text())["identity"]
+        if identity["sweep_id"] == sweep_id and identity["feature"] == feature:
+            shutil.copy(path, receipts / path.name)
+    return directory

@@ -126,6 +126,38 @@ def test_promote_refuses_bad_receipts_by_name(tmp_path: Path) -> None:
     assert len(reports) == 1 and isinstance(json.loads(reports[0].read_text()), dict)
 
 
+def test_promote_links_every_block_and_arm_into_the_mlflow_ui(tmp_path: Path) -> None:
+    from sweeps_common import smoke_round
+
+    sweep_dir = smoke_round(tmp_path / "sweep")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    synced = ablate("receipts", "sync", str(sweep_dir), "--tracking-uri", uri, timeout=300)
+    assert synced.returncode == 0 and "8 receipt(s) logged" in synced.stdout, synced.stdout + synced.stderr
+    out = ablate("promote", "--tracking-uri", uri, "--out", str(tmp_path / "local"), timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (report,) = (tmp_path / "local").glob("*.json")
+    links = json.loads(report.read_text())["links"]
+    # A SQLite store has no UI: links point where `mlflow ui` serves it, and the command is printed with them.
+    command = f"mlflow ui --backend-store-uri {uri}"
+    assert links["ui"] == "http://127.0.0.1:5000" and links["mlflow_ui_command"] == command
+    assert command in out.stdout and f"serve this store there first: `{command}`" in out.stdout
+    assert len(links["blocks"]) == 4 and links["arms_without_block_run"] == []
+    assert all(len(block["arms"]) == 2 for block in links["blocks"])
+    urls = [block["url"] for block in links["blocks"]] + [a["url"] for b in links["blocks"] for a in b["arms"]]
+    assert len(set(urls)) == 12 and all(u.startswith("http://127.0.0.1:5000/#/experiments/") for u in urls)
+    assert [b["label"] for b in links["blocks"]] == [f"r0b9e·{b}·moe_dispatch=padded→jagged"
+                                                    for b in ("b001", "b005", "b009", "b013")]
+    assert "runs:/" not in out.stdout
+    served = ablate("promote", "--tracking-uri", uri, "--ui-url", "https://mlflow.example.org/", "--out",
+                    str(tmp_path / "served"), timeout=300)
+    assert served.returncode == 0, served.stdout + served.stderr
+    (report,) = (tmp_path / "served").glob("*.json")
+    links = json.loads(report.read_text())["links"]
+    assert links["ui"] == "https://mlflow.example.org" and links["mlflow_ui_command"] is None
+    assert all(b["url"].startswith("https://mlflow.example.org/#/experiments/") for b in links["blocks"])
+    assert "mlflow ui --backend-store-uri" not in served.stdout
+
+
 def test_promote_with_only_bad_receipts_fails_clearly(tmp_path: Path) -> None:
     (tmp_path / "r.json").write_text(json.dumps({"schema_version": "3.0.0", "identity": {}}))
     out = ablate("promote", "--source", str(tmp_path), "--out", str(tmp_path / "reports"))

@@ -30,7 +30,7 @@ import numpy as np
 from ablate.config.features import FEATURES
 from ablate.promote.energy import energy_ratio
 from ablate.promote.evidence import Calibration, TestEvidence, shape_key
-from ablate.promote.match import Block
+from ablate.promote.match import Block, winner
 from ablate.promote.policy import Policy
 from ablate.promote.stats import bootstrap_hl, fisher_more_failures, hodges_lehmann, pvalue_at_most, quantile
 
@@ -424,7 +424,7 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
         verdict.min_host_median = min(r.median_speedup for r in verdict.hosts if r.median_speedup is not None)
     verdict.block_links = [{"block": b.block_id, "round": b.round_id, "baseline": b.baseline.receipt_id,
                             "candidate": b.candidate.receipt_id, "log_ratio": r,
-                            "winner": "candidate" if r > 0 else "baseline" if r < 0 else "tie"} for b, r in rows]
+                            "winner": winner(r)} for b, r in rows]
     steady = np.asarray([x for x in (b.steady_log_ratio() for b, _ in rows) if x is not None], dtype=float)
     if steady.size:
         steady_theta = bootstrap_hl(steady, None if clusters is None else np.asarray(

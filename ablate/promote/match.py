@@ -173,6 +173,11 @@ class Block:
         return self.baseline.receipt_id, self.candidate.receipt_id
 
 
+def winner(log_ratio: float) -> str:
+    """Which arm a block's log ratio (``Block.log_ratio``) favours: > 0 means the candidate finished sooner."""
+    return "candidate" if log_ratio > 0 else "baseline" if log_ratio < 0 else "tie"
+
+
 @dataclass(frozen=True)
 class Refusal:
     """Receipts that could not be used as evidence, and why (shown in the report, never dropped silently)."""

@@ -82,6 +82,12 @@ class PromotionResult:
     """What the sweeps' plans refused before any arm ran (inert toggles, values already default), with why."""
     bundles: list[BundleCheck] = field(default_factory=list)
     """One bundle check per lane where two or more features promoted; a held set is not written."""
+    run_labels: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Receipt id -> its arm run's name and its block run's name and link (``load_receipts_from_mlflow``)."""
+    ui_url: Optional[str] = None
+    """Base of the run links (the MLflow UI); None when the receipts did not come from MLflow."""
+    ui_command: Optional[str] = None
+    """The ``mlflow ui`` command that serves ``ui_url`` when the store is not a server (a local SQLite file)."""
 
     def write_plots(self, directory: Path, relative_to: Optional[Path] = None) -> dict[str, Path]:
         """One speed-up-against-horizon plot per lane with a measured speed test; records their paths."""
@@ -155,6 +161,7 @@ class PromotionResult:
             "rejected_receipts": [{"origin": o, "reason": r} for o, r in self.rejected],
             "run_links": self.run_links, "plots": self.plots, "sprt_plots": self.sprt_plots, "plot_locations": self.plot_locations,
             "not_run": self.not_run, "bundles": [b.to_dict() for b in self.bundles],
+            "links": links_json(self),
         }
 
     def to_json(self, indent: Optional[int] = 2) -> str:
@@ -222,6 +229,57 @@ def _url(value: Any) -> str:
     if _PLAIN_URL.fullmatch(text):
         return f"({text})"
     return "(<" + _BREAKS.sub("", text).replace("<", "%3C").replace(">", "%3E") + ">)"
+
+
+def links_json(result: PromotionResult) -> dict[str, Any]:
+    """Every block run and every arm run the report read, as labelled UI links, with the UI they open in and
+    the command that serves it (a local store); blocks are their runs in MLflow (one per block attempt)."""
+    blocks: dict[str, dict[str, Any]] = {}
+    loose: list[dict[str, str]] = []
+    for rid, url in sorted(result.run_links.items()):
+        labels = result.run_labels.get(rid, {})
+        arm = {"receipt_id": rid, "label": labels.get("arm", rid), "url": url}
+        if "block_url" not in labels:
+            loose.append(arm)  # logged before block runs existed: the arm's own link still stands
+            continue
+        block = blocks.setdefault(labels["block_url"], {"label": labels.get("block", ""), "url": labels["block_url"],
+                                                       "arms": []})
+        block["arms"].append(arm)
+    return {"ui": result.ui_url, "mlflow_ui_command": result.ui_command,
+            "blocks": sorted(blocks.values(), key=lambda b: b["label"]), "arms_without_block_run": loose}
+
+
+def _links_note(result: PromotionResult) -> list[str]:
+    """Where the per-block MLflow links open, and for a local store the command that makes them work."""
+    if not result.run_links or result.ui_url is None:
+        return []
+    note = f"MLflow links open the UI at {_t(result.ui_url)}"
+    if result.ui_command:
+        note += f"; serve this store there first: {_c(result.ui_command)}"
+    return ["", note + "."]
+
+
+def _block_lines(result: PromotionResult, v: FeatureVerdict) -> list[str]:
+    """One line per block of the test: its block run, the speed-up it measured and its two arm runs, linked."""
+    lines = []
+    for row in v.block_links[:MAX_LINKS_PER_TEST]:
+        arms = [(role, row[role]) for role in ("baseline", "candidate") if row[role] in result.run_links]
+        if not arms:
+            continue
+        labels = result.run_labels.get(row["candidate"], {})
+        head = (f"[{_t(labels['block'])}]{_url(labels['block_url'])}" if "block_url" in labels
+                else _c(row["block"]))
+        ratio = row.get("log_ratio")
+        measured = "" if ratio is None else f" {_x(math.exp(ratio))} ({_t(row.get('winner', ''))})"
+        arm_links = " · ".join(f"[{_t(result.run_labels.get(rid, {}).get('arm', role))}]{_url(result.run_links[rid])}"
+                               for role, rid in arms)
+        lines.append(f"- block {head}{measured}: {arm_links}")
+    if not lines:
+        return []
+    more = len(v.block_links) - MAX_LINKS_PER_TEST
+    if more > 0:
+        lines.append(f"- … and {more} more block(s) in the JSON (`links`)")
+    return ["", "MLflow runs:", ""] + lines
 
 
 def _cell(text: Any) -> str:
@@ -563,11 +621,7 @@ def _lane_detail(result: PromotionResult, lane: LaneSummary) -> list[str]:
                                     for r in v.rounds])
         if v.clauses:
             lines += [""] + [f"- {'✅' if c.passed else '❌'} {_c(c.name)}: {_t(c.detail)}" for c in v.clauses]
-        links = [(rid, result.run_links[rid]) for rid in v.receipt_ids if rid in result.run_links]
-        if links:
-            shown_links = ", ".join(f"[{_t(_short(rid, 8))}]{_url(url)}" for rid, url in links[:MAX_LINKS_PER_TEST])
-            more = f" and {len(links) - MAX_LINKS_PER_TEST} more in the JSON" if len(links) > MAX_LINKS_PER_TEST else ""
-            lines.append(f"- MLflow runs: {shown_links}{more}")
+        lines += _block_lines(result, v)
     return lines + ["", "</details>"]
 
 
@@ -580,7 +634,7 @@ def render_markdown(result: PromotionResult) -> str:
                   f"{_c(result.report_id + '.json')}. "
                   "Verdicts: PROMOTE (every clause holds), HOLD (inconclusive: the incumbent stays), REJECT.</sub>"]
     used = sum(len(line) + 1 for line in head + footer) + 400
-    detail = ["", "### Per-lane detail"]
+    detail = ["", "### Per-lane detail"] + _links_note(result)
     omitted = 0
     promoted_lanes = {v.lane_key for v in result.promoted}
     # Lanes with a promotion come first, so a long campaign cuts the least important detail.

@@ -6,6 +6,8 @@ Unknown values (``None``) are skipped, never logged as 0; every string passes ``
 
 from __future__ import annotations
 
+import hashlib
+import re
 from datetime import datetime
 from typing import Optional
 
@@ -14,16 +16,68 @@ from ablate.receipts.store import receipt_digest
 from ablate.redact import redact_uri
 
 TAG = "ablate."
-ROLE_SWEEP, ROLE_ARM = "sweep", "arm"
+ROLE_SWEEP, ROLE_BLOCK, ROLE_ARM = "sweep", "block", "arm"
+EXPERIMENT_KIND_TAG, MACHINE_LEARNING = "mlflow.experimentKind", "custom_model_development"
+"""MLflow 3.4+ experiment type: the UI opens a ``custom_model_development`` ("Machine learning") experiment on its
+training runs instead of the GenAI overview. Not in MLflow's Python API: the tag and value are read by the UI
+bundle (``mlflow/server/js/build/static/js/main.*.js``: ``CUSTOM_MODEL_DEVELOPMENT="custom_model_development"``,
+``e.find(e=>"mlflow.experimentKind"===e.key)``) and written the same way by ``mlflow/demo/generators/traces.py``."""
+UI_TRAINING_VIEW = "workflowType=machine_learning"
+"""Query that opens a link in the UI's "Model training" view. MLflow 3.17's UI no longer routes by the experiment's
+type tag: with its workflow-type switch on it derives the type from ``workflowType`` in the link, else from what
+the browser last chose, defaulting to ``genai`` (bundle module 7975: ``e.get("workflowType")``, storage key
+``mlflow.workflowType``, ``initialValue:c`` = GENAI), which opens an experiment on the GenAI overview. The tag
+still routes older 3.x UIs; this query routes the current one."""
+NOTE_TAG = "mlflow.note.content"
+_SWEEP_ID = re.compile(r"^(?P<campaign>.+)-(?P<stamp>\d{8}-\d{6})-(?P<token>[0-9a-f]{4})$")
+
+
+def round_short_id(sweep_id: str) -> str:
+    """``r3f2a`` for ``smoke-20261123-001547-3f2a``: the sweep id's random 4-hex token, which is what tells two
+    rounds of one campaign apart, so names stay unique across rounds and readable when the UI cuts them. An id
+    of another shape (a test's, a hand-made one) gets 4 hex characters of its hash instead."""
+    found = _SWEEP_ID.match(sweep_id)
+    token = found["token"] if found else hashlib.sha256(sweep_id.encode()).hexdigest()[:4]
+    return f"r{token}"
+
+
+def sweep_run_name(sweep_id: str) -> str:
+    """``r3f2a·smoke·20261123-001547``: round first, then campaign and start time."""
+    found = _SWEEP_ID.match(sweep_id)
+    rest = f"{found['campaign']}·{found['stamp']}" if found else sweep_id
+    return f"{round_short_id(sweep_id)}·{rest}"
 
 
 def run_name(receipt: Receipt) -> str:
+    """``r3f2a·b001·candidate·moe_dispatch=jagged``: round and block first, so a cut name still says which."""
     ident = receipt.identity
     if ident.feature is None:
         name = f"{ident.block_id}·aa·twin{ident.arm_index}"
     else:
         name = f"{ident.block_id}·{ident.arm.value}·{ident.feature}={ident.feature_value}"
-    return name + (f"·retry{ident.attempt}" if ident.attempt else "")
+    return f"{round_short_id(ident.sweep_id)}·{name}" + (f"·retry{ident.attempt}" if ident.attempt else "")
+
+
+def block_run_name(receipt: Receipt) -> str:
+    """``r3f2a·b001·moe_dispatch=padded→jagged`` (``·A/A`` for a noise-floor block), from either arm; from a
+    baseline arm alone the candidate's value is not known yet (``padded→…``: renamed once both arms are in)."""
+    ident = receipt.identity
+    return (f"{round_short_id(ident.sweep_id)}·{ident.block_id}·{block_change(receipt)}"
+            + (f"·retry{ident.attempt}" if ident.attempt else ""))
+
+
+def block_change(receipt: Receipt) -> str:
+    """What the block compares, as far as this arm knows: ``moe_dispatch=padded→jagged``, or ``A/A``."""
+    ident = receipt.identity
+    if ident.feature is None:
+        return "A/A"
+    candidate = ident.feature_value if ident.arm.value == "candidate" else "…"
+    return f"{ident.feature}={ident.baseline_value}→{candidate}"
+
+
+def sweep_note(sweep_id: str, campaign: str) -> str:
+    return (f"Round **{round_short_id(sweep_id)}** (sweep `{sweep_id}`) of campaign `{campaign}`: one child run per "
+            f"block, each holding its baseline and candidate arm runs; summary.png compares them per block.")
 
 
 def receipt_params(receipt: Receipt) -> dict[str, str]:
@@ -65,7 +119,7 @@ def receipt_tags(receipt: Receipt) -> dict[str, str]:
         tags["node_check"] = (f"{node_check.get('path')} sha256:{node_check.get('sha256')} ok={node_check.get('ok')}"
                               if node_check.get("sha256") else f"none: {node_check.get('why')}")
     out = {TAG + key: redact_uri(value)[:5000] for key, value in tags.items()}
-    out["mlflow.note.content"] = _note(receipt)
+    out[NOTE_TAG] = _note(receipt)
     return out
 
 
@@ -78,7 +132,7 @@ def _note(receipt: Receipt) -> str:
     proj = receipt.projection
     tps = proj.tokens_per_s if proj is not None else None
     horizon = f"{proj.horizon_steps:,}-step horizon" if proj is not None else "the lane's horizon"
-    return (f"Block **{ident.block_id}**, {ident.arm.value} arm, {ident.pairing}, "
+    return (f"Round {round_short_id(ident.sweep_id)}, block **{ident.block_id}**, {ident.arm.value} arm, {ident.pairing}, "
             f"{'first' if ident.order == 0 else 'second'}: {what}. Status **{ident.status.value}**"
             f"{f' ({codes})' if codes else ''}; tokens/s at the {horizon} {f'{tps:.1f}' if tps else 'n/a'} "
             f"(start-up excluded); goodput {receipt.time.goodput_fraction:.1%} of {receipt.time.wall_s:.2f}s. "

@@ -1,4 +1,5 @@
-"""Receipts into MLflow: one parent run per sweep, one nested child run per arm, idempotent by receipt id.
+"""Receipts into MLflow: one run per sweep, a nested run per block, and under it one run per arm, idempotent by
+receipt id (block runs: ``ablate.tracking.blocks``).
 
 How to run me: ``python -m ablate.tracking.mlflow_store <sweep dir>`` replays a sweep's receipts (what
 ``ablate receipts sync`` does).
@@ -9,8 +10,10 @@ id up (tag ``ablate.receipt_id``); a run is marked complete (tag ``ablate.logged
 metrics and artifacts are in, and an incomplete one left by a crash is deleted and written again. If the store
 cannot be reached, receipts are appended to ``<sweep dir>/spool.jsonl`` and ``sync`` replays them later.
 
-Child run (what the UI's Compare view lines up for the two arms of a block):
-- name ``b003·candidate·moe_dispatch=jagged``; tag ``mlflow.parentRunId`` = the sweep's run;
+The experiment is tagged a machine-learning experiment (``mlflow.experimentKind``), so the UI opens on its runs.
+
+Arm run (what the UI's Compare view lines up for the two arms of a block):
+- name ``r3f2a·b003·candidate·moe_dispatch=jagged`` (round first); tag ``mlflow.parentRunId`` = its block's run;
 - params: the flattened lane with its dotted names (``features.moe_dispatch``, ``model.d_model``, ...);
 - tags ``ablate.*``: lane key, feature, arm, block id, order, host, node, executor, requested/observed backends,
   status, disqualifiers, receipt id;
@@ -40,20 +43,28 @@ from ablate.receipts.store import (SPOOL_FILE, append_spool_or_fallback, load_re
                                    receipt_digest, seal, short)
 from ablate.redact import redact_uri
 from ablate.tracking.bulk_read import collector_paused, read_arm_runs
+from ablate.tracking.blocks import block_key, block_runs, open_block_run, settle_blocks, try_answer_block
 from ablate.tracking.mapping import (
+    EXPERIMENT_KIND_TAG,
+    MACHINE_LEARNING,
+    NOTE_TAG,
     ROLE_ARM,
+    ROLE_BLOCK,
     ROLE_SWEEP,
     TAG,
+    UI_TRAINING_VIEW,
     epoch_ms,
     receipt_metrics,
     receipt_params,
     receipt_series,
     receipt_tags,
     run_name,
+    sweep_note,
+    sweep_run_name,
 )
 from ablate.tracking.payload import COUNT_TAG, payload_tags
 from ablate.tracking.plots import goodput_png, summary_png
-from ablate.tracking.uri import TrackingStoreError, check_sqlite_store, resolve_tracking_uri, sqlite_path
+from ablate.tracking.uri import TrackingStoreError, check_sqlite_store, resolve_tracking_uri, sqlite_path, ui_base
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +83,10 @@ def _q(key: str) -> str:
     return f"tags.`{key}`"
 
 
-def run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    if tracking_uri.startswith(("http://", "https://")):
-        return f"{redact_uri(tracking_uri).rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
-    return f"runs:/{run_id}"
+def run_link(ui: str, experiment_id: str, run_id: str) -> str:
+    """The run's page in the MLflow UI at ``ui`` (``ablate.tracking.uri.ui_base``): a link a browser opens,
+    never a ``runs:/`` URI that only MLflow's own client understands."""
+    return f"{redact_uri(ui).rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{UI_TRAINING_VIEW}"
 
 
 class TrackingClient:
@@ -91,11 +102,20 @@ class TrackingClient:
     def _experiment(self, name: str) -> str:
         found = self.client.get_experiment_by_name(name)
         if found is not None:
+            if EXPERIMENT_KIND_TAG not in found.tags:  # made before ablate set it; a type a user chose stays
+                try:
+                    self.client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, MACHINE_LEARNING)
+                except Exception as exc:  # noqa: BLE001 - readers (promote, receipts list) may hold read-only rights
+                    log.info("could not mark experiment %r as a training experiment: %s", name, exc)
             return found.experiment_id
         db = sqlite_path(self.tracking_uri)
         # Keep artifacts next to the embedded database instead of wherever the driver's cwd happens to be.
         location = (db.parent / "mlartifacts" / name).as_uri() if db else None
-        return self.client.create_experiment(name, artifact_location=location)
+        # A training experiment: MLflow 3.4+ opens an untyped one on the GenAI overview, not on its runs.
+        tags = {EXPERIMENT_KIND_TAG: MACHINE_LEARNING,
+                NOTE_TAG: "ablate sweeps: one run per sweep (round), one per block, one per arm; see each run's "
+                          "description."}
+        return self.client.create_experiment(name, artifact_location=location, tags=tags)
 
     def search(self, filters: Iterable[str]) -> list[Any]:
         query = " and ".join(filters)
@@ -127,8 +147,9 @@ class TrackingClient:
                 self.client.update_run(run_id, status="RUNNING")
             return run_id, False
         all_tags = {TAG + "role": ROLE_SWEEP, TAG + "sweep_id": sweep_id, TAG + "campaign": campaign,
-                    TAG + "driver_host": socket.gethostname(), **(tags or {})}
-        run = self.client.create_run(self.experiment_id, run_name=sweep_id, tags=all_tags)
+                    TAG + "driver_host": socket.gethostname(), NOTE_TAG: sweep_note(sweep_id, campaign),
+                    **(tags or {})}
+        run = self.client.create_run(self.experiment_id, run_name=sweep_run_name(sweep_id), tags=all_tags)
         self._log_batch(run.info.run_id, params={k: redact_uri(str(v)) for k, v in (params or {}).items()})
         return run.info.run_id, True
 
@@ -147,7 +168,9 @@ class TrackingClient:
             self.client.log_batch(run_id, tags=tag_items[i:i + _TAGS_PER_BATCH])
 
     def log_receipt(self, receipt: Receipt, parent_run_id: str, existing: Optional[Any] = None) -> tuple[str, bool]:
-        """(run id, created). Idempotent: a complete run for this receipt id is returned as is."""
+        """(run id, created) of the arm run, nested under its block run (``ablate.tracking.blocks``), which is
+        made under the sweep run ``parent_run_id`` when missing and answered once both arms are in. Idempotent:
+        a complete run for this receipt id is returned as is."""
         from mlflow.entities import Metric
 
         if existing is None:
@@ -161,7 +184,8 @@ class TrackingClient:
         start_ms = end_ms - int(receipt.time.wall_s * 1000)
         tags = receipt_tags(receipt)
         tags.update(payload_tags(receipt))  # what the bulk reader uses; receipt.json stays the authoritative copy
-        tags["mlflow.parentRunId"] = parent_run_id
+        block_run_id = open_block_run(self, receipt, parent_run_id)
+        tags["mlflow.parentRunId"] = block_run_id
         run = self.client.create_run(self.experiment_id, start_time=start_ms, tags=tags, run_name=run_name(receipt))
         run_id = run.info.run_id
         metrics = [Metric(k, v, end_ms, 0) for k, v in receipt_metrics(receipt).items()]
@@ -176,6 +200,7 @@ class TrackingClient:
         self.client.set_tag(run_id, TAG + "logged", "1")
         status = "FAILED" if receipt.identity.status is Status.failed else "FINISHED"
         self.client.set_terminated(run_id, status=status, end_time=end_ms)
+        try_answer_block(self, block_key(receipt), block_run_id, known=receipt)
         return run_id, True
 
     def log_summary(self, parent_run_id: str, sweep_id: str, receipts: list[Receipt]) -> None:
@@ -235,6 +260,8 @@ class MlflowStore:
             self.parent_run_id, _ = self.client.parent_run(sweep_id, campaign, params, tags, reopen=True)
             self.logged = {rid: run.info.run_id for rid, run in self.client.arm_runs(sweep_id).items()
                            if run.data.tags.get(TAG + "logged") == "1"}
+            # A driver killed between a block's second arm and its answer: the resumed sweep answers it now.
+            settle_blocks(self.client, sweep_id)
         except Exception as exc:  # noqa: BLE001 - any store failure means: spool, never lose a receipt
             self._go_offline(exc)
             return None
@@ -289,6 +316,7 @@ class MlflowStore:
         if not self.online or self.client is None or self.parent_run_id is None:
             return
         try:
+            settle_blocks(self.client, sweep_id, final=True)
             self.client.log_summary(self.parent_run_id, sweep_id, receipts)
             self.client.client.set_terminated(self.parent_run_id, status="FAILED" if failed else "FINISHED")
         except Exception as exc:  # noqa: BLE001
@@ -390,6 +418,7 @@ def sync(source: str | Path, tracking_uri: Optional[str] = None, experiment: Opt
                 # readers stop downloading its receipt.json.
                 client._log_batch(existing.info.run_id, tags=payload_tags(receipt))
                 result.payloads_added.append(rid)
+        settle_blocks(client, sweep_id)
         client.log_summary(parent_id, sweep_id, mine)
         if created:
             client.client.set_terminated(parent_id, status="FINISHED")
@@ -397,11 +426,14 @@ def sync(source: str | Path, tracking_uri: Optional[str] = None, experiment: Opt
 
 
 def load_receipts_from_mlflow(tracking_uri: Optional[str], experiment: str, sweep_id: Optional[str] = None,
-                              use_payload: bool = True
+                              use_payload: bool = True, ui_url: Optional[str] = None,
+                              run_labels: Optional[dict[str, dict[str, str]]] = None
                               ) -> tuple[list[Receipt], list[tuple[str, str]], dict[str, str]]:
-    """(receipts, (run, reason) rejects, receipt id -> run link) of the experiment's arm runs (one sweep), read
-    from the runs' payload tags (``ablate.tracking.payload``) and, for runs without one or with
-    ``use_payload=False``, from their ``receipt.json`` artifacts."""
+    """(receipts, (run, reason) rejects, receipt id -> arm run link) of the experiment's arm runs (one sweep),
+    read from the runs' payload tags (``ablate.tracking.payload``) and, for runs without one or with
+    ``use_payload=False``, from their ``receipt.json`` artifacts. Links are pages of the UI at ``ui_url``
+    (default: see ``ui_base``). ``run_labels``, when given, is filled with receipt id -> {"arm": arm run name,
+    "block": block run name, "block_url": block run link} (block keys only for arms nested in a block run)."""
     from mlflow import MlflowClient
 
     uri = resolve_tracking_uri(tracking_uri)
@@ -417,7 +449,7 @@ def load_receipts_from_mlflow(tracking_uri: Optional[str], experiment: str, swee
             return [], [(f"{redact_uri(uri)} experiment {experiment!r}", "no such experiment")], {}
         client = TrackingClient(uri, experiment)
         with collector_paused():  # 10,000 validated receipts are millions of objects, none of them garbage
-            _read_receipts(client, sweep_id, uri, receipts, rejected, links, use_payload)
+            _read_receipts(client, sweep_id, uri, receipts, rejected, links, use_payload, ui_url, run_labels)
     except TrackingStoreError:
         raise
     except Exception as exc:  # noqa: BLE001 - a damaged or unreachable store: one line, never a sqlalchemy traceback
@@ -431,15 +463,25 @@ def load_receipts_from_mlflow(tracking_uri: Optional[str], experiment: str, swee
 
 
 def _read_receipts(client: TrackingClient, sweep_id: Optional[str], uri: str, receipts: dict[str, Receipt],
-                   rejected: list[tuple[str, str]], links: dict[str, str], use_payload: bool = True) -> None:
+                   rejected: list[tuple[str, str]], links: dict[str, str], use_payload: bool = True,
+                   ui_url: Optional[str] = None, run_labels: Optional[dict[str, dict[str, str]]] = None) -> None:
+    ui, _ = ui_base(uri, ui_url)
     runs = [run for _, run in sorted(client.arm_runs(sweep_id).items())]
+    blocks = block_runs(client, sweep_id) if run_labels is not None else {}
     for outcome in read_arm_runs(runs, uri, use_payload=use_payload):
         run_id = outcome.run.info.run_id
         if outcome.receipt is None:
             rejected.append((f"run {run_id}", outcome.reason or "unreadable"))
             continue
-        receipts.setdefault(outcome.receipt.identity.receipt_id, outcome.receipt)
-        links[outcome.receipt.identity.receipt_id] = run_link(uri, client.experiment_id, run_id)
+        rid = outcome.receipt.identity.receipt_id
+        receipts.setdefault(rid, outcome.receipt)
+        links[rid] = run_link(ui, client.experiment_id, run_id)
+        if run_labels is not None:
+            run_labels[rid] = {"arm": outcome.run.info.run_name or run_id}
+            block = blocks.get(outcome.run.data.tags.get("mlflow.parentRunId", ""))
+            if block is not None:
+                run_labels[rid].update(block=block.info.run_name or block.info.run_id,
+                                       block_url=run_link(ui, client.experiment_id, block.info.run_id))
 
 
 def store_failure(uri: str, exc: BaseException) -> str:
@@ -496,8 +538,8 @@ def log_promotion_plots(tracking_uri: str, experiment: str, sweep_ids: Iterable[
         for run in runs:
             for lane_key, path in plots.items():
                 client.client.log_artifact(run.info.run_id, str(path), artifact_path=f"promotion/{report_id}")
-                placed[lane_key] = (f"{run_link(tracking_uri, client.experiment_id, run.info.run_id)} artifact "
-                                    f"promotion/{report_id}/{path.name}")
+                link = run_link(ui_base(tracking_uri)[0], client.experiment_id, run.info.run_id)
+                placed[lane_key] = f"{link} artifact promotion/{report_id}/{path.name}"
         return placed
     except Exception as exc:  # noqa: BLE001 - the report and its local plots still stand without MLflow
         log.warning("could not log the promotion plots to %s: %s", redact_uri(tracking_uri), exc)

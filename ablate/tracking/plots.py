@@ -1,5 +1,6 @@
-"""The pictures MLflow shows: one arm's goodput breakdown, a sweep's per-block speed ratios at the lane's
-horizon, and a lane's speed-up against the horizon (the promotion report's trade-off plot).
+"""The pictures MLflow shows: one arm's goodput breakdown, a block's two arms side by side, a sweep's per-block
+speed ratios at the lane's horizon, and a lane's speed-up against the horizon (the promotion report's trade-off
+plot).
 
 Both draw on a bare ``matplotlib.figure.Figure`` (Agg canvas, no pyplot): no global backend switch, no GUI, safe
 on the Tune driver thread.
@@ -49,6 +50,44 @@ def goodput_png(receipt: Receipt, path: Path, title: Optional[str] = None) -> Pa
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     return path
+
+
+def block_png(baseline: Receipt, candidate: Receipt, path: Path, title: str) -> Path:
+    """A block's two arms on one figure: their time breakdowns as paired bars (left) and their per-step times on
+    one axis (right), so where the candidate gains or loses time is visible without opening two runs."""
+    from matplotlib.figure import Figure
+
+    arms = [(baseline, "#757575"), (candidate, "#1565c0")]
+    fig = Figure(figsize=(11.0, 4.2), layout="constrained")
+    bars, steps = fig.subplots(1, 2, width_ratios=[1.1, 1.0])
+    names = [name for name, _ in phases(baseline)]
+    height = 0.38
+    for i, (receipt, color) in enumerate(arms):
+        values = [value for _, value in phases(receipt)]
+        label = f"{_role(receipt)} ({receipt.time.wall_s:.2f}s wall)"
+        bars.barh([y + (i - 0.5) * height for y in range(len(names))], values, height=height, color=color,
+                  label=label)
+        series = receipt.steps.series
+        steps.plot(range(len(series)), series, color=color, marker="o", markersize=3, linewidth=1.2,
+                   label=_role(receipt))
+    bars.set_yticks(range(len(names)), names, fontsize=8)
+    bars.invert_yaxis()
+    bars.set_xlabel("seconds")
+    bars.set_title("where the wall time went", fontsize=9)
+    bars.legend(fontsize=7, loc="lower right")
+    steps.set_xlabel("step")
+    steps.set_ylabel("step time (s)")
+    steps.set_title("step time per step", fontsize=9)
+    steps.legend(fontsize=7, loc="best")
+    fig.suptitle(title, fontsize=10)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _role(receipt: Receipt) -> str:
+    ident = receipt.identity
+    return f"twin{ident.arm_index}" if ident.feature is None else f"{ident.arm.value} {ident.feature_value}"
 
 
 def block_ratios(receipts: Iterable[Receipt]) -> list[tuple[str, str, Optional[float], bool]]:

@@ -10,6 +10,7 @@ relative store would silently become a different database (shared/notes/ray-tune
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 from typing import Optional
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
@@ -17,6 +18,8 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 from ablate.redact import redact_uri
 
 DEFAULT_DB = "mlflow.db"
+LOCAL_UI = "http://127.0.0.1:5000"
+"""Where ``mlflow ui`` serves by default: the base of run links for a store that is not a server."""
 _QUICK_CHECK_MAX_BYTES = 1 << 30
 
 
@@ -69,6 +72,26 @@ def sqlite_path(uri: str) -> Optional[Path]:
 def shown(uri: str) -> str:
     """A tracking URI as it may appear in logs, tags and summaries: never with its password."""
     return redact_uri(uri)
+
+
+def ui_base(tracking_uri: str, ui_url: Optional[str] = None) -> tuple[str, Optional[str]]:
+    """(base URL of the MLflow UI that run links point into, the command that serves it or None).
+
+    ``ui_url`` when given (a proxy, a port-forward), else the tracking server itself; a store that is not a
+    server (SQLite, a directory) has no UI until ``mlflow ui`` serves it, so its links point at that command's
+    default address and the command is returned to be printed next to them. Never with a password."""
+    if ui_url:
+        return _link_base(ui_url), None
+    if tracking_uri.startswith(("http://", "https://")):
+        return _link_base(tracking_uri), None
+    return LOCAL_UI, f"mlflow ui --backend-store-uri {shlex.quote(shown(tracking_uri))}"
+
+
+def _link_base(url: str) -> str:
+    """``url`` without user info (a browser asks for the login itself; a redaction mark would break the link)
+    or secret query parameters, and without a trailing slash."""
+    parts = urlsplit(url)
+    return redact_uri(urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))).rstrip("/")
 
 
 class TrackingStoreError(RuntimeError):

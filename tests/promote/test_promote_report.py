@@ -72,3 +72,37 @@ def test_report_id_is_stable_for_the_same_receipts(policy: Policy) -> None:
     a = promote(receipts, policy_path=policy, defaults_path=DEFAULTS)
     b = promote(list(reversed(receipts)), policy_path=policy, defaults_path=DEFAULTS)
     assert a.report_id == b.report_id and a.verdicts[0].speedup == b.verdicts[0].speedup
+
+
+def test_every_block_and_arm_is_a_labelled_link_in_json_and_per_block_in_markdown(policy: Policy) -> None:
+    receipts = simulate(Sim(features=[moe(1.05)], **QUIET), 0)
+    ui = "http://127.0.0.1:5000"
+
+    def block_url(ident: object) -> str:
+        return f"{ui}/#/experiments/1/runs/block-{ident.sweep_id}-{ident.block_id}-{ident.attempt}"
+
+    links = {r.identity.receipt_id: f"{ui}/#/experiments/1/runs/arm-{r.identity.receipt_id}" for r in receipts}
+    labels = {r.identity.receipt_id: {"arm": f"{r.identity.block_id}·{r.identity.arm.value}",
+                                      "block": f"{r.identity.sweep_id}·{r.identity.block_id}",
+                                      "block_url": block_url(r.identity)} for r in receipts}
+    result = promote(receipts, policy_path=policy, defaults_path=DEFAULTS, run_links=links)
+    result.run_labels, result.ui_url = labels, ui
+    result.ui_command = "mlflow ui --backend-store-uri sqlite:////tmp/mlflow.db"
+    data = json.loads(result.to_json())["links"]
+    assert data["ui"] == ui and data["mlflow_ui_command"] == result.ui_command
+    # None left out: one entry per block run, every arm under its block, each with its run's name and link.
+    assert {b["url"] for b in data["blocks"]} == {block_url(r.identity) for r in receipts}
+    arms = [arm for block in data["blocks"] for arm in block["arms"]]
+    assert sorted(a["receipt_id"] for a in arms) == sorted(links) and data["arms_without_block_run"] == []
+    assert all(a["url"] == links[a["receipt_id"]] and a["label"] == labels[a["receipt_id"]]["arm"] for a in arms)
+    assert all(link["url"].startswith(ui + "/#/experiments/") for link in data["blocks"] + arms)
+    md = result.markdown
+    assert "runs:/" not in md and f"serve this store there first: `{result.ui_command}`" in md
+    detail = md[md.index("### Per-lane detail"):]
+    verdict = next(v for v in result.verdicts if v.feature == "moe_dispatch")
+    row = verdict.block_links[0]
+    block = next(line for line in detail.splitlines() if f"]({labels[row['candidate']]['block_url']})" in line)
+    assert block.startswith(f"- block [{labels[row['candidate']]['block']}]")
+    assert f"[{labels[row['baseline']]['arm']}]({links[row['baseline']]})" in block
+    assert f"[{labels[row['candidate']]['arm']}]({links[row['candidate']]})" in block
+    assert f"({row['winner']})" in block

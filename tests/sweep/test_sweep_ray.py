@@ -22,6 +22,7 @@ from ablate.sweep.layout import Layout
 from ablate.sweep.plan import plan_sweep
 from ablate.sweep.resources import BlockNeed, ResourceError, check_cluster
 from ablate.sweep.run import run_sweep
+from ablate.tracking.mapping import round_short_id
 from ablate.tracking.mlflow_store import ROLE_SWEEP, TAG, TrackingClient
 
 pytestmark = pytest.mark.ray
@@ -84,10 +85,20 @@ def test_smoke_sweep_end_to_end(ray_address: str, tmp_path: Path, capsys: pytest
     children = client.arm_runs(summary.sweep_id)
     assert set(children) == set(summary.receipt_ids), "one child run per arm"
     names = [run.info.run_name for run in children.values()]
-    assert len(set(names)) == 8 and "b001·aa·twin0" not in names
+    assert len(set(names)) == 8 and f"{round_short_id(summary.sweep_id)}·b001·aa·twin0" not in names
+    assert all(name.startswith(round_short_id(summary.sweep_id) + "·") for name in names)
     assert any(name.endswith("·retry1") for name in names)
+    # sweep run -> block run (one per block attempt) -> arm runs. Interleaved arms both finish even when one
+    # fails, so b001's first attempt is answered too: a failed candidate loses, a failed baseline gives no ratio.
+    blocks = {run.info.run_id: run for run in client.search([f"tags.`{TAG}role` = 'block'"])}
+    attempts = {(b.data.tags[TAG + "block_id"], b.data.tags[TAG + "attempt"]): b for b in blocks.values()}
+    assert sorted(attempts) == [("b000", "0"), ("b001", "0"), ("b001", "1"), ("b002", "0")]
+    assert all(b.info.status == "FINISHED" and b.data.tags["mlflow.parentRunId"] == summary.parent_run_id
+               for b in blocks.values())
+    failed_arm = next(r for r in on_disk if r.identity.status is Status.failed).identity.arm.value
+    assert attempts[("b001", "0")].data.tags[TAG + "winner"] == {"candidate": "baseline"}.get(failed_arm, "none")
     for run in children.values():
-        assert run.data.tags["mlflow.parentRunId"] == summary.parent_run_id
+        assert run.data.tags["mlflow.parentRunId"] in blocks
         assert {"goodput_fraction", "step_p50_s"} <= set(run.data.metrics) or \
             run.data.tags[TAG + "status"] == "failed"
 
@@ -184,4 +195,7 @@ def test_resume_after_the_driver_is_killed(ray_address: str, tmp_path: Path) -> 
     assert sorted(r.data.tags[TAG + "receipt_id"] for r in runs) == sorted(r.identity.receipt_id for r in after), \
         "MLflow holds every receipt on disk exactly once"
     assert len(client.search([f"tags.`{TAG}sweep_id` = '{sweep_id}'", f"tags.`{TAG}role` = 'sweep'"])) == 1
+    blocks = client.search([f"tags.`{TAG}sweep_id` = '{sweep_id}'", f"tags.`{TAG}role` = 'block'"])
+    keys = [(b.data.tags[TAG + "block_id"], b.data.tags[TAG + "attempt"]) for b in blocks]
+    assert len(keys) == len(set(keys)), f"a resumed sweep duplicated block runs: {sorted(keys)}"
     json.loads((layout.local_dir / "sweeps" / f"{sweep_id}.json").read_text())

@@ -19,8 +19,10 @@ from ablate.receipts.schema import BADPUT_CATEGORIES, Receipt
 from ablate.receipts.store import SPOOL_FILE, append_spool, load_receipts, write_receipt
 from ablate.sweep.plan import plan_sweep
 from ablate.sweep.trial import make_arm_spec
+from ablate.tracking.mapping import round_short_id
 from ablate.tracking.mlflow_store import (
     ROLE_ARM,
+    ROLE_BLOCK,
     TAG,
     MlflowStore,
     TrackingClient,
@@ -55,11 +57,14 @@ def test_child_runs_carry_params_tags_metrics_series_and_artifacts(receipts: lis
     by_arm = {run.data.tags[TAG + "arm"]: run for run in runs}
     assert set(by_arm) == {"baseline", "candidate"}
     cand, base = by_arm["candidate"], by_arm["baseline"]
-    assert cand.info.run_name == "b000·candidate·moe_dispatch=jagged"
-    assert base.info.run_name == "b000·baseline·moe_dispatch=padded"
+    round_id = round_short_id("track-1")
+    assert cand.info.run_name == f"{round_id}·b000·candidate·moe_dispatch=jagged"
+    assert base.info.run_name == f"{round_id}·b000·baseline·moe_dispatch=padded"
+    block = mlflow.get_run(runs[0].data.tags["mlflow.parentRunId"])
+    assert block.data.tags[TAG + "role"] == ROLE_BLOCK and block.data.tags["mlflow.parentRunId"] == parent
     for run, receipt in zip(runs, receipts):
         tags = run.data.tags
-        assert tags["mlflow.parentRunId"] == parent and tags[TAG + "role"] == ROLE_ARM
+        assert tags["mlflow.parentRunId"] == block.info.run_id and tags[TAG + "role"] == ROLE_ARM
         assert tags[TAG + "receipt_id"] == receipt.identity.receipt_id
         assert tags[TAG + "lane_key"] == receipt.identity.lane_key and tags[TAG + "block_id"] == "b000"
         assert tags[TAG + "order"] == str(receipt.identity.order)
@@ -172,11 +177,22 @@ def test_receipts_read_back_from_mlflow_with_links(receipts: list[Receipt], tmp_
     parent, _ = client.parent_run("track-1", "smoke")
     for receipt in receipts:
         client.log_receipt(receipt, parent)
-    found, rejected, links = load_receipts_from_mlflow(uri, "exp", sweep_id="track-1")
+    labels: dict[str, dict[str, str]] = {}
+    found, rejected, links = load_receipts_from_mlflow(uri, "exp", sweep_id="track-1", run_labels=labels)
     assert rejected == []
     assert sorted(r.model_dump_json() for r in found) == sorted(r.model_dump_json() for r in receipts)
-    assert set(links) == {r.identity.receipt_id for r in receipts}
-    assert all(link.startswith("runs:/") for link in links.values())
+    assert set(links) == set(labels) == {r.identity.receipt_id for r in receipts}
+    # A SQLite store has no UI of its own: links point where `mlflow ui` serves it, each at its arm's run page.
+    arms = client.arm_runs("track-1")
+    # The query opens MLflow 3.17's UI in its training view (without it: the GenAI overview).
+    page = "http://127.0.0.1:5000/#/experiments/{}/runs/{}?workflowType=machine_learning"
+    assert links == {rid: page.format(client.experiment_id, run.info.run_id) for rid, run in arms.items()}
+    block_urls = {label["block_url"] for label in labels.values()}
+    assert block_urls == {page.format(client.experiment_id,
+                                      next(iter(arms.values())).data.tags["mlflow.parentRunId"])}
+    assert {label["arm"] for label in labels.values()} == {run.info.run_name for run in arms.values()}
+    served = load_receipts_from_mlflow(uri, "exp", sweep_id="track-1", ui_url="https://mlflow.example/ui/")[2]
+    assert all(link.startswith("https://mlflow.example/ui/#/experiments/") for link in served.values())
     assert load_receipts_from_mlflow(uri, "exp", sweep_id="other")[0] == []
     assert load_receipts_from_mlflow(uri, "missing")[1][0][1] == "no such experiment"
 
@@ -186,7 +202,7 @@ def test_goodput_plot_has_one_bar_per_phase_summing_to_wall(receipts: list[Recei
         rows = phases(receipt)
         assert [name for name, _ in rows] == ["goodput", *BADPUT_CATEGORIES]  # unattributed last, shown as is
         assert sum(v for _, v in rows) == pytest.approx(receipt.time.wall_s, rel=0.011, abs=0.06)
-        assert run_name(receipt).startswith("b000·")
+        assert run_name(receipt).startswith(f"{round_short_id('track-1')}·b000·")
 
 
 def test_tracking_uri_default_override_and_absolute_sqlite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -298,3 +314,20 @@ def test_promote_from_a_missing_sqlite_store_is_an_error_and_creates_nothing(tmp
         out = CliRunner().invoke(app, [*args, "--tracking-uri", f"sqlite:///{db}"])
         assert out.exit_code == 2 and f"no MLflow store at {db}" in " ".join(out.stderr.split()), out.output
     assert not db.exists() and list(db.parent.iterdir()) == []
+
+
+def test_run_links_open_the_ui_never_with_a_password() -> None:
+    from ablate.tracking.mlflow_store import run_link
+    from ablate.tracking.uri import ui_base
+
+    # A tracking server is its own UI; its password never reaches a link.
+    assert ui_base("https://ablate:s3cretpw@mlflow.example:5000/") == ("https://mlflow.example:5000", None)
+    assert "s3cretpw" not in run_link(ui_base("https://ablate:s3cretpw@mlflow.example:5000/")[0], "3", "abc")
+    # --ui-url wins (a proxy in front of the server), redacted too.
+    assert ui_base("http://10.0.0.5:5000", "https://u:pw@proxy.example/mlflow/") == ("https://proxy.example/mlflow",
+                                                                                      None)
+    # A SQLite file has no UI: the default `mlflow ui` address, and the command that serves it (path quoted).
+    base, command = ui_base("sqlite:////tmp/my runs/mlflow.db")
+    assert base == "http://127.0.0.1:5000"
+    assert command == "mlflow ui --backend-store-uri 'sqlite:////tmp/my runs/mlflow.db'"
+    assert run_link(base, "1", "abc") == "http://127.0.0.1:5000/#/experiments/1/runs/abc?workflowType=machine_learning"
