@@ -188,7 +188,8 @@ def sweep(
         _fail(escape(str(exc)))
     except KeyboardInterrupt:
         # Only a Ctrl+C outside Tune's run (start-up, final bookkeeping) gets here; receipts are files first.
-        _fail(escape(f"interrupted: receipts already written are on disk; `ablate sweep {campaign} --resume` logs "
+        again = f"{campaign} --until-decided --policy {policy}" if until_decided else str(campaign)
+        _fail(escape(f"interrupted: receipts already written are on disk; `ablate sweep {again} --resume` logs "
                      f"them to MLflow and continues (or `ablate receipts sync <campaign dir>`)"), code=130)
     except OSError as exc:  # the campaign directory refuses its metadata or lock (read-only, full)
         _fail(escape(f"cannot write {exc.filename or 'the campaign directory'}: {exc.strerror or exc}"))

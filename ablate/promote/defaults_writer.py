@@ -108,7 +108,9 @@ class RevalidationOutcome(Revalidation):
     """The rule's verdict on the re-test (None: the re-test produced no verdict for this value and lane)."""
     reason: str = ""
     previous: Any = None
-    """The value the promotion replaced: what a demotion restores."""
+    """The lane's baseline when the value was promoted (the re-test's baseline)."""
+    replaced: Any = None
+    """Global scope: the global value the promotion replaced, what a demotion restores (None: not recorded)."""
     scope: str = "global"
     lane_shape: Optional[str] = None
     retest: dict[str, Any] = field(default_factory=dict)
@@ -122,8 +124,11 @@ def _round(x: Optional[float], digits: int = 4) -> Optional[float]:
 
 
 def evidence_record(v: FeatureVerdict, *, report_id: str, campaign: str, date: str, policy: Policy,
-                    scope: str) -> dict[str, Any]:
-    return {
+                    scope: str, replaced: Any = None) -> dict[str, Any]:
+    """``previous`` is the lane's baseline value; ``replaced`` (global scope only) the global value the promotion
+    replaced, which differs from it where the lane ran an override: a demotion must restore the global one."""
+    extra = {"replaced": replaced} if scope == "global" else {}
+    return {**extra,
         "report": report_id, "campaign": campaign, "value": v.value, "previous": v.baseline_value, "scope": scope,
         "lane_key": v.lane_key, "lane_shape": v.lane_shape, "device_class": v.device_class,
         "software_fingerprint": v.software_fingerprint,
@@ -203,7 +208,8 @@ def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mappin
             feature=feature, old=globals_.get(feature, promoted[0].baseline_value),
             new=promoted[0].value if flip else None, scope=scope, lanes=sorted(v.lane_key for v in promoted),
             evidence=[evidence_record(v, report_id=report_id, campaign=campaign, date=date, policy=policy,
-                                      scope=scope) for v in promoted],
+                                      scope=scope, replaced=globals_.get(feature, promoted[0].baseline_value))
+                      for v in promoted],
             overrides=overrides, not_global=not_global))
     return changes
 
@@ -404,12 +410,29 @@ def _demote(entry: CommentedMap, o: RevalidationOutcome, report_id: str, date: s
     lane would then run the global value anyway, so the file keeps one way of saying it)."""
     where = f"features.{o.feature}"
     if o.scope == "global":
-        if str(entry.get("value")) != str(o.value):
-            return []  # something else has been promoted since: nothing of this value left to demote
-        entry["value"] = _node(o.previous)
+        if str(entry.get("value")) != str(o.value) or o.replaced is None:
+            return []  # something else has been promoted since, or nothing says what to restore (outcome_of)
+        entry["value"] = _node(o.replaced)
         _replace_value_comment(entry, f"demoted by {report_id} on {date} (was {o.value}: its win is gone on "
                                       f"re-test); evidence below")
-        return [Edit(f"{where}.value: {o.value!r} -> {o.previous!r} (demoted)", "demote")]
+        edits = [Edit(f"{where}.value: {o.value!r} -> {o.replaced!r} (demoted)", "demote")]
+        # Overrides the global promotion moved onto the value go back to what they held before it.
+        for override in list(entry.get("lane_overrides") or []):
+            if override.get("report") == o.report and str(override.get("value")) == str(o.value):
+                back = override.get("previous")
+                if back is None or str(back) == str(o.replaced):
+                    entry["lane_overrides"].remove(override)
+                    edits.append(Edit(f"{where}.lane_overrides[{override.get('lane_shape')}]: removed with the "
+                                      f"demotion (the lane runs the global {o.replaced!r} again)", "demote"))
+                else:
+                    override.update({"value": _node(back), "previous": _node(o.value), "report": report_id,
+                                     "date": date})
+                    override.pop("revalidate", None)
+                    edits.append(Edit(f"{where}.lane_overrides[{override.get('lane_shape')}]: {o.value!r} -> "
+                                      f"{back!r} (demoted with the global value)", "demote"))
+        if not entry.get("lane_overrides", True):
+            del entry["lane_overrides"]
+        return edits
     overrides = entry.get("lane_overrides") or []
     override = _overrides_by_shape(entry).get(str(o.lane_shape))
     if override is None or str(override.get("value")) != str(o.value):

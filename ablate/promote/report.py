@@ -73,9 +73,9 @@ class PromotionResult:
     defaults_path: str
     run_links: dict[str, str] = field(default_factory=dict)
     plots: dict[str, str] = field(default_factory=dict)
-    sprt_plots: dict[str, str] = field(default_factory=dict)
-    """lane key -> the SPRT trace plot (``write_plots``), when the policy's sequential test is on."""
     """Lane key -> the speed-up-vs-horizon PNG, as the report refers to it (relative to the report file)."""
+    sprt_plots: dict[str, str] = field(default_factory=dict)
+    """Lane key -> the SPRT trace PNG (``write_plots``), when the policy's sequential test is on."""
     plot_locations: dict[str, str] = field(default_factory=dict)
     """Lane key -> where the same PNG was logged in MLflow (the sweep's parent run)."""
     not_run: list[dict[str, str]] = field(default_factory=list)

@@ -68,6 +68,8 @@ class Target:
     recorded_fingerprint: str
     current_fingerprint: str
     policy: Optional[str]
+    replaced: Any = None
+    """Global scope: the global value the promotion replaced (records written before it was kept: None)."""
 
     @property
     def where(self) -> str:
@@ -152,7 +154,8 @@ def _target(feature: str, record: Mapping[str, Any], mark: Mapping[str, Any]) ->
                   lane_shape=record.get("lane_shape"), report=record.get("report"),
                   campaign=str(record.get("campaign") or ""),
                   recorded_fingerprint=str(record.get("software_fingerprint")),
-                  current_fingerprint=str(mark.get("current_fingerprint")), policy=record.get("policy"))
+                  current_fingerprint=str(mark.get("current_fingerprint")), policy=record.get("policy"),
+                  replaced=record.get("replaced"))
 
 
 # --- 2. the campaign that re-tests it ---
@@ -348,7 +351,11 @@ def defaults_before(defaults_path: Path, targets: list[Target], directory: Path)
     for t in targets:
         entry = doc["features"][t.feature]
         if t.scope == "global":
-            entry["value"] = _node(t.previous)
+            entry["value"] = _node(t.previous if t.replaced is None else t.replaced)
+            # The lane's own override, when the global promotion moved it onto the value, held ``previous``.
+            for override in entry.get("lane_overrides") or []:
+                if override.get("report") == t.report and str(override.get("lane_shape")) == str(t.lane_shape):
+                    override["value"] = _node(t.previous)
             continue
         override = _overrides_by_shape(entry).get(str(t.lane_shape))
         if override is not None:
@@ -368,6 +375,12 @@ def outcome_of(target: Target, v: Optional[FeatureVerdict], policy: Policy, *, r
         outcome, reason = UNCONFIRMED, "the re-test gave no verdict for this value on this lane (no usable block)"
     elif v.verdict == PROMOTE:
         outcome, reason = CONFIRMED, "the win holds under the new software"
+    elif v.verdict == REJECT and target.scope == "global" and target.replaced is None:
+        # The record's ``previous`` is this lane's baseline, not necessarily the global value the promotion
+        # replaced (a lane running an override): restoring it could install a value that was never the default.
+        outcome, reason = UNCONFIRMED, (f"the win is gone on lane {target.lane_key[:12]} ({v.reason}), but the record "
+                                        f"does not say which global value the promotion replaced: set "
+                                        f"features.{target.feature}.value back by hand; the value stays marked")
     elif v.verdict == REJECT:
         outcome, reason = DEMOTED, v.reason
     else:
@@ -387,7 +400,8 @@ def outcome_of(target: Target, v: Optional[FeatureVerdict], policy: Policy, *, r
         feature=target.feature, value=target.value, lane_key=target.lane_key,
         recorded_fingerprint=target.recorded_fingerprint, current_fingerprint=target.current_fingerprint,
         report=target.report, outcome=outcome, verdict=v.verdict if v else None, reason=reason,
-        previous=target.previous, scope=target.scope, lane_shape=target.lane_shape, retest=retest,
+        previous=target.previous, replaced=target.replaced, scope=target.scope, lane_shape=target.lane_shape,
+        retest=retest,
         evidence=evidence)
 
 

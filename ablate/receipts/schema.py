@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import enum
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -151,7 +151,7 @@ class Identity(_Model):
     """subprocess (one-worker arm in a fresh process) or ray_train (TorchTrainer worker group)."""
     pairing: str = "sequential"
     """interleaved (both arms of the block side by side, taking turns step by step) or sequential (back to back)."""
-    schedule: str = "fixed"
+    schedule: Literal["fixed", "until_decided"] = "fixed"
     """fixed (the campaign ran every planned block) or until_decided (``ablate sweep --until-decided`` scheduled
     the block while its test was undecided: the fixed rule's error rates do not hold on such optionally stopped
     evidence, so only a policy with the sequential test on may judge it)."""

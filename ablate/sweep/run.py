@@ -536,11 +536,14 @@ def _catch_up(store: MlflowStore, on_disk: list[Receipt]) -> int:
 def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[str] = None,
               storage: Optional[str] = None, progress: bool = True,
               inject: Optional[Mapping[str, dict[str, Any]]] = None, lock_wait_s: float = 0.0,
-              searcher_factory: Optional[Callable[[SweepPlan], Any]] = None) -> SweepSummary:
+              searcher_factory: Optional[Callable[[SweepPlan], Any]] = None,
+              resume_flags: tuple[str, ...] = ()) -> SweepSummary:
     """Run (or, with ``resume``, continue) the campaign in ``path``; see the module docstring.
 
     ``searcher_factory``: plan -> a Tune ``Searcher`` that chooses which planned blocks run (``--until-decided``,
-    ``ablate.sweep.until_decided``); None runs every planned block.
+    ``ablate.sweep.until_decided``); None runs every planned block. ``resume_flags``: what the printed
+    ``--resume`` command must repeat (``--until-decided --policy ...``). A sweep is resumed the way it started:
+    an ``--until-decided`` round only with a searcher, whose receipts keep saying ``until_decided``.
 
     ``lock_wait_s``: how long to wait for another sweep of the campaign to end (``math.inf``: until it does)
     before refusing with ``SweepLocked``. ``inject`` is for tests only: block id -> fault injection for the first
@@ -549,6 +552,13 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
     started = time.monotonic()
     path = Path(path)
     sweep, layout, plan, meta = _sweep_identity(path, resume, storage)
+    started_as = (meta.get("params") or {}).get("schedule", "fixed")
+    if resume and started_as == "until_decided" and searcher_factory is None:
+        # Tune would restore the round's searcher anyway; without the flag its receipts would claim a fixed
+        # schedule, and the fixed rule would then judge sequentially stopped evidence.
+        raise ConfigError("--resume", str(path), f"the flags sweep {plan.sweep_id} started with: it is an "
+                                                 f"--until-decided round (ablate sweep {path} --until-decided "
+                                                 f"--policy <its policy> --resume)")
     sweep_id = plan.sweep_id
     uri = resolve_tracking_uri(tracking_uri or sweep.tracking.uri)
     check_sqlite_store(uri)  # a damaged embedded store: refused before anything runs (TrackingStoreError)
@@ -556,7 +566,8 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
     if lock.stale:
         log.warning("took over the lock of %s: that driver is gone (killed?); `ablate sweep %s --resume` continues "
                     "a sweep it left unfinished", SweepLock.describe(lock.stale), path)
-    resume_command = " ".join(["ablate sweep", str(path), "--resume"] + (["--storage", storage] if storage else [])
+    resume_command = " ".join(["ablate sweep", str(path), *resume_flags, "--resume"]
+                              + (["--storage", storage] if storage else [])
                               + (["--tracking-uri", shown(uri)] if tracking_uri else []))
     try:
         with _disk_faults_in_one_line(), _quiet_libraries():
@@ -586,8 +597,10 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         # Before any block and before anything is written: a backend a node found wrong or absent refuses here.
         node_checks = check_plan(plan, sweep.node_check)
         params = _parent_params(sweep, plan, capacity, path)
-        params["schedule"] = "until_decided" if searcher_factory is not None else "fixed"
-        searcher = searcher_factory(plan) if searcher_factory is not None else None
+        # A resumed sweep keeps the schedule it started with (Tune restores its grid or its searcher).
+        started_as = (meta.get("params") or {}).get("schedule", "fixed")
+        params["schedule"] = started_as if resume else ("until_decided" if searcher_factory is not None else "fixed")
+        searcher = searcher_factory(plan) if searcher_factory is not None and not resume else None
         if not resume:
             meta = {"sweep_id": sweep_id, "campaign": sweep.name, "campaign_file": str(path.resolve()),
                     "experiment": sweep.tracking.experiment, "tracking_uri": shown(uri),
@@ -673,7 +686,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         finished = set(block_progress(on_disk, sweep_id)[0]) - stopped
         store.close_sweep(sweep_id, on_disk, failed=bool(errors) or fatal is not None)
         total, left_out = len(plan.blocks), {}
-        if searcher_factory is not None:
+        if params["schedule"] == "until_decided":
             # The round's blocks are those the searcher handed out; the rest were left out as decided.
             ran = {(r.config or {}).get("block_id") for r in results} | set(recorder.timeline) | set(finished)
             total = len([b for b in plan.blocks if b.block_id in ran])

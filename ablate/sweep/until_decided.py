@@ -10,16 +10,19 @@ A round is one ordinary sweep of the campaign (its own sweep id, Tune experiment
 the round from the receipts of earlier rounds, and within it after each finished block. Between rounds the
 driver waits out ``evidence.min_round_gap_s`` (closer sweeps are one round to the rule), then starts the next.
 
-"Decided" is what the verdict will be built on, read from the promotion rule itself run over every receipt of the
-campaign (``promote``, the code ``ablate promote`` runs, under the same policy):
-- the SPRT crossed its lower bound or reached its cap (sticky), or the rule rejected the test outright (a gate,
-  the failure rate, an inert toggle): more blocks cannot change the answer;
-- the SPRT crossed its upper bound and every other clause holds (PROMOTE).
-A test whose SPRT crossed the upper bound while another clause still holds it (per-host consistency, the order
-check, a suspicious win waiting for a confirming round) keeps its blocks until ``sequential.max_rounds`` rounds:
-crossing the bound is necessary, not sufficient. A/A blocks, bundle blocks and taxes run in every round (they
-calibrate and qualify the speed tests, and taxes are never decided). The campaign ends when no speed test is
-open, when ``sequential.max_rounds`` rounds have run, or when a round finishes no block (said, never looped).
+"Decided" is read from the promotion rule itself run over every receipt of the campaign (``promote``, the code
+``ablate promote --sweep <campaign>`` runs, under the same policy), and only from what sequential looks allow:
+- the SPRT crossed a bound (the upper one only once ``evidence.min_rounds`` rounds count) or reached its cap: its
+  error bounds hold however often it is looked at (Ville), and its decision is taken at the first crossing;
+- an exact REJECT clause failed (an inert toggle, a gated disqualifier, an exact counter): no statistic involved.
+The other clauses (quality, order, per-host and per-round wins, flakiness) are fixed-sample tests: they are never
+used to stop (stopping at their first pass after every block would promote a worse candidate several times as
+often), only to judge the blocks the SPRT stopped at, so an upper crossing they hold ends as HOLD, said why.
+A/A blocks, bundle blocks and taxes run in every round (they calibrate and qualify the speed tests, and taxes are
+never decided). The campaign ends when no speed test is open (judged before each round, the first included), when
+``sequential.max_rounds`` rounds have run in this invocation, on an interruption or a fatal error (``--resume``
+continues), or when a round finishes no block (said, never looped). A round with errored blocks (an arm that
+kept crashing) does not end the campaign: failed candidate arms are evidence the rule judges.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -40,13 +43,18 @@ from ablate.promote.analysis import PROMOTE, REJECT
 from ablate.promote.policy import Policy, load_policy
 from ablate.promote.sequential import CAP, LOWER, UPPER
 from ablate.receipts.schema import Receipt
-from ablate.sweep.plan import SweepPlan
+from ablate.sweep.plan import SweepPlan, plan_sweep
 
 log = logging.getLogger(__name__)
 
 SpeedKey = tuple[str, str, str]
 """(feature, candidate value as text, lane key): one speed test, in the plan and in the rule alike."""
 OPEN, DECIDED = "open", "decided"
+EXACT_REJECTIONS = ("not_inert", "no_disqualifier", "exact_counters")
+"""REJECT clauses that are exact (no statistic): more blocks cannot undo them, so they end a test at once. The
+statistical clauses (flakiness, quality, order, per-host wins) are fixed-sample tests: looked at after every block
+and stopped at the first pass or failure, they would be peeked into false answers, so they are left to the verdict
+taken on the blocks the SPRT stopped at."""
 
 
 def speed_key(feature: str, value: Any, lane_key: str) -> SpeedKey:
@@ -103,15 +111,15 @@ def judge_states(receipts: Iterable[Receipt], policy: Policy, defaults_path: str
                           why=v.reason, blocks=v.n_blocks, rounds=v.n_rounds, decision=decision,
                           llr=seq.get("llr"), lower=seq.get("lower"), upper=seq.get("upper"),
                           trace=list(seq.get("llr_trace") or []))
-        if v.verdict in (PROMOTE, REJECT) or decision in (LOWER, CAP):
+        exact = next((c for c in v.clauses if not c.passed and c.name in EXACT_REJECTIONS), None)
+        if decision in (UPPER, LOWER, CAP):
             state.state = DECIDED
-            state.why = seq.get("stop_reason") if decision in (LOWER, CAP) and v.verdict != REJECT else v.reason
-        elif decision == UPPER and v.n_rounds >= policy.sequential.max_rounds:
+            state.why = seq.get("stop_reason") or v.reason
+            if v.verdict != PROMOTE and decision == UPPER:
+                state.why += f"; the verdict is {v.verdict}: {v.reason}"
+        elif exact is not None:
             state.state = DECIDED
-            state.why = (f"upper bound crossed but held by the fixed rule after {v.n_rounds} round(s), the round cap: "
-                         f"{v.reason}")
-        elif decision == UPPER:
-            state.why = f"upper bound crossed; held by the fixed rule ({v.reason}): another round"
+            state.why = f"{exact.name}: {exact.detail}"
         elif seq.get("stop_reason"):
             state.why = seq["stop_reason"]
         states[state.key] = state
@@ -174,8 +182,9 @@ class UntilDecidedSearcher(Searcher):
     """Suggests the round's planned blocks in plan order, skipping those whose test is decided.
 
     The decision is refreshed after every finished block, so a test that crosses a bound mid-round stops getting
-    blocks at once (the plan interleaves repetitions, so its later repeats are the ones left out). A decision
-    never reopens: it is taken on the blocks in time order and stops at the first crossing or the cap."""
+    blocks at once (the plan interleaves repetitions, so its later repeats are the ones left out). Within a round a
+    closed test stays closed; between rounds the loop judges afresh (new A/A blocks move the bias bound), so the
+    last judgement matches ``ablate promote --sweep <campaign>`` on the same receipts."""
 
     def __init__(self, blocks: list[tuple[str, Optional[SpeedKey]]], judge: Any) -> None:
         super().__init__(metric=None, mode=None)
@@ -290,19 +299,21 @@ class UntilDecidedSummary:
         return "\n".join(lines)
 
 
-def _latest_start(campaign_dir: Path) -> Optional[float]:
-    """Start time (epoch s) of the campaign's latest sweep, from its metadata."""
-    from ablate.sweep.layout import LATEST
-    from ablate.tracking.mlflow_store import SWEEPS_DIR
+GAP_MARGIN_S = 5.0
+"""Slack on ``evidence.min_round_gap_s``: clocks of different processes, and receipts written a little late."""
 
-    latest = (campaign_dir / LATEST)
-    if not latest.is_file():
-        return None
-    meta = campaign_dir / SWEEPS_DIR / f"{latest.read_text().strip()}.json"
-    try:
-        return datetime.fromisoformat(json.loads(meta.read_text())["created_at"]).timestamp()
-    except (OSError, ValueError, KeyError):
-        return None
+
+def _latest_start(receipts: Iterable[Receipt]) -> Optional[float]:
+    """Start (epoch s) of the campaign's latest sweep as the rule measures it: its earliest arm start, an arm
+    starting ``wall_s`` before its receipt's ``created_at`` (``ablate.promote.evidence.sweep_windows``)."""
+    starts: dict[str, float] = {}
+    for r in receipts:
+        created = datetime.fromisoformat(r.identity.created_at)
+        if created.tzinfo is None:
+            created = created.replace(tzinfo=timezone.utc)
+        start = created.timestamp() - (r.time.wall_s or 0.0)
+        starts[r.identity.sweep_id] = min(start, starts.get(r.identity.sweep_id, start))
+    return max(starts.values(), default=None)
 
 
 def run_until_decided(path: str | Path, *, policy_path: str | Path, resume: bool = False,
@@ -313,29 +324,31 @@ def run_until_decided(path: str | Path, *, policy_path: str | Path, resume: bool
     from ablate.config.load import load_sweep
     from ablate.sweep.layout import Layout
     from ablate.sweep.run import run_sweep
+    from ablate.tracking.uri import resolve_tracking_uri, shown
 
     path = Path(path)
     policy = sequential_policy(policy_path)
-    sweep, _ = load_sweep(path)
+    sweep, defaults = load_sweep(path)
     layout = Layout.for_campaign(sweep.name, storage or sweep.tracking.storage)
     judge = CampaignJudge(str(layout.local_dir), policy, str(defaults_path_of(path, sweep.defaults)))
     rounds: list[RoundRecord] = []
     summaries: list[Any] = []
-    planned: set[SpeedKey] = set()
+    # The plan's speed tests (every round plans the same ones; ids and orders differ), known before any round so
+    # a campaign already decided runs nothing.
+    planned = {k for _, k in block_keys(plan_sweep(sweep, "until-decided-preview", defaults)) if k is not None}
+    if not planned:
+        raise ConfigError("features", sorted(sweep.features), "at least one speed feature that can act in this lane: "
+                                                              "--until-decided decides speed tests")
 
     def factory(plan: SweepPlan) -> UntilDecidedSearcher:
-        keys = block_keys(plan)
-        planned.update(k for _, k in keys if k is not None)
-        if not planned:
-            raise ConfigError("features", sorted(sweep.features), "at least one speed feature that can act in this "
-                                                                  "lane: --until-decided decides speed tests")
-        return UntilDecidedSearcher(keys, judge)
+        return UntilDecidedSearcher(block_keys(plan), judge)
 
     stop = ""
     while True:
         states = judge.states()
         open_tests = [k for k in planned if not (k in states and states[k].decided)]
-        if rounds and not open_tests:
+        resuming = resume and not rounds
+        if not open_tests and not resuming:
             stop = "every speed test of the campaign is decided"
             break
         if len(rounds) >= policy.sequential.max_rounds:
@@ -344,17 +357,15 @@ def run_until_decided(path: str | Path, *, policy_path: str | Path, resume: bool
         if rounds and rounds[-1].blocks_run == 0:
             stop = "the last round ran no block (every block's test was decided before it started)"
             break
-        if rounds and rounds[-1].exit_code:
-            stop = f"round {rounds[-1].sweep_id} did not finish cleanly (see its summary; --resume continues it)"
-            break
-        wait = _gap_wait(layout.local_dir, policy, resume and not rounds)
+        wait = _gap_wait(judge.receipts(), policy, resuming)
         if wait > 0:
             echo(f"waiting {wait:.0f}s before the next round: sweeps starting less than "
                  f"{policy.evidence.min_round_gap_s:.0f}s apart are one round to the rule (evidence.min_round_gap_s)")
             sleep(wait)
         begun = time.time()
-        summary = run_sweep(path, resume=resume and not rounds, tracking_uri=tracking_uri, storage=storage,
-                            progress=progress, lock_wait_s=lock_wait_s, searcher_factory=factory)
+        summary = run_sweep(path, resume=resuming, tracking_uri=tracking_uri, storage=storage,
+                            progress=progress, lock_wait_s=lock_wait_s, searcher_factory=factory,
+                            resume_flags=("--until-decided", "--policy", str(policy_path)))
         summaries.append(summary)
         rounds.append(RoundRecord(sweep_id=summary.sweep_id, blocks_run=summary.blocks_total,
                                   blocks_skipped=len(summary.left_out), started_at=begun,
@@ -365,24 +376,26 @@ def run_until_decided(path: str | Path, *, policy_path: str | Path, resume: bool
             if state.key in planned:
                 echo("  " + state.line())
         if summary.interrupted or summary.fatal:
-            stop = "interrupted: `ablate sweep ... --until-decided --resume` continues"
+            stop = (f"{'interrupted' if summary.interrupted else 'stopped by a fatal error'}: `ablate sweep {path} "
+                    f"--until-decided --policy {policy_path} --resume` continues")
             break
     final = judge.states()
     return UntilDecidedSummary(
         campaign=sweep.name, campaign_file=str(path), policy_path=str(policy_path), policy_ref=policy.ref,
-        tracking_uri=summaries[-1].tracking_uri if summaries else "", experiment=sweep.tracking.experiment,
+        tracking_uri=shown(resolve_tracking_uri(tracking_uri or sweep.tracking.uri)), experiment=sweep.tracking.experiment,
         rounds=rounds, states=sorted((final[k] for k in planned if k in final), key=lambda s: s.key),
         stop_reason=stop, sweep_summaries=summaries)
 
 
-def _gap_wait(campaign_dir: Path, policy: Policy, resuming: bool) -> float:
-    """Seconds to wait so the next sweep starts ``min_round_gap_s`` after the latest one (0 when resuming it)."""
+def _gap_wait(receipts: Iterable[Receipt], policy: Policy, resuming: bool) -> float:
+    """Seconds to wait so the next sweep's first arm starts ``min_round_gap_s`` after the latest sweep's first
+    arm (the rule's round start), plus a margin; 0 when resuming that sweep."""
     if resuming:
         return 0.0
-    start = _latest_start(campaign_dir)
+    start = _latest_start(receipts)
     if start is None:
         return 0.0
-    return max(0.0, policy.evidence.min_round_gap_s - (time.time() - start) + 1.0)
+    return max(0.0, start + policy.evidence.min_round_gap_s + GAP_MARGIN_S - time.time())
 
 
 def states_json(states: Iterable[Standing]) -> list[dict[str, Any]]:

@@ -136,6 +136,7 @@ def test_a_retest_without_a_win_demotes_the_value_and_says_why(policy: Policy, t
     assert t["verdict"] == REJECT and t["software_fingerprint"] == "sw-2" and t["report"] == result.report_id
     assert t["speedup"] < 1.0 and t["ci95"][1] < 1.01 and t["reason"] == v.reason
     assert "demoted by" in m.defaults.read_text()  # the value line says so too
+    assert record(m.defaults)["replaced"] == "padded"  # what the global promotion replaced: what comes back
     md = result.markdown
     assert "### Demoted (the win is gone on re-test)" in md and "`jagged` → `padded`" in md
     assert "| `moe_dispatch` | `jagged` | `padded` | global |" in md  # the defaults diff row
@@ -267,3 +268,24 @@ def test_revalidate_run_write_end_to_end(ray_address: str, policy: Policy, tmp_p
     else:
         assert (mark["status"], mark["required"], value) == (UNCONFIRMED, True, "jagged")
     print(f"end-to-end revalidation: {elapsed:.1f} s, verdict {t['verdict']}")
+
+
+def test_a_global_value_is_not_demoted_to_a_guess_when_its_record_does_not_say_what_it_replaced(
+        policy: Policy, tmp_path: Path) -> None:
+    """A record's ``previous`` is its lane's baseline, not necessarily the global value the promotion replaced (a
+    lane running an override); records written before ``replaced`` was kept cannot say: the re-test's REJECT
+    keeps the value and the mark, and says to set it back by hand."""
+    from ruamel.yaml import YAML
+
+    m = mark_jagged(tmp_path, policy)
+    yaml = YAML()
+    doc = yaml.load(m.defaults.read_text())
+    del doc["features"]["moe_dispatch"]["evidence"][0]["replaced"]
+    with m.defaults.open("w") as handle:
+        yaml.dump(doc, handle)
+    result = retest(m, policy, tmp_path, retest_sim(m, moe(0.95)))
+    assert [v.verdict for v in result.verdicts] == [REJECT]
+    assert load_defaults(m.defaults).values["moe_dispatch"] == "jagged"
+    mark = record(m.defaults)["revalidate"]
+    assert mark["required"] is True and mark["status"] != DEMOTED
+    assert "by hand" in mark["retests"][0]["reason"] and "which global value" in mark["retests"][0]["reason"]

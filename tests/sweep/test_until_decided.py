@@ -168,7 +168,15 @@ def test_until_decided_runs_only_undecided_tests_resumes_after_ctrl_c_and_stops_
     interrupted = log_path.read_text()
     assert "interrupted" in interrupted and "every speed test of the campaign is decided" not in interrupted, \
         interrupted[-3000:]
+    assert f"--until-decided --policy {policy} --resume" in interrupted, interrupted[-3000:]
     round_id = this_round()[0].identity.sweep_id
+
+    # Resumed without --until-decided, Tune would bring the searcher back while the receipts claimed a fixed
+    # schedule: refused before anything runs.
+    plain = subprocess.run(command[:5] + command[8:] + ["--resume"], cwd=REPO, capture_output=True, text=True,
+                           timeout=120)
+    said = " ".join((plain.stdout + plain.stderr).split())  # the console wraps long lines
+    assert plain.returncode == 2 and "it is an --until-decided round" in said, said[-2000:]
 
     resumed = subprocess.run(command + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=400)
     output = resumed.stdout + resumed.stderr
@@ -183,6 +191,11 @@ def test_until_decided_runs_only_undecided_tests_resumes_after_ctrl_c_and_stops_
     assert len(valid) == 6  # each of the three blocks once: nothing ran twice after the resume
     assert "moe_dispatch=jagged lane" in output and output.count(": decided (") >= 2, output[-4000:]
     assert f"--policy {policy}" in output
+
+    # Run again: every test is already decided, so nothing is planned, started or logged.
+    again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "0 round(s) this run" in again.stdout, again.stdout[-2000:] + again.stderr
+    assert {r.identity.sweep_id for r in this_round()} == {round_id}
 
     # The receipts say how their blocks were scheduled; the fixed rule holds the sequentially stopped test only.
     everything = load_receipts(receipts_dir)[0]
@@ -226,3 +239,35 @@ def test_the_judge_parses_each_receipt_file_once_and_again_when_it_changes(tmp_p
     (directory / f"{first.identity.receipt_id}.json").write_text("{not json")  # damaged after it was read
     assert first.identity.receipt_id not in {r.identity.receipt_id for r in judge.receipts()}
     assert pickle.loads(pickle.dumps(judge))._parsed == {}  # Tune's snapshot carries no cache
+
+
+def test_an_upper_crossing_decides_even_when_a_fixed_clause_holds_the_verdict() -> None:
+    """Stopping on the first look where every fixed-sample clause passes would peek those clauses into false
+    passes: an upper crossing ends the test, and the verdict on those blocks says what holds it."""
+    policy = load_policy(POLICIES / "default_sequential.yaml")
+    worse = simulate(Sim([FeatureTruth("moe_dispatch", "jagged", "padded", 1.3, loss_effect=0.05)], **QUIET), seed=3)
+    state = next(iter(judge_states(worse, policy, DEFAULTS).values()))
+    assert state.decided and state.decision == UPPER and state.verdict != PROMOTE
+    assert f"the verdict is {state.verdict}" in state.why
+
+
+def test_the_next_round_waits_for_the_rules_round_gap_measured_from_the_first_arm_start() -> None:
+    from datetime import datetime, timezone
+
+    from ablate.sweep.until_decided import GAP_MARGIN_S, _gap_wait, _latest_start
+
+    policy = load_policy(POLICIES / "default_sequential.yaml")
+    receipts = simulate(Sim([moe(1.3)], **QUIET), seed=3)  # two sweeps, a day apart, in 2026-03
+    by_sweep: dict = {}
+    for r in receipts:
+        start = datetime.fromisoformat(r.identity.created_at).timestamp() - r.time.wall_s
+        by_sweep[r.identity.sweep_id] = min(start, by_sweep.get(r.identity.sweep_id, start))
+    assert _latest_start(receipts) == pytest.approx(max(by_sweep.values()))
+    assert _gap_wait(receipts, policy, resuming=False) == 0.0  # long ago
+    now = datetime.now(timezone.utc)
+    fresh = receipts[0].model_copy(update={"identity": receipts[0].identity.model_copy(
+        update={"created_at": now.isoformat(), "sweep_id": "sim-r9"})})
+    wait = _gap_wait(receipts + [fresh], policy, resuming=False)
+    expected = policy.evidence.min_round_gap_s + GAP_MARGIN_S - fresh.time.wall_s
+    assert expected - 2 < wait <= expected
+    assert _gap_wait(receipts + [fresh], policy, resuming=True) == 0.0

@@ -161,5 +161,16 @@ def test_the_ui_opens_on_training_runs_and_the_report_links_to_block_pages(brows
         # The answer is the first metric listed.
         metrics = text.split("Metrics (")[1].split("Parameters (")[0]
         assert metrics.split("Value", 1)[1].split()[0].startswith("0_"), metrics
+
+        # 3. MLflow's own compare view of that block's two arms: both runs side by side, the toggle among params.
+        arms = blocks[first.group(1)]["arms"]
+        arm_ids = [a["url"].split("/runs/")[1].split("?")[0] for a in arms]
+        names = [client.client.get_run(i).info.run_name for i in arm_ids]
+        assert len(arm_ids) == 2 and all(block.info.run_name.split("·")[1] in n for n in names), names
+        browser.get(f"{ui}/#/compare-runs?runs={json.dumps(arm_ids)}&experiments={json.dumps([client.experiment_id])}"
+                    f"&workflowType=machine_learning")
+        text = _wait_for(browser, lambda t: all(n in t for n in names) and "features.moe_dispatch" in t,
+                         "both arms in the compare view", tmp_path / "compare.png", show="features.moe_dispatch")
+        assert "Comparing 2" in text or "Parameters" in text, text[:2000]
     finally:
         stop_mlflow_server(server)
