@@ -22,7 +22,7 @@ from sweeps_common import SMOKE_ROUND, fresh_mlflow_uri, smoke_round, start_mlfl
 
 from ablate.receipts.store import load_receipts
 from ablate.tracking.blocks import SPEEDUP_METRIC
-from ablate.tracking.mapping import ROLE_BLOCK, TAG, sweep_run_name
+from ablate.tracking.mapping import ARM_PROMOTION_METRIC, ROLE_BLOCK, TAG, sweep_run_name
 from ablate.tracking.mlflow_store import MlflowStore, TrackingClient
 
 CHROMIUM, CHROMEDRIVER = "chromium", "chromedriver"
@@ -169,8 +169,8 @@ def test_the_ui_opens_on_training_runs_and_the_report_links_to_block_pages(brows
         assert len(arm_ids) == 2 and all(block.info.run_name.split("·")[1] in n for n in names), names
         browser.get(f"{ui}/#/compare-runs?runs={json.dumps(arm_ids)}&experiments={json.dumps([client.experiment_id])}"
                     f"&workflowType=machine_learning")
-        text = _wait_for(browser, lambda t: all(n in t for n in names) and "features.moe_dispatch" in t,
-                         "both arms in the compare view", tmp_path / "compare.png", show="features.moe_dispatch")
-        assert "Comparing 2" in text or "Parameters" in text, text[:2000]
+        text = _wait_for(browser, lambda t: all(n in t for n in names) and "features.moe_dispatch" in t
+                         and ARM_PROMOTION_METRIC in t, "both arms in the compare view", tmp_path / "compare.png")
+        assert "Comparing 2 Runs" in text, text[:2000]
     finally:
         stop_mlflow_server(server)
