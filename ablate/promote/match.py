@@ -13,7 +13,8 @@ enters it. Gates are exact on every candidate arm, failed or not: any code of a 
 ARM_FAILED (the failure itself, a loss in the failure rates), a requested backend that did not run, a missing
 exact counter, and an *observed* inert toggle (the candidate's execution record equals its own baseline's).
 
-Two kinds of receipt never pair at all: one stating a feature value the registry does not know (it would be
+Three kinds of receipt never pair at all: one made by the test-only no-op arm executor (``identity.executor``
+``simulated``, ``trainers.simulate``: no arm ran), one stating a feature value the registry does not know (it would be
 promoted into ``defaults.yaml`` and printed into the report verbatim), and one whose per-step timings are
 identical to another receipt id's (a replayed measurement: both copies are refused, by name).
 """
@@ -34,7 +35,7 @@ from ablate.config.load import with_feature
 from ablate.config.schema import ConfigError, LaneConfig
 from ablate.promote.policy import Policy
 from ablate.receipts.derive import project_time
-from ablate.receipts.schema import WARN_CODES, Receipt
+from ablate.receipts.schema import SIMULATED_EXECUTOR, WARN_CODES, Receipt
 
 # Identity fields both arms of a block must share; a difference means the two runs are not one comparison.
 _SHARED_IDENTITY = ("sweep_id", "campaign", "lane_key", "feature", "kind", "host", "software_fingerprint", "pairing",
@@ -547,6 +548,15 @@ def match_blocks(receipts: Iterable[Receipt], policy: Policy) -> tuple[list[Bloc
     blocks: list[Block] = []
     refusals: list[Refusal] = []
     for block_id, members in by_block.items():
+        simulated = [r.identity.receipt_id for r in members if r.identity.executor == SIMULATED_EXECUTOR
+                     or "simulated" in r.identity.software]
+        if simulated:
+            # First, before anything reads their figures: no-op arms of an orchestration test measure nothing.
+            refusals.append(_refuse(f"simulated arms ({', '.join(simulated[:2])}"
+                                    f"{f' and {len(simulated) - 2} more' if len(simulated) > 2 else ''}): made by "
+                                    f"the test-only no-op arm executor (trainers.simulate); no arm ran, so the block "
+                                    f"measures nothing and is never evidence", members, block_id))
+            continue
         copied = [(r.identity.receipt_id, replays[r.identity.receipt_id]) for r in members
                   if r.identity.receipt_id in replays]
         if copied:

@@ -114,6 +114,11 @@ class Disqualifier(_Model):
     step: Optional[int] = None
 
 
+SIMULATED_EXECUTOR = "simulated"
+"""``identity.executor`` of a receipt made by the test-only no-op arm executor (``trainers.simulate``): it went
+through the real sweep, recorder and MLflow, but no arm ran; promotion refuses every block that holds one."""
+
+
 class Identity(_Model):
     receipt_id: str
     sweep_id: str
@@ -148,7 +153,8 @@ class Identity(_Model):
     node_id: Optional[str] = None
     pid: Optional[int] = None
     executor: str
-    """subprocess (one-worker arm in a fresh process) or ray_train (TorchTrainer worker group)."""
+    """subprocess (one-worker arm in a fresh process) or ray_train (TorchTrainer worker group); ``simulated``
+    (``SIMULATED_EXECUTOR``) for the test-only no-op arms of ``trainers.simulate``, which promotion refuses."""
     pairing: str = "sequential"
     """interleaved (both arms of the block side by side, taking turns step by step) or sequential (back to back)."""
     schedule: Literal["fixed", "until_decided"] = "fixed"

@@ -175,6 +175,10 @@ class SweepProgress(Callback):
                 self.console.print(text, highlight=False, markup=False, soft_wrap=True)
 
     def on_step_end(self, iteration: int, trials: list[Any], **info: Any) -> None:
+        # Tune calls this on every turn of its event loop; a recount reads every trial of the campaign. Only when
+        # a redraw is due (the first call always: it notes what a resumed sweep had finished).
+        if self._finished_before is not None and time.monotonic() - self._last_draw < 0.5:
+            return
         self._recount(trials)
         self._draw()
 

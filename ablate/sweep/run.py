@@ -12,8 +12,9 @@ The pieces:
 3. The trial, ``ablate.sweep.trial.run_block``: both arms through ``trainers.run_arm``, receipts via
    ``tune.report``; a crashed arm fails the trial and ``tune.FailureConfig`` reruns the block as a new attempt.
 4. On the driver, ``_Recorder`` writes every receipt to the campaign dir and hands it to one MLflow writer thread
-   (or the spool); ``SweepProgress`` draws the progress line. Both hang off one picklable relay callback, because
-   Tune pickles its callbacks into the experiment and ``Tuner.restore`` would otherwise bring back stale ones.
+   (or the spool), waiting for that thread when ``MAX_TRACKING_BACKLOG`` receipts are queued (bounded memory);
+   ``SweepProgress`` draws the progress line. Both hang off one picklable relay callback, because Tune pickles
+   its callbacks into the experiment and ``Tuner.restore`` would otherwise bring back stale ones.
 5. ``--resume``: ``Tuner.restore`` of the sweep named in ``LATEST``. Finished blocks are not rerun, including
    blocks whose receipts exist although the killed driver never saved Tune's state after them; unfinished and
    errored blocks continue as a new attempt.
@@ -35,8 +36,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import secrets
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -48,7 +51,7 @@ from ray.tune import Callback
 
 from ablate.config.load import flatten, lane_to_dict, load_sweep
 from ablate.config.schema import ConfigError, SweepConfig
-from ablate.receipts.schema import InvalidReceipt, Receipt, Status, validate_receipt
+from ablate.receipts.schema import SIMULATED_EXECUTOR, InvalidReceipt, Receipt, Status, validate_receipt
 from ablate.receipts.store import (RECEIPTS_DIR, SPOOL_FILE, ReceiptNotSaved, digest_problem, fallback_dirs,
                                    load_receipts, settle_unfinished_writes, write_receipt_or_fallback)
 from ablate.sweep.layout import LATEST, Layout, SweepLock
@@ -104,13 +107,23 @@ class _Relay(Callback):
         self._each("on_experiment_end", **info)
 
 
+MAX_TRACKING_BACKLOG = 32
+"""Receipts waiting for the MLflow writer thread at most. When arms finish faster than MLflow takes their receipts
+(0.5-1 s per arm on 2 cores; simulated arms in ``benchmarks/bench_orchestration.py``), the driver waits for the
+writer instead of queueing a whole campaign's receipts in memory and writing them for minutes after Tune ended."""
+
+
 class _Recorder(Callback):
     """Driver-side sink: receipt -> campaign dir (+ mirror) -> MLflow or spool; keeps the block timeline.
     Lives only in ``_LIVE`` (never pickled); the other Tune hooks keep Callback's no-op defaults."""
 
     def __init__(self, layout: Layout, store: Any, clock: Any = None) -> None:
         self.layout, self.store, self.clock = layout, store, clock
-        self.receipts: list[Receipt] = []
+        self.received: list[tuple[str, Status]] = []
+        """(receipt id, status) of every arm receipt taken, in order. The receipts themselves are on disk, so a
+        long campaign does not keep them all in the driver's memory."""
+        self.off_campaign: list[Receipt] = []
+        """Receipts the campaign directory does not hold (a fallback directory took them, or none did)."""
         self.rejected: list[tuple[str, str]] = []
         self.fallbacks: list[tuple[str, str, str]] = []
         """(receipt id, where it is, why not in receipts/): receipts the campaign directory refused."""
@@ -120,6 +133,11 @@ class _Recorder(Callback):
         # One writer thread: MLflow calls (0.5-1 s per arm on 2 cores) stay off Tune's event loop, and SQLite
         # still sees a single writer. The receipt file is written synchronously before anything is queued.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ablate-mlflow")
+        self._backlog = threading.BoundedSemaphore(MAX_TRACKING_BACKLOG)
+        self.backlog_wait_s = 0.0
+        """Driver seconds spent waiting for the MLflow writer (the backlog was full)."""
+        self.waited_at = -math.inf
+        """time.monotonic() when the last such wait ended (``_BacklogWaitLines``)."""
 
     def _track(self, receipt: Receipt) -> None:
         try:
@@ -129,6 +147,8 @@ class _Recorder(Callback):
             log.error("receipt %s: tracking failed (%s: %s); it is on disk, `ablate receipts sync %s` replays it",
                       receipt.identity.receipt_id, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
                       self.layout.local_dir)
+        finally:
+            self._backlog.release()
 
     def flush(self) -> None:
         """Wait until every queued receipt is in MLflow or the spool."""
@@ -167,13 +187,18 @@ class _Recorder(Callback):
                 log.error("block %s: the refused receipt could not be kept in rejected/ (%s)",
                           trial.config["block_id"], exc.strerror or exc)
             return
-        self.receipts.append(receipt)
+        self.received.append((receipt.identity.receipt_id, receipt.identity.status))
         entry["arms"].append({k: result[k] for k in ("arm", "order", "attempt", "status", "scheduled_at",
                                                       "ended_at", "node_id", "host")}
                              | {"receipt_id": receipt.identity.receipt_id,
                                 "time_to_first_step_s": receipt.steps.time_to_first_step_s,
                                 "wall_s": receipt.time.wall_s})
         self._write(receipt)
+        if not self._backlog.acquire(blocking=False):  # MAX_TRACKING_BACKLOG receipts wait for MLflow already
+            waiting = time.monotonic()
+            self._backlog.acquire()
+            self.waited_at = time.monotonic()
+            self.backlog_wait_s += self.waited_at - waiting
         self._writer.submit(self._track, receipt)
 
     def _write(self, receipt: Receipt) -> None:
@@ -183,12 +208,14 @@ class _Recorder(Callback):
             where, why = write_receipt_or_fallback(receipt, self.layout.receipts_dir)
         except ReceiptNotSaved as exc:
             self.unsaved.append((rid, str(exc)))
+            self.off_campaign.append(receipt)
             log.error("%s", exc)
             return
         if why is None:
             self.layout.publish(where)
             return
         self.fallbacks.append((rid, str(where), why))
+        self.off_campaign.append(receipt)
         # The sweep's metadata beside it, so `ablate receipts sync <fallback dir>` finds the experiment name.
         meta = f"{SWEEPS_DIR}/{receipt.identity.sweep_id}.json"
         target = where.parent.parent / meta
@@ -429,6 +456,23 @@ def _tuner(trainable: Any, sweep: SweepConfig, layout: Layout, plan: SweepPlan, 
             callbacks=[_Relay(plan.sweep_id)]))
 
 
+class _BacklogWaitLines(logging.Filter):
+    """On ``ray.tune.utils.util``'s logger while ``fit()`` runs: drops Tune's "operation took 0.7 s, which may be a
+    performance bottleneck" lines about the result hook that has just waited for the MLflow writer on purpose
+    (``MAX_TRACKING_BACKLOG``); any other slow operation is still reported."""
+
+    _LINES = ("`callbacks.on_trial_result` operation", "`process_trial_result` operation",
+              "Processing trial results took")
+
+    def __init__(self, recorder: _Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        just_waited = time.monotonic() - self.recorder.waited_at < 0.25
+        return not (just_waited and any(line in record.getMessage() for line in self._LINES))
+
+
 class _TuneInterrupted(logging.Filter):
     """On ``ray.tune.tune``'s logger while ``fit()`` runs: notes that Tune was interrupted (SIGINT) and drops its
     "Resume experiment with: Tuner.restore(...)" hint, which is not how an ablate sweep resumes (the summary
@@ -537,7 +581,7 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
               storage: Optional[str] = None, progress: bool = True,
               inject: Optional[Mapping[str, dict[str, Any]]] = None, lock_wait_s: float = 0.0,
               searcher_factory: Optional[Callable[[SweepPlan], Any]] = None,
-              resume_flags: tuple[str, ...] = ()) -> SweepSummary:
+              resume_flags: tuple[str, ...] = (), simulate_arms: bool = False) -> SweepSummary:
     """Run (or, with ``resume``, continue) the campaign in ``path``; see the module docstring.
 
     ``searcher_factory``: plan -> a Tune ``Searcher`` that chooses which planned blocks run (``--until-decided``,
@@ -548,6 +592,10 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
     ``lock_wait_s``: how long to wait for another sweep of the campaign to end (``math.inf``: until it does)
     before refusing with ``SweepLocked``. ``inject`` is for tests only: block id -> fault injection for the first
     arm of that block's first attempt.
+
+    ``simulate_arms`` is for tests and benchmarks only (no CLI flag, campaign key or environment variable sets
+    it): every arm is a no-op (``trainers.simulate``) whose receipt says ``executor: simulated``, which promotion
+    refuses, so the orchestration (Tune, recorder, disk, MLflow) can be measured alone.
     """
     started = time.monotonic()
     path = Path(path)
@@ -573,14 +621,15 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
         with _disk_faults_in_one_line(), _quiet_libraries():
             return _run_locked(path, sweep, layout, plan, meta, uri, resume=resume, progress=progress,
                                inject=inject, started=started, resume_command=resume_command,
-                               searcher_factory=searcher_factory)
+                               searcher_factory=searcher_factory, simulate_arms=simulate_arms)
     finally:
         lock.release()
 
 
 def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan, meta: dict[str, Any], uri: str, *,
                 resume: bool, progress: bool, inject: Optional[Mapping[str, dict[str, Any]]], started: float,
-                resume_command: str, searcher_factory: Optional[Callable[[SweepPlan], Any]] = None) -> SweepSummary:
+                resume_command: str, searcher_factory: Optional[Callable[[SweepPlan], Any]] = None,
+                simulate_arms: bool = False) -> SweepSummary:
     import ray
     from ray import tune
 
@@ -600,6 +649,8 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         # A resumed sweep keeps the schedule it started with (Tune restores its grid or its searcher).
         started_as = (meta.get("params") or {}).get("schedule", "fixed")
         params["schedule"] = started_as if resume else ("until_decided" if searcher_factory is not None else "fixed")
+        if simulate_arms:
+            params["arms"] = "simulated"  # the parent run says so too; its receipts are refused by promotion
         searcher = searcher_factory(plan) if searcher_factory is not None and not resume else None
         if not resume:
             meta = {"sweep_id": sweep_id, "campaign": sweep.name, "campaign_file": str(path.resolve()),
@@ -641,11 +692,13 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
                    "completed": completed, "next_attempt": next_attempt, "hashes": _file_hashes(path, sweep),
                    "block_mode": sweep.block_mode.value, "node_check_path": sweep.node_check.path,
                    "schedule": params["schedule"],
-                   "run_arm": _run_arm_options(sweep, layout, sweep_id)}
+                   "run_arm": _run_arm_options(sweep, layout, sweep_id), "simulate_arms": simulate_arms is True}
         trainable = tune.with_resources(tune.with_parameters(run_block, context=context), need.trial_resources())
         interrupted = _TuneInterrupted()
         tune_log = logging.getLogger("ray.tune.tune")
         tune_log.addFilter(interrupted)
+        slow_log, waited = logging.getLogger("ray.tune.utils.util"), _BacklogWaitLines(recorder)
+        slow_log.addFilter(waited)
         grid: Any = None
         fatal: Optional[str] = None
         try:
@@ -659,6 +712,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
             log.debug("Ray Tune stopped", exc_info=True)
         finally:
             tune_log.removeFilter(interrupted)
+            slow_log.removeFilter(waited)
             _LIVE.pop(sweep_id, None)
             display.close()
             recorder.flush()
@@ -677,10 +731,10 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         if grid is None:  # Tune stopped before handing back its results: the driver's own timeline says which erred
             errors = {block: "its trial errored (Ray Tune's results could not be read back)"
                       for block, entry in recorder.timeline.items() if "trial_errored_at" in entry}
-        mine = recorder.receipts
+        mine = recorder.received
         on_disk = [r for r in gather(layout.local_dir)[0] if r.identity.sweep_id == sweep_id]
         seen = {r.identity.receipt_id for r in on_disk}
-        on_disk += [r for r in mine if r.identity.receipt_id not in seen]  # those in a fallback directory
+        on_disk += [r for r in recorder.off_campaign if r.identity.receipt_id not in seen]  # in a fallback dir
         on_disk += _found_in_fallback(sweep.name, sweep_id, {r.identity.receipt_id for r in on_disk}, recorder)
         caught_up = _catch_up(store, on_disk)
         finished = set(block_progress(on_disk, sweep_id)[0]) - stopped
@@ -696,15 +750,16 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         return SweepSummary(
             sweep_id=sweep_id, campaign=sweep.name, sweep_dir=str(layout.local_dir),
             tune_path=layout.tune_path(sweep_id), tracking_uri=shown(uri), experiment=sweep.tracking.experiment,
-            parent_run_id=store.parent_run_id, resumed=resume, executor=need.executor,
+            parent_run_id=store.parent_run_id, resumed=resume,
+            executor=SIMULATED_EXECUTOR if simulate_arms else need.executor,
             max_concurrent=capacity.max_concurrent, blocks_total=total, left_out=left_out,
             schedule=params["schedule"], judge_s=getattr(searcher, "judge_s", 0.0),
             blocks_done=sum(1 for r in results if r.error is None and (r.config or {}).get("block_id") in finished),
             blocks_errored=len(errors), arms_logged=len(mine),
-            arms_failed=sum(r.identity.status is Status.failed for r in mine),
-            arms_disqualified=sum(r.identity.status is Status.disqualified for r in mine),
+            arms_failed=sum(status is Status.failed for _, status in mine),
+            arms_disqualified=sum(status is Status.disqualified for _, status in mine),
             spooled=store.spooled, offline_reason=store.offline_reason, elapsed_s=time.monotonic() - started,
-            receipt_ids=[r.identity.receipt_id for r in mine], timeline=recorder.timeline, errors=errors,
+            receipt_ids=[rid for rid, _ in mine], timeline=recorder.timeline, errors=errors,
             resume_command=resume_command, campaign_file=str(path), interrupted=interrupted.seen or bool(stopped), caught_up=caught_up,
             fallbacks=recorder.fallbacks, unsaved=recorder.unsaved, spools=dict(store.spool_paths), fatal=fatal)
     finally:

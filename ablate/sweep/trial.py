@@ -168,7 +168,17 @@ def run_block(config: dict[str, Any], context: Optional[dict[str, Any]] = None) 
     # Both arms always run: a failed arm is still half of a block, so promotion sees a failed candidate as a
     # loss (and a failed baseline as a block without a yardstick) instead of an unpaired receipt.
     order = block.run_order()
-    if context.get("block_mode", "interleaved") == "interleaved":
+    # Test-only (``run_sweep(simulate_arms=True)``): no-op arms whose receipts say so and never count as evidence.
+    simulated = context.get("simulate_arms") is True
+
+    def run_one(spec: "ArmSpec") -> Receipt:
+        if simulated:
+            from trainers.simulate import simulate_arm
+
+            return simulate_arm(spec)
+        return run_arm(spec, **context["run_arm"])
+
+    if context.get("block_mode", "interleaved") == "interleaved" and not simulated:
         specs = tuple(make_arm_spec(block, position, arm, sweep_id=context["sweep_id"], campaign=context["campaign"],
                                     receipt_dir=context["receipt_dir"], attempt=attempt,
                                     inject=inject if position == 0 else None, scheduled_at=scheduled,
@@ -189,7 +199,7 @@ def run_block(config: dict[str, Any], context: Optional[dict[str, Any]] = None) 
                              scheduled_at=scheduled if position == 0 else None, hashes=context.get("hashes"),
                              node_check_path=context.get("node_check_path"),
                              schedule=context.get("schedule", "fixed"))
-        report(position, arm, spec, run_arm(spec, **context["run_arm"]))
+        report(position, arm, spec, run_one(spec))
     if failed:
         raise ArmFailed(f"block {block.block_id} attempt {attempt}: " + "; ".join(failed))
 

@@ -1,0 +1,50 @@
+"""Simulated (no-op) arms: a real sweep runs end to end, and nothing it produces can ever reach a verdict."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from sweeps_common import REPO, fresh_mlflow_uri, tiny_smoke
+
+from ablate.promote import promote
+from ablate.receipts.schema import SIMULATED_EXECUTOR, validate_receipt
+from ablate.receipts.store import load_receipts
+from ablate.sweep.run import run_sweep
+from ablate.tracking.mlflow_store import ROLE_SWEEP, TAG, TrackingClient
+
+pytestmark = pytest.mark.ray
+
+
+def test_simulated_sweep_runs_and_promotion_refuses_every_block(ray_address: str, tmp_path: Path) -> None:
+    campaign = tiny_smoke(tmp_path / "campaign", blocks=3, aa_blocks=2)  # 2 features x 3 + 2 A/A = 8 blocks
+    uri = fresh_mlflow_uri(tmp_path)
+    summary = run_sweep(campaign, tracking_uri=uri, storage=str(tmp_path / "runs"), progress=False,
+                        simulate_arms=True)
+    assert (summary.blocks_total, summary.blocks_done, summary.blocks_errored, summary.exit_code) == (8, 8, 0, 0)
+    assert summary.executor == SIMULATED_EXECUTOR and summary.arms_logged == 16 and summary.spooled == 0
+
+    receipts_dir = Path(summary.sweep_dir) / "receipts"
+    on_disk, rejected = load_receipts(receipts_dir)
+    assert rejected == [] and {r.identity.receipt_id for r in on_disk} == set(summary.receipt_ids)
+    for path in sorted(receipts_dir.glob("*.json")):
+        receipt = validate_receipt(json.loads(path.read_text()))  # the files as written, not the driver's copies
+        assert receipt.identity.executor == SIMULATED_EXECUTOR and "simulated" in receipt.identity.software
+
+    client = TrackingClient(uri, "ablate")
+    (parent,) = client.search([f"tags.`{TAG}role` = '{ROLE_SWEEP}'"])
+    assert parent.data.params["arms"] == "simulated"
+
+    # The safety property: every block is refused, naming the simulation, and no verdict or defaults change exists.
+    result = promote(on_disk, policy_path=REPO / "search_spaces" / "policies" / "single_node.yaml",
+                     defaults_path=campaign.parent / "defaults.yaml")
+    assert result.verdicts == [] and result.changes == [] and result.num_receipts == 16
+    assert len(result.refusals) == 8
+    assert all("simulated" in r.reason and "never evidence" in r.reason for r in result.refusals)
+
+
+def test_no_cli_or_campaign_path_turns_simulation_on() -> None:
+    # Only a Python caller of run_sweep (tests, benchmarks) can ask for no-op arms.
+    assert "simulate" not in (REPO / "ablate" / "cli.py").read_text()
+    assert "simulate" not in (REPO / "ablate" / "config" / "schema.py").read_text()
