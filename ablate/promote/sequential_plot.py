@@ -17,6 +17,8 @@ def llr_png(tests: list[tuple[str, dict[str, Any]]], path: Path, title: str) -> 
     """``tests``: (label, ``SequentialState.to_dict()``); None when no test has an LLR yet."""
     from matplotlib.figure import Figure
 
+    from ablate.tracking.plots import save_figure
+
     tests = [(label, seq) for label, seq in tests if any(x is not None for x in seq["llr_trace"])]
     if not tests:
         return None
@@ -33,10 +35,4 @@ def llr_png(tests: list[tuple[str, dict[str, Any]]], path: Path, title: str) -> 
     ax.axhline(upper, color="#2e7d32", linewidth=1.0, linestyle=":", label=f"upper bound {upper:.2f} (H1: a win)")
     ax.axhline(lower, color="#c62828", linewidth=1.0, linestyle=":", label=f"lower bound {lower:.2f} (H0: no win)")
     ax.axhline(0.0, color="black", linewidth=0.6)
-    ax.set_xlabel("block (time order)")
-    ax.set_ylabel("log-likelihood ratio")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, loc="best")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
+    return save_figure(fig, ax, "block (time order)", "log-likelihood ratio", title, path)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from ablate.receipts.schema import BADPUT_CATEGORIES, Receipt, Status
 
@@ -170,8 +170,14 @@ def horizon_png(curves: list[tuple[str, list[dict[str, float]]]], horizon: int, 
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.axhline(1.0 + threshold, color="#2e7d32", linewidth=0.8, linestyle=":", label=f"1 + delta ({threshold:.1%})")
     ax.axvline(horizon, color="#c62828", linewidth=1.0, linestyle="--", label=f"lane horizon ({horizon:,} steps)")
-    ax.set_xlabel("production run length (optimizer steps)")
-    ax.set_ylabel("speed-up (baseline time / candidate time)")
+    return save_figure(fig, ax, "production run length (optimizer steps)", "speed-up (baseline time / candidate time)",
+                       title, path)
+
+
+def save_figure(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str, path: Path) -> Path:
+    """Labels, title and legend the way every report plot has them, then the PNG at ``path``."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, loc="best")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -65,6 +65,15 @@ def mark_jagged(tmp_path: Path, policy: Policy) -> Marked:
     return Marked(defaults=defaults, campaign=campaign, lane_key=key, flat=flat, report=first.report_id)
 
 
+def drop_from_record(defaults: Path, key: str) -> None:
+    """The marked evidence record without ``key``, as an older or hand-edited defaults file would have it."""
+    yaml = YAML()
+    doc = yaml.load(defaults.read_text())
+    del doc["features"]["moe_dispatch"]["evidence"][0][key]
+    with defaults.open("w") as handle:
+        yaml.dump(doc, handle)
+
+
 def record(defaults: Path) -> dict:
     return load_defaults(defaults).raw["features"]["moe_dispatch"]["evidence"][0]
 
@@ -204,11 +213,7 @@ def test_a_lane_override_is_demoted_by_removing_it(policy: Policy, tmp_path: Pat
 
 def test_a_marked_record_without_its_previous_value_is_refused(policy: Policy, tmp_path: Path) -> None:
     m = mark_jagged(tmp_path, policy)
-    yaml = YAML()
-    doc = yaml.load(m.defaults.read_text())
-    del doc["features"]["moe_dispatch"]["evidence"][0]["previous"]
-    with m.defaults.open("w") as handle:
-        yaml.dump(doc, handle)
+    drop_from_record(m.defaults, "previous")
     targets, [refused], _ = find_targets(m.defaults)
     assert targets == []
     assert refused.key.endswith(f"features.moe_dispatch.evidence[{m.lane_key}].previous")
@@ -275,14 +280,8 @@ def test_a_global_value_is_not_demoted_to_a_guess_when_its_record_does_not_say_w
     """A record's ``previous`` is its lane's baseline, not necessarily the global value the promotion replaced (a
     lane running an override); records written before ``replaced`` was kept cannot say: the re-test's REJECT
     keeps the value and the mark, and says to set it back by hand."""
-    from ruamel.yaml import YAML
-
     m = mark_jagged(tmp_path, policy)
-    yaml = YAML()
-    doc = yaml.load(m.defaults.read_text())
-    del doc["features"]["moe_dispatch"]["evidence"][0]["replaced"]
-    with m.defaults.open("w") as handle:
-        yaml.dump(doc, handle)
+    drop_from_record(m.defaults, "replaced")
     result = retest(m, policy, tmp_path, retest_sim(m, moe(0.95)))
     assert [v.verdict for v in result.verdicts] == [REJECT]
     assert load_defaults(m.defaults).values["moe_dispatch"] == "jagged"
