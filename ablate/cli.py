@@ -156,7 +156,7 @@ def sweep(
     until_decided: bool = typer.Option(False, "--until-decided",
                                        help="Run rounds of blocks only for the speed tests still undecided (the "
                                             "policy's sequential test) until each is decided or capped."),
-    policy: Path = typer.Option(Path("search_spaces/policies/default_sequential.yaml"), "--policy",
+    policy: Path = typer.Option(SEARCH_SPACES / "policies" / "default_sequential.yaml", "--policy",
                                 help="With --until-decided: the policy (sequential.enabled: true) that decides; "
                                      "promote with the same one."),
 ) -> None:

@@ -63,7 +63,7 @@ class SweepWindow:
     end: float
 
 
-def _epoch(stamp: str) -> float:
+def epoch_s(stamp: str) -> float:
     # The validator accepted the stamp as ISO-8601; a naive one is read as UTC (the project writes UTC).
     moment = datetime.fromisoformat(stamp)
     if moment.tzinfo is None:
@@ -76,7 +76,7 @@ def sweep_windows(blocks: list[Block]) -> dict[str, SweepWindow]:
     spans: dict[str, list[float]] = {}
     for block in blocks:
         for arm in (block.baseline, block.candidate):
-            end = _epoch(arm.created_at)
+            end = epoch_s(arm.created_at)
             start = end - (arm.wall_s or 0.0)
             span = spans.setdefault(block.round_id, [start, end])
             span[0], span[1] = min(span[0], start), max(span[1], end)
@@ -280,7 +280,7 @@ def _lane_states(blocks: list[Block], policy: Policy) -> dict[str, LaneState]:
         by_lane[block.lane_key].append(block)
     states = {}
     for lane_key, members in by_lane.items():
-        members.sort(key=lambda b: (_epoch(b.created_at), b.round_id))
+        members.sort(key=lambda b: (epoch_s(b.created_at), b.round_id))
         fingerprints: list[str] = []
         for block in members:
             if block.software_fingerprint not in fingerprints:

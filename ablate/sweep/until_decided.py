@@ -32,14 +32,13 @@ import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 from ray.tune.search import Searcher
 
 from ablate.config.schema import ConfigError
-from ablate.promote.analysis import PROMOTE, REJECT
+from ablate.promote.analysis import PROMOTE
 from ablate.promote.policy import Policy, load_policy
 from ablate.promote.sequential import CAP, LOWER, UPPER
 from ablate.receipts.schema import Receipt
@@ -306,12 +305,11 @@ GAP_MARGIN_S = 5.0
 def _latest_start(receipts: Iterable[Receipt]) -> Optional[float]:
     """Start (epoch s) of the campaign's latest sweep as the rule measures it: its earliest arm start, an arm
     starting ``wall_s`` before its receipt's ``created_at`` (``ablate.promote.evidence.sweep_windows``)."""
+    from ablate.promote.evidence import epoch_s
+
     starts: dict[str, float] = {}
     for r in receipts:
-        created = datetime.fromisoformat(r.identity.created_at)
-        if created.tzinfo is None:
-            created = created.replace(tzinfo=timezone.utc)
-        start = created.timestamp() - (r.time.wall_s or 0.0)
+        start = epoch_s(r.identity.created_at) - (r.time.wall_s or 0.0)
         starts[r.identity.sweep_id] = min(start, starts.get(r.identity.sweep_id, start))
     return max(starts.values(), default=None)
 

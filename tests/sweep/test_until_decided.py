@@ -30,7 +30,7 @@ from ablate.receipts.store import load_receipts  # noqa: E402
 from ablate.sweep.plan import plan_sweep  # noqa: E402
 from ablate.sweep.run import run_sweep  # noqa: E402
 from ablate.sweep.until_decided import (DECIDED, OPEN, Standing, UntilDecidedSearcher, block_keys,  # noqa: E402
-                                        judge_states, run_until_decided, sequential_policy)
+                                        judge_states, sequential_policy)
 
 POLICIES = REPO / "search_spaces" / "policies"
 DEFAULTS = REPO / "search_spaces" / "defaults.yaml"
