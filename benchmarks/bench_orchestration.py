@@ -18,15 +18,23 @@ Figures:
 - ``driver_cpu_per_block_s``: the driver process's own CPU time (user + system) / blocks: on a shared machine less
   sensitive to other load than wall time;
 - ``planning_s`` (``load_sweep`` + ``plan_sweep``, outside the sweep), ``ray_start_s`` (local runtime, outside);
-- ``mlflow_per_arm_s``: ``MlflowStore.log_receipt`` as the recorder's writer thread runs it; ``flush_s``: the
-  wait for that thread after Tune ended (receipts still queued);
+- ``mlflow_per_arm_s``: ``MlflowStore.log_receipt`` as the recorder's writer thread runs it (wall, and ``cpu_mean``:
+  that thread's own CPU time, ``time.thread_time``; the difference is waiting for fsync, the GIL and the CPUs);
+  ``flush_s``: the wait for that thread after Tune ended (receipts still queued);
+- ``params.sqlite_journal_mode``: the store's journal mode after the sweep (``MlflowStore.open_sweep`` switches a
+  local SQLite store to WAL); ``--memo-lanes`` (measurement only) memoizes the plan's lane serialization;
 - ``hooks_s``: driver time inside the recorder's and the progress display's Tune hooks;
-- ``rss_mb``: the driver's resident memory sampled every second (peak, and at each tenth of the blocks done).
+- ``rss_mb``: the driver's resident memory sampled every second (peak, and at each tenth of the blocks done);
+- ``threads``: the driver process's OS threads (psutil ``num_threads``: Python's, Ray's and gRPC's), sampled with
+  the RSS (peak and last), and Python's ``threading.active_count()`` at the end;
+- ``machine.load_avg_before/after``: ``os.getloadavg()`` around the run. The host is shared: other engineers' jobs
+  load its 2 cores at the same time, so compare runs at similar load, and prefer ``driver_cpu_per_block_s``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -91,18 +99,21 @@ class _Timed:
 
     def __init__(self) -> None:
         self.seconds: dict[str, list[float]] = {}
+        self.cpu_seconds: dict[str, list[float]] = {}
+        """The calling thread's own CPU time per call (``time.thread_time``): what the call cost, not its wait."""
         self._saved: list[tuple[type, str, Callable[..., Any]]] = []
 
     def wrap(self, cls: type, name: str, label: str) -> None:
         original = getattr(cls, name)
-        samples = self.seconds.setdefault(label, [])
+        samples, cpu = self.seconds.setdefault(label, []), self.cpu_seconds.setdefault(label, [])
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             try:
                 return original(*args, **kwargs)
             finally:
                 samples.append(time.perf_counter() - start)
+                cpu.append(time.thread_time() - start_cpu)
 
         self._saved.append((cls, name, original))
         setattr(cls, name, timed)
@@ -113,6 +124,7 @@ class _Timed:
 
     def summary(self) -> dict[str, dict[str, float]]:
         return {label: {"calls": len(s), "total_s": round(sum(s), 3),
+                        "cpu_total_s": round(sum(self.cpu_seconds[label]), 3),
                         "mean_ms": round(1000 * statistics.fmean(s), 3) if s else 0.0,
                         "median_ms": round(1000 * statistics.median(s), 3) if s else 0.0,
                         "max_ms": round(1000 * max(s), 3) if s else 0.0}
@@ -133,6 +145,7 @@ class _RssSampler(threading.Thread):
         self.process = psutil.Process()
         self.period_s = period_s
         self.samples: list[tuple[float, int]] = []
+        self.threads: list[int] = []
         self.backlog: list[tuple[float, int]] = []
         self._halt = threading.Event()
 
@@ -140,6 +153,7 @@ class _RssSampler(threading.Thread):
         while not self._halt.is_set():
             now = time.time()
             self.samples.append((now, self.process.memory_info().rss))
+            self.threads.append(self.process.num_threads())
             if _RECORDERS:
                 self.backlog.append((now, _RECORDERS[-1]._writer._work_queue.qsize()))
             self._halt.wait(self.period_s)
@@ -203,9 +217,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--no-progress", action="store_true", help="without the progress display")
     parser.add_argument("--profile", action="store_true", help="cProfile the driver's main thread; top 40 printed "
                                                                "and the stats written beside --out")
-    parser.add_argument("--stub-arm-plot", action="store_true",
-                        help="measurement only: each arm's goodput PNG (matplotlib, in the MLflow writer) becomes an "
-                             "empty file, to show what rendering it costs per arm")
+    parser.add_argument("--memo-lanes", action="store_true",
+                        help="measurement only: ablate.sweep.plan's lane_to_dict (OmegaConf, ~40 ms a lane) memoized "
+                             "by the lane's repr for this run, to show what serializing each block's lanes again "
+                             "(plan.fingerprint, Block.to_dict: 4 per block on the driver) costs")
     parser.add_argument("--note", default="", help="free text kept in the record (what changed since the last run)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary campaign, receipts and MLflow store")
     args = parser.parse_args(argv)
@@ -242,15 +257,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     timed.wrap(sweep_run._Recorder, "on_trial_start", "hook_recorder_on_trial_start")
     for hook in ("on_step_end", "on_trial_result", "on_trial_complete"):
         timed.wrap(SweepProgress, hook, f"hook_progress_{hook}")
-    if args.stub_arm_plot:
-        import ablate.tracking.mlflow_store as mlflow_store
-
-        def empty_png(receipt: Any, path: Path, title: str = "") -> Path:
-            path.write_bytes(b"")
-            return path
-
-        mlflow_store.goodput_png = empty_png  # type: ignore[assignment]
     uri = f"sqlite:///{work / 'mlflow.db'}"
+    if args.memo_lanes:
+        import copy
+
+        import ablate.sweep.plan as sweep_plan
+
+        real_lane_to_dict, lanes_seen = sweep_plan.lane_to_dict, {}
+
+        def memo_lane_to_dict(lane: Any) -> dict[str, Any]:
+            key = repr(lane)
+            if key not in lanes_seen:
+                lanes_seen[key] = real_lane_to_dict(lane)
+            return copy.deepcopy(lanes_seen[key])
+
+        sweep_plan.lane_to_dict = memo_lane_to_dict  # type: ignore[assignment]
     sampler = _RssSampler()
     sampler.start()
     profiler = cProfile.Profile() if args.profile else None
@@ -269,6 +290,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         timed.restore()
         sweep_run._Recorder.__init__ = original_init  # type: ignore[method-assign]
         ray.shutdown()
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(work / "mlflow.db")) as db:  # the store's own choice (prefer_wal)
+        journal_mode = db.execute("PRAGMA journal_mode").fetchone()[0]
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     hooks = timed.summary()
     per_arm = timed.seconds["mlflow_log_receipt"]
@@ -278,21 +303,32 @@ def main(argv: Optional[list[str]] = None) -> int:
         "note": args.note,
         "machine": {"cpus": cpus, "os_cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version(), "load_avg_before": load_before,
-                    "load_avg_after": _load()},
+                    "load_avg_after": _load(),
+                    "shared": "other engineers' jobs load this host's CPUs concurrently: see load_avg_*"},
         "params": {"blocks": args.blocks, "lane": "smoke", "arms": "simulated", "progress": not args.no_progress,
-                   "profile": args.profile, "stub_arm_plot": args.stub_arm_plot, "max_concurrent_blocks": summary.max_concurrent},
+                   "profile": args.profile, "sqlite_journal_mode": journal_mode, "memo_lanes": args.memo_lanes,
+                   "max_concurrent_blocks": summary.max_concurrent,
+                   # Since the SVG change: the writer logs goodput.svg / block.svg (no matplotlib). Runs before it
+                   # logged matplotlib PNGs (``stub_arm_plot`` true: the arm PNG replaced by an empty file).
+                   "arm_pictures": "svg"},
         "results": {
             "blocks_done": summary.blocks_done, "blocks_errored": summary.blocks_errored,
             "arms_logged": summary.arms_logged, "spooled": summary.spooled, "exit_code": summary.exit_code,
             "wall_s": round(wall_s, 2), "per_block_s": round(wall_s / args.blocks, 4),
             "target_per_block_s": TARGET_PER_BLOCK_S, "met": wall_s / args.blocks <= TARGET_PER_BLOCK_S,
+            "criterion": f"issue 14: driver overhead (sweep wall / blocks) <= {TARGET_PER_BLOCK_S} s per block over "
+                         f"1,000 simulated blocks, peak driver RSS reported" + ("" if args.blocks >= 1000 else
+                                                                               f" (this run: {args.blocks} blocks)"),
+            "threads_peak": max(sampler.threads, default=None), "threads_last": (sampler.threads or [None])[-1],
+            "python_threads_at_end": threading.active_count(),
             "driver_cpu_s": round(cpu_s, 2), "driver_cpu_per_block_s": round(cpu_s / args.blocks, 4),
             "planning_s": round(planning_s, 3), "ray_start_s": round(ray_start_s, 2),
             "peak_rss_mb": round(peak_rss_mb, 1),
             "rss_mb_sampled_peak": round(max(r for _, r in sampler.samples) / 2**20, 1),
             "mlflow_per_arm_s": {"mean": _mean(per_arm), "median": round(statistics.median(per_arm), 4)
                                  if per_arm else None, "total": round(sum(per_arm), 2),
-                                 "first_200_mean": _mean(per_arm[:200]), "last_200_mean": _mean(per_arm[-200:])},
+                                 "first_200_mean": _mean(per_arm[:200]), "last_200_mean": _mean(per_arm[-200:]),
+                                 "cpu_mean": _mean(timed.cpu_seconds["mlflow_log_receipt"])},
             "mlflow_backlog_max": max((q for _, q in sampler.backlog), default=None),
             "driver_waited_for_mlflow_s": round(getattr(_RECORDERS[-1], "backlog_wait_s", 0.0), 2)
             if _RECORDERS else None,
@@ -327,9 +363,11 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{'met' if r['met'] else 'NOT met'}); driver CPU {r['driver_cpu_per_block_s']}s/block")
     print(f"  interval between block ends: first {flow['window']} {flow['interval_first_s']}s, last "
           f"{flow['window']} {flow['interval_last_s']}s; by tenth {flow['interval_by_tenth_s']}")
+    print(f"  driver threads: peak {r['threads_peak']}, last {r['threads_last']}")
     print(f"  planning {r['planning_s']}s, Ray start {r['ray_start_s']}s, peak RSS {r['peak_rss_mb']} MB "
           f"(sampled {r['rss_mb_sampled_peak']}; by blocks done {flow['rss_mb_at_blocks_done']})")
-    print(f"  MLflow per arm: mean {r['mlflow_per_arm_s']['mean']}s, median {r['mlflow_per_arm_s']['median']}s, "
+    print(f"  MLflow per arm: mean {r['mlflow_per_arm_s']['mean']}s (writer CPU {r['mlflow_per_arm_s']['cpu_mean']}s), "
+          f"median {r['mlflow_per_arm_s']['median']}s, "
           f"first/last 200 {r['mlflow_per_arm_s']['first_200_mean']}/{r['mlflow_per_arm_s']['last_200_mean']}s "
           f"(writer thread; {r['mlflow_per_arm_s']['total']}s in all), flush after Tune {r['flush_s']}s; backlog "
           f"max {r['mlflow_backlog_max']}, at the last block's end {r['mlflow_backlog_at_tune_end']}; the driver "

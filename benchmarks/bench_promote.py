@@ -1,7 +1,8 @@
 """Benchmark: ``promote`` over 10,000 receipts must finish in <= 10 s on a 2-core machine.
 
 How to run me: ``python benchmarks/bench_promote.py [--receipts 10000] [--repeat 3]`` from the repository root.
-Prints the figure and writes ``benchmarks/results/promote.json``. The campaign is simulated with known truth
+Prints the figure and appends one record to ``benchmarks/results/promote.json`` (a list; earlier runs are kept, a
+file holding one record from before is turned into a list of it). The campaign is simulated with known truth
 (tests/promote/promote_sim.py): 8 lanes x (7 speed tests + 1 tax + A/A blocks) over 4 hosts and 2 rounds, so
 the timing covers matching, the host-clustered bootstrap (policy default: 10,000 resamples), leave-one-host-out,
 Holm, the clauses, and rendering the Markdown and JSON reports. Building the receipts is not timed.
@@ -13,7 +14,9 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,12 +57,20 @@ def build(num_receipts: int) -> list[Receipt]:
     return receipts
 
 
+def _git_commit() -> str:
+    done = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40"], cwd=REPO, capture_output=True,
+                          text=True)
+    return done.stdout.strip() or "unknown"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--receipts", type=int, default=10_000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "promote.json")
+    parser.add_argument("--note", default="", help="kept with the record (e.g. what else loaded the host)")
     args = parser.parse_args()
+    load_start = [round(x, 2) for x in os.getloadavg()]
     start = time.perf_counter()
     receipts = build(args.receipts)
     build_s = time.perf_counter() - start
@@ -82,12 +93,18 @@ def main() -> None:
         "seconds_all": [round(t, 3) for t in timings], "budget_s": 10.0, "within_budget": best <= 10.0,
         "build_receipts_s": round(build_s, 2), "verdicts": verdicts, "markdown_chars": len(markdown),
         "json_chars": len(payload), "cpu_count": os.cpu_count(), "python": platform.python_version(),
-        "machine": platform.machine(),
+        "machine": platform.machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "git_commit": _git_commit(), "threads": threading.active_count(), "loadavg_start": load_start,
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()], "criterion": f"best of {args.repeat}",
+        "note": args.note,
     }
+    previous = json.loads(args.out.read_text()) if args.out.exists() else []
+    history = previous if isinstance(previous, list) else [previous]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    args.out.write_text(json.dumps(history + [record], indent=2) + "\n")
     print(f"promote over {len(receipts)} receipts ({len(result.verdicts)} tests, B={record['bootstrap_resamples']}): "
-          f"{best:.2f} s best of {args.repeat} (budget 10 s) -> {args.out.relative_to(REPO)}")
+          f"{best:.2f} s best of {args.repeat} (budget 10 s, load {load_start} -> {record['loadavg_end']}) "
+          f"-> appended to {args.out.relative_to(REPO)}")
     print(f"verdicts: {verdicts}")
 
 

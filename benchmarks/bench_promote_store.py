@@ -7,6 +7,7 @@ How to run me (from the repository root)::
 
     python benchmarks/bench_promote_store.py                  # 3 interleaved CLI runs per store kind
     python benchmarks/bench_promote_store.py --repeat 5 --profile --previous
+    python benchmarks/bench_promote_store.py --call-sites --repeat 3   # with receipt bundles (see below)
 
 The store (benchmarks/store_10k.py) is populated once through the product's write path and cached under
 /tmp/ablate-bench-10k/; population time is recorded there (``populated.json``), not timed here. The server is
@@ -19,6 +20,12 @@ per-artifact reads sequential and concurrent, the promotion rule). ``--previous`
 commit (``git archive HEAD``: one ``receipt.json`` download per receipt) on a one-lane subset of the store
 (~1,300 receipts; the other runs marked deleted in a copy of the database) next to this tree's CLI on the same
 subset, and extrapolates the previous path to the full store.
+
+``--call-sites`` times the CLI of a copy of this tree with the two proposed call sites of
+``ablate.tracking.receipt_bundle`` applied (``_patched_tree``: the reader in ``load_receipts_from_mlflow``; the
+writer is what ``store_10k.add_bundles`` ran once on the cached store), since this worktree does not edit
+``mlflow_store.py``. Each record says which tree ran (``variant``). The host is shared with other engineers'
+jobs: every run records the load average before and after it; compare medians only at similar load.
 """
 
 from __future__ import annotations
@@ -78,7 +85,30 @@ def _git_commit() -> str:
 
 def _host() -> dict[str, Any]:
     return {"loadavg": [round(x, 2) for x in os.getloadavg()], "cpu_count": os.cpu_count(),
-            "threads": threading.active_count(), "cpu_quiet_flag": Path("/tmp/cpu-quiet").exists()}
+            "threads": threading.active_count(), "cpu_quiet_flag": Path("/tmp/cpu-quiet").exists(),
+            # The CLI's numpy runs on the BLAS/OpenMP pools these set (unset: one thread per core).
+            "thread_env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                                          "MKL_NUM_THREADS")}}
+
+
+READ_LINE = "_read_receipts(client, sweep_id, uri, receipts, rejected, links, use_payload, ui_url, run_labels)"
+IMPORT_LINE = "from ablate.tracking.bulk_read import collector_paused, read_arm_runs\n"
+
+
+def _patched_tree(tmp: Path) -> Path:
+    """This working tree's packages with the proposed reader call site applied to ``mlflow_store.py``."""
+    tree = tmp / "call-sites"
+    for name in ("ablate", "kernels", "trainers", "search_spaces"):
+        shutil.copytree(REPO / name, tree / name, ignore=shutil.ignore_patterns("__pycache__"))
+    store = tree / "ablate" / "tracking" / "mlflow_store.py"
+    text = store.read_text()
+    if text.count(READ_LINE) != 1 or IMPORT_LINE not in text:
+        raise RuntimeError(f"{store}: the call site to patch is not where this benchmark expects it")
+    head, _, tail = text.partition("    " * 3 + READ_LINE)
+    text = head + "    " * 3 + "receipt_bundle." + READ_LINE.removeprefix("_") + tail
+    text = text.replace(IMPORT_LINE, IMPORT_LINE + "from ablate.tracking import receipt_bundle\n", 1)
+    store.write_text(text)
+    return tree
 
 
 def time_cli(uri: str, out_dir: Path, pythonpath: Optional[Path] = None) -> dict[str, Any]:
@@ -96,8 +126,13 @@ def time_cli(uri: str, out_dir: Path, pythonpath: Optional[Path] = None) -> dict
     if done.returncode != 0:
         raise RuntimeError(f"promote failed ({done.returncode}): {done.stderr[-2000:]}")
     report = json.loads(max(out_dir.glob("*.json"), key=lambda p: p.stat().st_mtime).read_text())
+    verdicts: dict[str, int] = {}
+    for verdict in report.get("verdicts", []):
+        verdicts[verdict.get("verdict", "?")] = verdicts.get(verdict.get("verdict", "?"), 0) + 1
     return {"seconds": round(seconds, 2), "receipts": report["num_receipts"],
-            "rejected": len(report["rejected_receipts"]), "loadavg_before": load}
+            "rejected": len(report["rejected_receipts"]), "loadavg_before": load,
+            "loadavg_after": [round(x, 2) for x in os.getloadavg()], "verdicts": verdicts,
+            "report_id": report.get("report_id")}
 
 
 def _profile(uri: str) -> dict[str, float]:
@@ -180,19 +215,31 @@ def main() -> None:
     parser.add_argument("--note", default="")
     parser.add_argument("--quiet", action="store_true", help="hold /tmp/cpu-quiet during each timed part")
     parser.add_argument("--pause", type=float, default=60.0, help="seconds between rounds (not timed)")
+    parser.add_argument("--store", type=Path, default=None,
+                        help="an already populated store directory (e.g. one written under an older receipt schema "
+                             "version, which readers still accept) instead of the one for this schema version")
+    parser.add_argument("--call-sites", action="store_true",
+                        help="time a copy of this tree with the receipt-bundle call sites applied")
     args = parser.parse_args()
 
-    directory = store_10k.populate(args.receipts)
+    directory = args.store or store_10k.populate(args.receipts)
+    if not (directory / store_10k.MARKER).exists():
+        raise SystemExit(f"{directory}: not a populated store (no {store_10k.MARKER})")
+    bundles = store_10k.add_bundles(directory) if args.call_sites else None
     populated = json.loads((directory / store_10k.MARKER).read_text())
     server_db = store_10k.server_backend(directory)
     uris = {"sqlite": store_10k.sqlite_uri(directory)}
     record: dict[str, Any] = {"benchmark": "promote_store", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                               "git_commit": _git_commit(), "store": str(directory), "population": populated,
                               "host_start": _host(), "note": args.note, "targets_s": TARGETS_S,
-                              "download_threads": DOWNLOAD_THREADS}
+                              "download_threads": DOWNLOAD_THREADS, "bundles": bundles,
+                              "variant": "this tree + proposed receipt-bundle call sites" if args.call_sites
+                              else "this tree", "criterion": f"median of {args.repeat} CLI runs per store kind, "
+                                                             f"interleaved", "cpu_count": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="ablate-bench-store-") as tmp_name:
         tmp = Path(tmp_name)
         server, uris["server"] = start_mlflow_server(server_db, directory / "mlartifacts", tmp / "server.log")
+        tree = _patched_tree(tmp) if args.call_sites else None
         try:
             runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in uris}
             for i in range(args.repeat):  # interleaved: drift on a shared host hits both kinds alike
@@ -202,7 +249,7 @@ def main() -> None:
                     for kind, uri in uris.items():
                         out = tmp / f"{kind}-{i}"
                         out.mkdir()
-                        runs[kind].append({**time_cli(uri, out), "threads": threading.active_count()})
+                        runs[kind].append({**time_cli(uri, out, pythonpath=tree), "threads": threading.active_count()})
                         print(f"  {kind:6s} run {i + 1}: {runs[kind][-1]['seconds']:.2f} s "
                               f"({runs[kind][-1]['receipts']} receipts, load {runs[kind][-1]['loadavg_before']})",
                               flush=True)

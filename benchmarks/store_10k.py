@@ -141,6 +141,34 @@ def server_backend(directory: Path) -> Path:
     return target
 
 
+def add_bundles(directory: Path) -> dict[str, Any]:
+    """Give a store populated before receipt bundles existed one bundle per sweep (``write_bundle``, as a sweep's
+    close would), and copy the parent runs' bundle tags into the server's database (same artifacts directory).
+    Idempotent: a store whose sweeps all carry a bundle tag is left as it is."""
+    from ablate.tracking.mapping import ROLE_SWEEP, TAG
+    from ablate.tracking.mlflow_store import TrackingClient
+    from ablate.tracking.receipt_bundle import RUNS_TAG, SHA_TAG, write_bundle
+
+    marker = directory / "bundles.json"
+    if marker.exists():
+        return json.loads(marker.read_text())
+    client = TrackingClient(sqlite_uri(directory), EXPERIMENT)
+    done: dict[str, Any] = {}
+    for parent in client.search([f"tags.`{TAG}role` = '{ROLE_SWEEP}'"]):
+        sweep = parent.data.tags[TAG + "sweep_id"]
+        start = time.perf_counter()
+        done[sweep] = {"sha256": write_bundle(client, parent.info.run_id, sweep),
+                       "seconds": round(time.perf_counter() - start, 1)}
+    server_db = server_backend(directory)
+    with sqlite3.connect(directory / "mlflow.db") as source, sqlite3.connect(server_db) as target:
+        rows = source.execute("SELECT key, value, run_uuid FROM tags WHERE key IN (?, ?)",
+                              (SHA_TAG, RUNS_TAG)).fetchall()
+        target.executemany("INSERT OR REPLACE INTO tags (key, value, run_uuid) VALUES (?, ?, ?)", rows)
+    record = {"sweeps": done, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    marker.write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--receipts", type=int, default=10_368)
@@ -149,6 +177,7 @@ def main() -> None:
     args = parser.parse_args()
     directory = populate(args.receipts, args.workers, args.render_every_png)
     server_backend(directory)
+    print(json.dumps(add_bundles(directory)))
     print(directory)
 
 

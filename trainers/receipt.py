@@ -58,6 +58,8 @@ class LaunchInfo:
     node_id: Optional[str] = None
     software: dict[str, Optional[str]] = field(default_factory=dict)
     code_fingerprint: Optional[str] = None
+    process: Optional[dict[str, Any]] = None
+    """How the arm's process was prepared (``trainers.forkserver.Prepared.to_dict``), None when unknown."""
 
 
 def config_hash(spec: ArmSpec) -> str:
@@ -280,6 +282,7 @@ def build_receipt(spec: ArmSpec, result: Optional[WorkerResult], launch: LaunchI
             host=result.host if result is not None else launch.host,
             node_id=(result.node_id if result is not None else None) or launch.node_id,
             pid=result.pid if result is not None else None, executor=launch.executor,
+            process=launch.process,
             pairing="interleaved" if result is not None and result.paired else "sequential", git_sha=launch.git_sha,
             schedule=spec.schedule,
             git_dirty=launch.git_dirty, created_at=dt.datetime.now(dt.timezone.utc).isoformat(), software=software,

@@ -5,10 +5,12 @@ How to use (from a Ray Tune trial function, or any driver)::
     from trainers import run_arm
     receipt = run_arm(spec, max_failures=1)          # blocks; the receipt is also at <receipt_dir>/<id>.json
 
-Executors: ``lane.engine.workers == 1`` runs ``python -m trainers.worker`` in a fresh process (~3 s of start-up
-instead of ~15 s for a Train worker group, same isolation: fresh interpreter, fresh dynamo caches, own peak RSS);
-a process that dies (SIGKILL, segfault) is relaunched up to ``max_failures`` times. ``workers > 1`` runs a Ray
-Train ``TorchTrainer`` (gloo on CPU, NCCL on GPU) with ``ray.train.FailureConfig(max_failures)``; rank 0 attaches
+Executors: ``lane.engine.workers == 1`` runs ``trainers.worker`` in a process of its own, forked from the node's
+fork server (``trainers.forkserver``: torch and the arm code already imported, nothing run; tens of milliseconds
+instead of 2-4 s of imports per arm), or a fresh ``python -m trainers.worker`` when no server can be had; either
+way a process that ran nothing before the arm, and the receipt says which (``identity.process``). A process that
+dies (SIGKILL, segfault) is relaunched up to ``max_failures`` times. ``workers > 1`` runs a Ray Train
+``TorchTrainer`` (gloo on CPU, NCCL on GPU) with ``ray.train.FailureConfig(max_failures)``; rank 0 attaches
 the result to the final checkpoint, because Train persists only checkpoint-attached metrics, and every rank
 reports exactly once. By default the worker group is pinned to the caller's node (label selector on
 ``ray.io/node-id`` plus STRICT_PACK), so both arms of a block run on the same machine.
@@ -20,8 +22,10 @@ directory at all takes it, an error line says so and the receipt is still return
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -34,11 +38,12 @@ import time
 import traceback
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from ablate.receipts.schema import Receipt
 from ablate.receipts.store import ARM_SCRATCH_DIR, ReceiptNotSaved, arm_scratch, write_receipt
 from ablate.redact import process_env, process_env_only, redact_text
+from trainers.forkserver import ForkServerUnavailable, Prepared, fork_arm
 from trainers.provenance import code_fingerprint, git_state, host_name, software_versions
 from trainers.pairing import ENV_CPUS as PAIR_CPUS_ENV, ENV_FD as TURN_FD_ENV, TurnCoordinator, cpu_slot
 from trainers.receipt import LaunchInfo, build_receipt
@@ -77,8 +82,8 @@ def _arm_env(work: Path, **extra: str) -> dict[str, str]:
     return {**process_env(os.environ), "PYTHONPATH": _pythonpath(), **_private_caches(work), **extra}
 
 
-def _worker_command(spec_path: Path, result_path: Path, attempt: int) -> list[str]:
-    return [sys.executable, "-m", "trainers.worker", str(spec_path), str(result_path), str(attempt)]
+def _worker_argv(spec_path: Path, result_path: Path, attempt: int) -> list[str]:
+    return [str(spec_path), str(result_path), str(attempt)]
 
 
 def _worker_outcome(spec: ArmSpec, launch: LaunchInfo, result_path: Path, log_path: Path, code: Optional[int],
@@ -95,11 +100,44 @@ def _worker_outcome(spec: ArmSpec, launch: LaunchInfo, result_path: Path, log_pa
     return None
 
 
+def _start_worker(argv: list[str], work: Path, log: Any, launch: LaunchInfo, *, fork_server: bool = True,
+                  pass_fd: Optional[tuple[str, int]] = None, **overlay: str) -> Any:
+    """The arm's worker process, ``python -m trainers.worker <argv>``: forked from the node's fork server (imports
+    already paid, ``trainers.forkserver``) or, when none can be had, a fresh interpreter. Either way a process
+    that ran nothing before this arm; ``launch.process`` records which, for the receipt."""
+    base = _arm_env(work)
+    overlay = {**_private_caches(work), **overlay}
+    for name in overlay:
+        base.pop(name, None)
+    reason = "fork_server=False (asked for a fresh interpreter)"
+    if fork_server:
+        try:
+            proc = fork_arm(base, overlay, argv, Path(log.name), code=launch.code_fingerprint, pass_fd=pass_fd)
+            launch.process = proc.prepared.to_dict()
+            return proc
+        except ForkServerUnavailable as exc:
+            reason = redact_text(str(exc))[-500:]
+            print(f"warning: arm {work.name} runs in a fresh interpreter: {reason}", file=sys.stderr, flush=True)
+    env = {**base, **overlay, **({pass_fd[0]: str(pass_fd[1])} if pass_fd else {})}
+    launch.process = Prepared("fresh_interpreter", fallback_reason=reason).to_dict()
+    return subprocess.Popen([sys.executable, "-m", "trainers.worker", *argv], cwd=REPO_ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, pass_fds=(pass_fd[1],) if pass_fd else ())
+
+
+def _wait(proc: Any, timeout_s: Optional[float]) -> Optional[int]:
+    """The process's exit status, or None after killing it at ``timeout_s``."""
+    try:
+        return int(proc.wait(timeout=timeout_s))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return None
+
+
 def _run_subprocess(spec: ArmSpec, work: Path, max_failures: int, timeout_s: Optional[float],
-                    launch: LaunchInfo) -> Optional[WorkerResult]:
+                    launch: LaunchInfo, fork_server: bool = True) -> Optional[WorkerResult]:
     spec_path = work / "spec.json"
     spec_path.write_text(spec.to_json())
-    env = _arm_env(work)
     result: Optional[WorkerResult] = None
     for index in range(max_failures + 1):
         result_path = work / f"result-{index}.state"
@@ -107,12 +145,9 @@ def _run_subprocess(spec: ArmSpec, work: Path, max_failures: int, timeout_s: Opt
         launch.attempt_start = time.time() if index else None
         launch.restarts = index
         with log_path.open("w") as log:
-            try:
-                proc = subprocess.run(_worker_command(spec_path, result_path, spec.attempt + index), cwd=REPO_ROOT,
-                                      env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
-                code: Optional[int] = proc.returncode
-            except subprocess.TimeoutExpired:
-                code = None
+            proc = _start_worker(_worker_argv(spec_path, result_path, spec.attempt + index), work, log, launch,
+                                 fork_server=fork_server)
+            code = _wait(proc, timeout_s)
         result = _worker_outcome(spec, launch, result_path, log_path, code, spec.attempt + index, timeout_s)
         if result is not None:
             return result
@@ -172,12 +207,66 @@ def _train_loop_per_worker(config: dict[str, Any]) -> None:
     run_worker(spec, wctx, finalize)
 
 
+TRAIN_ENV_DEFAULTS: dict[str, str] = {
+    # The controller steps its state machine once per poll of its workers, every 2 s by default: an arm waited
+    # whole intervals to start and up to one more before fit() returned. A timed-out poll is kept and awaited again
+    # (hang detection is RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S, 10 min), so a short interval costs only a few
+    # tiny actor calls per second. Same value as ablate's local runtimes (ablate.sweep.resources), whose runtime
+    # env sets it for trial processes already; this default covers run_arm called from anywhere else.
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+    # The preemption watcher is one more actor process per worker group (python + ray + its imports), started just
+    # as the workers import torch. A drained node still fails the arm and the sweep retries its block; what is lost
+    # is only Train's grace window for a drain with a deadline.
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    # Prometheus gauges of the controller and workers; receipts carry their own timings.
+    "RAY_TRAIN_METRICS_ENABLED": "0",
+}
+"""Ray Train settings for an arm's Train run, read from the launching process's environment when ``fit()`` starts
+(Train propagates them to its controller and workers). A value already set there wins. The workers' environment
+holds them too, so every receipt records what its arm ran with (``RAY_TRAIN_*`` is allowlisted)."""
+
+
+@contextlib.contextmanager
+def _train_env() -> Iterator[dict[str, str]]:
+    """``TRAIN_ENV_DEFAULTS`` in this process's environment while an arm's trainer is built and fitted, restored
+    after, so one-worker arms launched later from this process do not inherit them. Yields the values in force."""
+    added = [name for name in TRAIN_ENV_DEFAULTS if name not in os.environ]
+    for name in added:
+        os.environ[name] = TRAIN_ENV_DEFAULTS[name]
+    try:
+        yield {name: os.environ[name] for name in TRAIN_ENV_DEFAULTS}
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
+@functools.cache
+def _trainer_class() -> type:
+    """``TorchTrainer`` without the Ray Data callback when the arm passes no datasets (arms read their own token
+    files). Train 2.60 adds that callback to every run, and it starts a ``DatasetManager`` actor (a fresh process
+    importing ray.data) while the workers initialise their train context: seconds of CPU on a 2-core node for an
+    actor nothing calls."""
+    from ray.train.torch import TorchTrainer
+
+    try:
+        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    except ImportError:  # another Ray layout: keep Train's callbacks as they are
+        return TorchTrainer
+
+    class ArmTrainer(TorchTrainer):
+        def _create_default_callbacks(self) -> list[Any]:
+            callbacks = super()._create_default_callbacks()
+            if getattr(self, "datasets", None):
+                return callbacks
+            return [callback for callback in callbacks if not isinstance(callback, DatasetsCallback)]
+
+    return ArmTrainer
+
+
 def _run_ray_train(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchInfo, node_id: Optional[str],
                    use_gpu: Optional[bool], resources_per_worker: Optional[dict[str, float]],
                    storage_path: Optional[str]) -> Optional[WorkerResult]:
     import ray
-    import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
 
     if not ray.is_initialized():
         with process_env_only():  # a local runtime's processes inherit the environment: allowlisted variables only
@@ -198,7 +287,32 @@ def _run_ray_train(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchI
         scaling["placement_strategy"] = "STRICT_PACK"
     if node_id is not None:
         launch.node_id = node_id
-    trainer = TorchTrainer(
+    with _train_env() as train_env:
+        env_vars.update(train_env)
+        result = _fit_arm(spec, work, max_failures, launch, use_gpu, scaling, env_vars, storage_path)
+    attempts = sorted(work.glob("attempt-*.state"))
+    launch.restarts = max(0, len(attempts) - 1)
+    if result is None:
+        # A failed multi-worker attempt leaves rank 0's partial measurements; keep the latest one.
+        partials = sorted(work.glob("partial-*.state"), key=lambda p: int(p.stem.split("-")[1]))
+        if partials:
+            result = WorkerResult.from_json(partials[-1].read_text())
+    if result is not None:
+        report = work / f"report-{result.attempt}.state"
+        if report.exists():
+            launch.extra_checkpoint_s = float(json.loads(report.read_text()))
+        if result.error is None and launch.failure is not None:
+            result.error = launch.failure
+    return result
+
+
+def _fit_arm(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchInfo, use_gpu: bool,
+             scaling: dict[str, Any], env_vars: dict[str, str], storage_path: Optional[str]) -> Optional[WorkerResult]:
+    """Build and fit the arm's trainer; the result rank 0 attached to the final checkpoint, or None."""
+    import ray.train
+    from ray.train.torch import TorchConfig
+
+    trainer = _trainer_class()(
         _train_loop_per_worker,
         train_loop_config={"spec": spec.to_json(), "work_dir": str(work)},
         scaling_config=ray.train.ScalingConfig(**scaling),
@@ -218,19 +332,6 @@ def _run_ray_train(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchI
     except Exception as exc:  # noqa: BLE001 - WorkerGroupError / TrainingFailedError: the arm failed
         launch.failure = {"type": type(exc).__name__, "category": "exception",
                           "message": redact_text(str(exc))[-3000:]}
-    attempts = sorted(work.glob("attempt-*.state"))
-    launch.restarts = max(0, len(attempts) - 1)
-    if result is None:
-        # A failed multi-worker attempt leaves rank 0's partial measurements; keep the latest one.
-        partials = sorted(work.glob("partial-*.state"), key=lambda p: int(p.stem.split("-")[1]))
-        if partials:
-            result = WorkerResult.from_json(partials[-1].read_text())
-    if result is not None:
-        report = work / f"report-{result.attempt}.state"
-        if report.exists():
-            launch.extra_checkpoint_s = float(json.loads(report.read_text()))
-        if result.error is None and launch.failure is not None:
-            result.error = launch.failure
     return result
 
 
@@ -296,7 +397,8 @@ def _finish(spec: ArmSpec, work: Path, launch: LaunchInfo, result: Optional[Work
 
 def run_arm(spec: ArmSpec, *, max_failures: int = 0, node_id: Optional[str] = "current",
             use_gpu: Optional[bool] = None, resources_per_worker: Optional[dict[str, float]] = None,
-            storage_path: Optional[str] = None, timeout_s: Optional[float] = None) -> Receipt:
+            storage_path: Optional[str] = None, timeout_s: Optional[float] = None,
+            fork_server: bool = True) -> Receipt:
     """Run one arm and return its receipt, also written atomically to ``spec.receipt_dir``.
 
     Args:
@@ -307,6 +409,8 @@ def run_arm(spec: ArmSpec, *, max_failures: int = 0, node_id: Optional[str] = "c
         resources_per_worker: Ray Train ``resources_per_worker`` (e.g. ``{"CPU": 2}``).
         storage_path: Ray Train storage (shared S3/GCS/NFS on multi-node); default a scratch dir per arm.
         timeout_s: wall limit of a one-worker arm's process (per attempt).
+        fork_server: fork a one-worker arm's process from the node's fork server (``trainers.forkserver``);
+            False starts a fresh interpreter (imports on the arm's clock), as a fallback does.
     """
     executor = "subprocess" if spec.lane.engine.workers == 1 else "ray_train"
     spec, work, launch = _prepare(spec, executor, time.time())
@@ -314,8 +418,9 @@ def run_arm(spec: ArmSpec, *, max_failures: int = 0, node_id: Optional[str] = "c
     result: Optional[WorkerResult] = None
     try:
         if executor == "subprocess":
-            result = _run_subprocess(worker_spec, work, max_failures, timeout_s, launch)
+            result = _run_subprocess(worker_spec, work, max_failures, timeout_s, launch, fork_server)
         else:
+            launch.process = Prepared("ray_train_worker").to_dict()
             if node_id == "current":
                 node_id = _caller_node_id()
             result = _run_ray_train(worker_spec, work, max_failures, launch, node_id, use_gpu,
@@ -339,7 +444,7 @@ def can_interleave(specs: tuple[ArmSpec, ArmSpec], node_has_gpu: bool) -> bool:
 
 
 def run_pair(specs: tuple[ArmSpec, ArmSpec], *, timeout_s: Optional[float] = None,
-             cpus: Optional[int] = None) -> tuple[Receipt, Receipt]:
+             cpus: Optional[int] = None, fork_server: bool = True) -> tuple[Receipt, Receipt]:
     """Both arms of an interleaved block, in run order: two fresh worker processes start together (start-up
     overlaps and is never compared), then take turns for setup and every step, ``specs[0]`` first
     (``trainers.pairing``). Each arm still gets its own process, receipt and wall clock.
@@ -348,15 +453,15 @@ def run_pair(specs: tuple[ArmSpec, ArmSpec], *, timeout_s: Optional[float] = Non
     the sweep retries the whole block as its next attempt.
     """
     with cpu_slot(cpus or max(1, specs[0].lane.hardware.threads)) as slot:
-        return _run_pair(specs, timeout_s, slot)
+        return _run_pair(specs, timeout_s, slot, fork_server)
 
 
 def _run_pair(specs: tuple[ArmSpec, ArmSpec], timeout_s: Optional[float],
-              slot: Optional[list[int]]) -> tuple[Receipt, Receipt]:
+              slot: Optional[list[int]], fork_server: bool) -> tuple[Receipt, Receipt]:
     coordinator = TurnCoordinator(first=0)
     run_start = time.time()
     prepared = [_prepare(spec, "subprocess", run_start) for spec in specs]
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Any] = []
     paths: list[tuple[Path, Path]] = []
     ended = [run_start, run_start]
     try:
@@ -365,21 +470,15 @@ def _run_pair(specs: tuple[ArmSpec, ArmSpec], timeout_s: Optional[float],
             spec_path.write_text(_with_absolute_paths(spec).to_json())
             result_path, log_path = work / "result-0.state", work / "worker-0.log"
             paths.append((result_path, log_path))
-            env = _arm_env(work, **{TURN_FD_ENV: str(fd)})
-            if slot is not None:
-                env[PAIR_CPUS_ENV] = ",".join(str(c) for c in slot)
+            cpus = {PAIR_CPUS_ENV: ",".join(str(c) for c in slot)} if slot is not None else {}
             with log_path.open("w") as log:
-                procs.append(subprocess.Popen(_worker_command(spec_path, result_path, spec.attempt), cwd=REPO_ROOT,
-                                              env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(fd,)))
+                procs.append(_start_worker(_worker_argv(spec_path, result_path, spec.attempt), work, log, launch,
+                                           fork_server=fork_server, pass_fd=(TURN_FD_ENV, fd), **cpus))
         coordinator.start()
         codes: list[Optional[int]] = [None, None]
 
         def wait(index: int) -> None:
-            try:
-                codes[index] = procs[index].wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                procs[index].kill()
-                procs[index].wait()
+            codes[index] = _wait(procs[index], timeout_s)
             ended[index] = time.time()
 
         waiters = [threading.Thread(target=wait, args=(i,), daemon=True) for i in range(len(procs))]

@@ -5,8 +5,16 @@ A block (two arms run back to back on one host) is what promotion counts, so it 
 nested under the sweep run, when the first arm of a block attempt is logged; the arm runs nest under it. Once
 both arms of that attempt are logged it carries the block's answer: the log ratio and speed-up at the lane's
 horizon as promotion computes them (``Block.log_ratio``), the winner, the arm order, the differing toggle(s) as
-params and one side-by-side plot. Found by tags (sweep id, block id, attempt), so a resumed sweep or
-``ablate receipts sync`` never makes a second one; answered once (tag ``ablate.logged``).
+params and one side-by-side picture, ``block.svg`` (SVG text, ``ablate.tracking.plots.block_svg``; the
+matplotlib ``block.png`` only on demand: ``ablate.tracking.mlflow_store.log_pngs``). Found by tags (sweep id,
+block id, attempt), so a resumed sweep or ``ablate receipts sync`` never makes a second one; answered once (tag
+``ablate.logged``, set in the same call as the answer's params and metrics, after the picture).
+
+Cost on the sweep driver's MLflow writer: the client remembers the block runs it found or made
+(``TrackingClient.block_ids``; ``preload_blocks`` reads a sweep's once when the sweep opens) and the first arm it
+logged into a block run it made (``TrackingClient.unpaired``), so the second arm answers its block without a
+search, a ``get_run`` or a receipt read back. Any block the client does not know that way (a resumed sweep, a
+sync) goes the long way: search, read back, answer.
 """
 
 from __future__ import annotations
@@ -139,11 +147,32 @@ def _filters(key: BlockKey, role: str) -> list[str]:
             f"tags.`{TAG}block_id` = '{block_id}'", f"tags.`{TAG}attempt` = '{attempt}'"]
 
 
-def open_block_run(client: "TrackingClient", receipt: Receipt, sweep_run_id: str) -> str:
-    """The run id of the receipt's block attempt, found by tags or created under the sweep run."""
-    found = client.search(_filters(block_key(receipt), ROLE_BLOCK))
-    if found:
-        return found[0].info.run_id
+def preload_blocks(client: "TrackingClient", sweep_id: str) -> None:
+    """Remember every block run of the sweep (one search): ``open_block_run`` then searches no more for it."""
+    for run in client.search([f"tags.`{TAG}role` = '{ROLE_BLOCK}'", f"tags.`{TAG}sweep_id` = '{sweep_id}'"]):
+        _remember(client, run)
+    client.blocks_known.add(sweep_id)
+
+
+def _remember(client: "TrackingClient", run: Any) -> None:
+    tags = run.data.tags
+    client.block_ids[(tags.get(TAG + "sweep_id", ""), tags.get(TAG + "block_id", ""),
+                      tags.get(TAG + "attempt", "0"))] = run.info.run_id
+    if tags.get(TAG + "logged") == "1":
+        client.answered.add(run.info.run_id)
+
+
+def open_block_run(client: "TrackingClient", receipt: Receipt, sweep_run_id: str) -> tuple[str, bool]:
+    """(run id, made now) of the receipt's block attempt, found by tags (or in the client's memory) or created
+    under the sweep run."""
+    key = block_key(receipt)
+    if key in client.block_ids:
+        return client.block_ids[key], False
+    if key[0] not in client.blocks_known:
+        found = client.search(_filters(key, ROLE_BLOCK))
+        if found:
+            _remember(client, found[0])
+            return found[0].info.run_id, False
     ident = receipt.identity
     tags = {TAG + key: str(value) for key, value in (
         ("role", ROLE_BLOCK), ("sweep_id", ident.sweep_id), ("campaign", ident.campaign),
@@ -154,7 +183,9 @@ def open_block_run(client: "TrackingClient", receipt: Receipt, sweep_run_id: str
     end_ms = epoch_ms(ident.created_at) or int(time.time() * 1000)
     run = client.client.create_run(client.experiment_id, start_time=end_ms - int(receipt.time.wall_s * 1000),
                                    tags=tags, run_name=block_run_name(receipt))
-    return run.info.run_id
+    client.block_ids[key] = run.info.run_id
+    client.block_artifacts[run.info.run_id] = run.info.artifact_uri
+    return run.info.run_id, True
 
 
 def answer_block(client: "TrackingClient", key: BlockKey, block_run_id: str,
@@ -163,7 +194,13 @@ def answer_block(client: "TrackingClient", key: BlockKey, block_run_id: str,
     an arm's receipt already at hand (the one just logged), so only its partner is read back."""
     from ablate.tracking.bulk_read import read_arm_runs
 
-    if client.client.get_run(block_run_id).data.tags.get(TAG + "logged") == "1":
+    first = client.unpaired.get(key)
+    if known is not None and first is not None and first.identity.receipt_id != known.identity.receipt_id:
+        # Both arms were logged by this client into the block run it made: the pair is at hand, unanswered.
+        _log_answer(client, block_run_id, [first, known], block_answer([first, known]), key)
+        return True
+    if block_run_id in client.answered or \
+            client.client.get_run(block_run_id).data.tags.get(TAG + "logged") == "1":
         return False
     arms = [run for run in client.search(_filters(key, ROLE_ARM)) if run.data.tags.get(TAG + "logged") == "1"]
     if len(arms) != 2:
@@ -174,7 +211,7 @@ def answer_block(client: "TrackingClient", key: BlockKey, block_run_id: str,
     receipts += [o.receipt for o in read_arm_runs(others, client.tracking_uri) if o.receipt is not None]
     if len(receipts) != 2:
         return False
-    _log_answer(client, block_run_id, receipts, block_answer(receipts))
+    _log_answer(client, block_run_id, receipts, block_answer(receipts), key)
     return True
 
 
@@ -190,15 +227,13 @@ def try_answer_block(client: "TrackingClient", key: BlockKey, block_run_id: str,
         return False
 
 
-def _log_answer(client: "TrackingClient", run_id: str, receipts: list[Receipt], answer: BlockAnswer) -> None:
+def _log_answer(client: "TrackingClient", run_id: str, receipts: list[Receipt], answer: BlockAnswer,
+                key: BlockKey) -> None:
     from mlflow.entities import Metric
 
-    from ablate.tracking.plots import block_png
+    from ablate.tracking.plots import block_svg
 
     base, cand = _roles(receipts)
-    # Named from the candidate arm: the first arm logged may have been the baseline, which does not know the
-    # candidate's value.
-    client.client.update_run(run_id, name=block_run_name(cand))
     now = int(time.time() * 1000)
     metrics = [] if answer.log_ratio is None else [
         Metric(LOG_RATIO_METRIC, answer.log_ratio, now, 0), Metric(SPEEDUP_METRIC, answer.speedup, now, 0)]
@@ -207,16 +242,24 @@ def _log_answer(client: "TrackingClient", run_id: str, receipts: list[Receipt], 
     tags = {TAG + "winner": answer.winner, TAG + "order": answer.order, NOTE_TAG: answer_note(cand, answer),
             TAG + "receipts": f"{base.identity.receipt_id},{cand.identity.receipt_id}",
             # Set only now: a baseline arm logged first does not know the candidate's value.
-            TAG + "feature_value": str(cand.identity.feature_value)}
+            TAG + "feature_value": str(cand.identity.feature_value),
+            # Named from the candidate arm: the first arm logged may have been the baseline, which does not know
+            # the candidate's value (MLflow renames the run when this tag is set).
+            "mlflow.runName": block_run_name(cand), TAG + "logged": "1"}
     if answer.why:
         tags[TAG + "no_answer"] = answer.why[:4000]
-    client._log_batch(run_id, params=params, metrics=metrics, tags=tags)
     with tempfile.TemporaryDirectory(prefix="ablate-mlflow-") as tmp:
-        plot = block_png(base, cand, Path(tmp) / "block.png", title=block_run_name(cand))
-        client.client.log_artifact(run_id, str(plot))
-    client.client.set_tag(run_id, TAG + "logged", "1")
+        block_svg(base, cand, Path(tmp) / "block.svg", title=block_run_name(cand))
+        uri = client.block_artifacts.pop(run_id, None)
+        if uri is None:  # a block run found, not made here: MLflow reads the run for its artifact URI
+            client.client.log_artifacts(run_id, tmp)
+        else:
+            client.log_files(uri, tmp)
+    client._log_batch(run_id, params=params, metrics=metrics, tags=tags)  # tags last: "logged" after the rest
     end_ms = max(epoch_ms(r.identity.created_at) or now for r in receipts)
     client.client.set_terminated(run_id, status="FINISHED", end_time=end_ms)
+    client.answered.add(run_id)
+    client.unpaired.pop(key, None)
 
 
 def settle_blocks(client: "TrackingClient", sweep_id: str, final: bool = False) -> int:
@@ -227,7 +270,7 @@ def settle_blocks(client: "TrackingClient", sweep_id: str, final: bool = False) 
     answered = 0
     for run in runs:
         tags = run.data.tags
-        if tags.get(TAG + "logged") == "1":
+        if tags.get(TAG + "logged") == "1" or run.info.run_id in client.answered:
             continue
         key = (sweep_id, tags.get(TAG + "block_id", ""), tags.get(TAG + "attempt", "0"))
         if try_answer_block(client, key, run.info.run_id):

@@ -2,8 +2,16 @@
 speed ratios at the lane's horizon, and a lane's speed-up against the horizon (the promotion report's trade-off
 plot).
 
-Both draw on a bare ``matplotlib.figure.Figure`` (Agg canvas, no pyplot): no global backend switch, no GUI, safe
-on the Tune driver thread.
+Two kinds, by who pays for them:
+- per arm and per block (``goodput_svg``, ``block_svg``): logged by the sweep driver's MLflow writer for every arm
+  of every block, so they are SVG text written directly (about a millisecond; matplotlib took 0.35 s per arm and
+  0.6 s per block on the 2-core host, which paced a whole campaign: ``benchmarks/results/orchestration.json``).
+  MLflow's artifact view shows ``.svg`` like ``.png``. The same numbers are also the arm run's metrics
+  (``goodput_s``, ``badput_<phase>_s``), which MLflow charts natively;
+- per sweep and per report (``summary_png``, ``horizon_png``), and the matplotlib twins of the per-arm pictures
+  (``goodput_png``, ``block_png``, rendered on demand: ``ablate.tracking.mlflow_store.log_pngs``): drawn on a bare
+  ``matplotlib.figure.Figure`` (Agg canvas, no pyplot): no global backend switch, no GUI, safe on the Tune driver
+  thread.
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Optional
+from xml.sax.saxutils import escape
 
 from ablate.receipts.schema import BADPUT_CATEGORIES, Receipt, Status
 
@@ -25,6 +34,91 @@ def phases(receipt: Receipt) -> list[tuple[str, float]]:
     return rows
 
 
+def _phase_color(name: str) -> str:
+    return _GOOD if name == "goodput" else _OTHER if name in ("startup", "unattributed") else _BAD
+
+
+def _svg(width: int, height: int, body: list[str]) -> str:
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'viewBox="0 0 {width} {height}" font-family="DejaVu Sans, Arial, sans-serif" font-size="11">'
+            f'<rect width="{width}" height="{height}" fill="white"/>{"".join(body)}</svg>\n')
+
+
+def _text(x: float, y: float, text: str, anchor: str = "start", size: int = 11, weight: str = "normal") -> str:
+    return (f'<text x="{x:.1f}" y="{y:.1f}" text-anchor="{anchor}" font-size="{size}" font-weight="{weight}" '
+            f'dominant-baseline="middle">{escape(text)}</text>')
+
+
+def _title(receipt: Receipt) -> str:
+    ident = receipt.identity
+    return (f"{ident.block_id} {ident.arm.value}: goodput {receipt.time.goodput_fraction:.1%} of "
+            f"{receipt.time.wall_s:.2f}s wall")
+
+
+def goodput_svg(receipt: Receipt, path: Path, title: Optional[str] = None) -> Path:
+    """``goodput_png`` as SVG text: one bar per phase with its seconds and share of wall time (the bars sum to the
+    arm's wall time); no matplotlib, so it costs the sweep's MLflow writer about a millisecond per arm."""
+    rows = phases(receipt)
+    wall = receipt.time.wall_s or 1.0
+    label_w, bar_w, row_h, top = 120, 420, 20, 46
+    scale = bar_w / (max([v for _, v in rows] + [1e-9]) * 1.35)
+    body = [_text(10, 16, title or _title(receipt), size=12, weight="bold"),
+            _text(10, 32, _title(receipt) if title else "seconds per phase (share of wall time)", size=10)]
+    for i, (name, value) in enumerate(rows):
+        y = top + i * row_h
+        width = max(0.0, value * scale)
+        body.append(_text(label_w - 6, y + row_h / 2, name, anchor="end", size=10))
+        body.append(f'<rect x="{label_w}" y="{y + 3}" width="{width:.1f}" height="{row_h - 6}" '
+                    f'fill="{_phase_color(name)}"><title>{escape(name)}: {value:.3f}s</title></rect>')
+        body.append(_text(label_w + width + 4, y + row_h / 2, f"{value:.2f}s ({value / wall:.0%})", size=9))
+    bottom = top + len(rows) * row_h
+    body.append(f'<line x1="{label_w}" y1="{top}" x2="{label_w}" y2="{bottom}" stroke="black"/>')
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(_svg(label_w + bar_w + 110, bottom + 12, body))
+    return path
+
+
+def block_svg(baseline: Receipt, candidate: Receipt, path: Path, title: str) -> Path:
+    """``block_png`` as SVG text: the two arms' time breakdowns as paired bars (left) and their per-step times on
+    one axis (right); no matplotlib (about a millisecond per block)."""
+    arms = [(baseline, "#757575"), (candidate, "#1565c0")]
+    names = [name for name, _ in phases(baseline)]
+    label_w, bar_w, row_h, top, gap, plot_w = 110, 300, 22, 66, 90, 380
+    peak = max([v for r, _ in arms for _, v in phases(r)] + [1e-9]) * 1.3
+    body = [_text(10, 16, title, size=12, weight="bold"),
+            _text(label_w, 36, "where the wall time went (s)", size=10),
+            _text(label_w + bar_w + gap, 36, "step time per step (s)", size=10)]
+    for i, (receipt, color) in enumerate(arms):
+        body.append(f'<rect x="{label_w + 200 * i}" y="46" width="10" height="10" fill="{color}"/>')
+        body.append(_text(label_w + 200 * i + 14, 51, f"{_role(receipt)} ({receipt.time.wall_s:.2f}s wall)", size=9))
+        for j, (name, value) in enumerate(phases(receipt)):
+            y = top + j * row_h + 2 + i * (row_h - 4) / 2
+            width = max(0.0, value / peak * bar_w)
+            body.append(f'<rect x="{label_w}" y="{y:.1f}" width="{width:.1f}" height="{(row_h - 4) / 2:.1f}" '
+                        f'fill="{color}"><title>{escape(_role(receipt))} {escape(name)}: {value:.3f}s</title></rect>')
+    for j, name in enumerate(names):
+        body.append(_text(label_w - 6, top + j * row_h + row_h / 2, name, anchor="end", size=10))
+    bottom = top + len(names) * row_h
+    body.append(f'<line x1="{label_w}" y1="{top}" x2="{label_w}" y2="{bottom}" stroke="black"/>')
+    body.append(_text(label_w + bar_w, bottom + 10, f"{peak / 1.3:.2f}s", anchor="end", size=9))
+    # Right panel: step times, both arms on one linear axis from 0 to the slowest step.
+    x0, series = label_w + bar_w + gap, [r.steps.series for r, _ in arms]
+    longest, slowest = max([len(s) for s in series] + [2]), max([v for s in series for v in s] + [1e-9]) * 1.1
+    body.append(f'<polyline points="{x0},{top} {x0},{bottom} {x0 + plot_w},{bottom}" fill="none" stroke="black"/>')
+    body += [_text(x0 - 4, top, f"{slowest:.3g}", anchor="end", size=9), _text(x0 - 4, bottom, "0", anchor="end",
+             size=9), _text(x0 + plot_w, bottom + 10, f"step {longest - 1}", anchor="end", size=9)]
+    if not any(series):
+        body.append(_text(x0 + plot_w / 2, (top + bottom) / 2, "no per-step times in these receipts", "middle", 10))
+    for (receipt, color), steps in zip(arms, series):
+        points = " ".join(f"{x0 + k / (longest - 1) * plot_w:.1f},{bottom - v / slowest * (bottom - top):.1f}"
+                          for k, v in enumerate(steps))
+        if points:
+            body.append(f'<polyline points="{points}" fill="none" stroke="{color}" stroke-width="1.5"/>')
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(_svg(x0 + plot_w + 20, bottom + 20, body))
+    return path
+
+
 def goodput_png(receipt: Receipt, path: Path, title: Optional[str] = None) -> Path:
     """One horizontal bar per phase, seconds and share of wall time; the bars sum to the arm's wall time."""
     from matplotlib.figure import Figure
@@ -35,8 +129,7 @@ def goodput_png(receipt: Receipt, path: Path, title: Optional[str] = None) -> Pa
     ax = fig.add_subplot()
     names = [name for name, _ in rows]
     values = [value for _, value in rows]
-    colors = [_GOOD if name == "goodput" else _OTHER if name in ("startup", "unattributed") else _BAD
-              for name in names]
+    colors = [_phase_color(name) for name in names]
     bars = ax.barh(names, values, color=colors)
     ax.invert_yaxis()
     for bar, value in zip(bars, values):
@@ -44,9 +137,7 @@ def goodput_png(receipt: Receipt, path: Path, title: Optional[str] = None) -> Pa
                 va="center", fontsize=8)
     ax.set_xlim(0, max(values + [1e-9]) * 1.35)
     ax.set_xlabel("seconds")
-    ident = receipt.identity
-    ax.set_title(title or f"{ident.block_id} {ident.arm.value}: goodput {receipt.time.goodput_fraction:.1%} "
-                          f"of {wall:.2f}s wall", fontsize=10)
+    ax.set_title(title or _title(receipt), fontsize=10)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     return path

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,17 @@ def test_simulated_sweep_runs_and_promotion_refuses_every_block(ray_address: str
     client = TrackingClient(uri, "ablate")
     (parent,) = client.search([f"tags.`{TAG}role` = '{ROLE_SWEEP}'"])
     assert parent.data.params["arms"] == "simulated"
+    # What the driver's MLflow writer logs per arm: the receipt and the goodput picture as SVG text (no matplotlib).
+    arms = client.arm_runs(parent.data.tags[TAG + "sweep_id"])
+    assert len(arms) == 16 and all(run.data.tags[TAG + "logged"] == "1" for run in arms.values())
+    assert {a.path for a in client.client.list_artifacts(next(iter(arms.values())).info.run_id)} == \
+        {"receipt.json", "goodput.svg"}
+    # The local store was switched to WAL for the sweep and checkpointed at its close: mlflow.db alone holds it all.
+    db = Path(uri.removeprefix("sqlite:///"))
+    with contextlib.closing(sqlite3.connect(db)) as connection:
+        assert connection.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    wal = Path(f"{db}-wal")
+    assert not wal.exists() or wal.stat().st_size == 0
 
     # The safety property: every block is refused, naming the simulation, and no verdict or defaults change exists.
     result = promote(on_disk, policy_path=REPO / "search_spaces" / "policies" / "single_node.yaml",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 from sweeps_common import fresh_mlflow_uri
@@ -70,9 +71,9 @@ def test_a_block_is_a_run_between_the_sweep_and_its_arms(block_arms: list[Receip
     note = block.data.tags[NOTE_TAG]
     assert "b000" in note and f"winner **{won}**" in note and f"{math.exp(expected):.3f}×" in note
     artifacts = {a.path for a in client.client.list_artifacts(block.info.run_id)}
-    assert artifacts == {"block.png"}
-    png = client.client.download_artifacts(block.info.run_id, "block.png", str(tmp_path / "png"))
-    assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert artifacts == {"block.svg"}  # SVG text: MLflow's artifact view shows it like a PNG
+    svg = Path(client.client.download_artifacts(block.info.run_id, "block.svg", str(tmp_path / "svg"))).read_text()
+    assert ElementTree.fromstring(svg).tag == "{http://www.w3.org/2000/svg}svg" and block.info.run_name in svg
     # Every other search sees what it saw: two arm runs, one sweep run.
     assert len(client.arm_runs(SWEEP_ID)) == 2
     assert len(client.search([f"tags.`{TAG}role` = 'sweep'"])) == 1

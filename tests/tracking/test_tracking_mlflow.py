@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 from sweeps_common import closed_port, fresh_mlflow_uri, tiny_smoke
@@ -27,6 +28,7 @@ from ablate.tracking.mlflow_store import (
     MlflowStore,
     TrackingClient,
     load_receipts_from_mlflow,
+    log_pngs,
     run_name,
     sync,
 )
@@ -82,17 +84,28 @@ def test_child_runs_carry_params_tags_metrics_series_and_artifacts(receipts: lis
         assert sorted(m.step for m in history) == finite and finite
         assert len(mlflow.get_metric_history(run.info.run_id, "tokens_per_s")) == len(receipt.steps.series) > 0
         artifacts = {a.path for a in mlflow.list_artifacts(run.info.run_id)}
-        assert artifacts == {"receipt.json", "goodput.png"}
+        # The goodput picture is SVG text (MLflow's artifact view shows it like a PNG); its numbers are metrics too.
+        assert artifacts == {"receipt.json", "goodput.svg"}
         path = mlflow.download_artifacts(run.info.run_id, "receipt.json", str(tmp_path / run.info.run_id))
         assert json.loads(Path(path).read_text())["identity"]["receipt_id"] == receipt.identity.receipt_id
-        png = mlflow.download_artifacts(run.info.run_id, "goodput.png", str(tmp_path / run.info.run_id))
-        assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        svg = Path(mlflow.download_artifacts(run.info.run_id, "goodput.svg", str(tmp_path / run.info.run_id)))
+        picture = ElementTree.fromstring(svg.read_text())  # well-formed XML
+        assert picture.tag == "{http://www.w3.org/2000/svg}svg" and run.info.run_name in svg.read_text()
+        assert all(f">{name}<" in svg.read_text() for name, _ in phases(receipt))
+        assert metrics["goodput_s"] == pytest.approx(receipt.time.goodput_s)
+        assert {f"badput_{name}_s" for name in receipt.time.badput_s} <= set(metrics)
     # Compare view: the two arms' params differ exactly in the toggle under test.
     differing = {k for k in base.data.params if base.data.params[k] != cand.data.params.get(k)}
     assert differing == {"features.moe_dispatch"}
     # Idempotent: logging again returns the same runs and creates none.
     assert [client.log_receipt(r, parent) for r in receipts] == [(run_id, False) for run_id in run_ids]
     assert len(client.arm_runs("track-1")) == 2
+    # The matplotlib PNGs only on demand (a report's cited runs): arm runs get goodput.png, block runs block.png.
+    cited = [*run_ids, block.info.run_id, parent]
+    assert log_pngs(uri, "exp", cited) == {**{i: "goodput.png" for i in run_ids}, block.info.run_id: "block.png"}
+    for run_id, name in [(run_ids[0], "goodput.png"), (block.info.run_id, "block.png")]:
+        png = mlflow.download_artifacts(run_id, name, str(tmp_path / "png" / run_id))
+        assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_unreachable_store_spools_and_sync_replays_exactly_once(receipts: list[Receipt], tmp_path: Path) -> None:

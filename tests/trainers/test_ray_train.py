@@ -12,6 +12,7 @@ import pytest
 from ablate.receipts.schema import Receipt, Status, validate_receipt
 from trainer_helpers import CORPUS, make_spec, tiny_lane
 from trainers import run_arm
+from trainers.run import TRAIN_ENV_DEFAULTS
 
 REPO = Path(__file__).resolve().parents[2]
 LANE = {"batch": {"micro_batch": 2, "seq_len": 32, "grad_accum": 2},
@@ -56,6 +57,8 @@ def test_two_worker_arm_runs_under_ray_train_and_validates(ray_arms: tuple[dict[
     total = receipt.time.goodput_s + sum(receipt.time.badput_s.values())
     assert abs(total - receipt.time.wall_s) <= 0.01 * receipt.time.wall_s
     assert receipt.observed.engine["backend"] == "gloo" and receipt.observed.engine["world_size"] == 2
+    # The Train settings the arm ran with (trainers.run.TRAIN_ENV_DEFAULTS) are in its receipt.
+    assert {name: receipt.env.get(name) for name in TRAIN_ENV_DEFAULTS} == TRAIN_ENV_DEFAULTS
 
 
 def test_engines_resolve_their_buckets_and_train_the_same_model(ray_arms: tuple[dict[str, Receipt], str, Path]

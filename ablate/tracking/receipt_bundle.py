@@ -1,0 +1,254 @@
+"""One artifact per sweep that carries every arm run's receipt payload, so a reader makes one small run search
+and one download per sweep instead of paging through every arm run.
+
+Why: the payload tags (``ablate.tracking.payload``) come with ``search_runs``, but a search builds every run's
+params, metrics and tags; for 10,368 arm runs that was 30 s from a local SQLite store and 89 s from a loopback
+``mlflow server`` (benchmarks/results/promote_store.json), before a single receipt was decoded.
+
+How to use: ``write_bundle(client, parent_run_id, sweep_id)`` when a sweep's receipts are all logged (with its
+summary); ``read_receipts(client, sweep_id, uri, receipts, rejected, links, ...)`` has the signature and the
+results of ``mlflow_store._read_receipts``.
+
+What a bundle holds: for each arm run of the sweep, the run's id, name, artifact URI and its ``ablate.*`` and
+``mlflow.parentRunId`` tags as they were when the bundle was written (payload chunks included), plus the names
+of the sweep's block runs. Reading hands those stand-in runs to ``bulk_read.read_arm_runs``: every receipt goes
+through the same decoding, validation, digest and run-tag checks as one read from its own run, and a run without
+a payload still has its ``receipt.json`` downloaded.
+
+When a bundle is not used (the sweep's runs are searched as before): the parent run carries no bundle tag, the
+artifact's SHA-256 differs from the tag written after it, the sweep is RUNNING (a live or resumed sweep adds runs
+the bundle does not list), or the artifact cannot be read or parsed. A bundle entry whose run has since been
+deleted is dropped and reported among the rejects, so a bundle never brings back a run a user removed.
+
+Not checked (the price of not listing every run): a run whose tags were edited in place after its sweep's bundle
+was written, and runs added to a finished sweep by an ``ablate receipts sync`` that stopped before it rewrote the
+summary and the bundle; the next complete sync rewrites the bundle, and ``use_payload=False`` reads every run.
+
+Cost of writing: one search of the sweep's arm runs and one of its block runs when the sweep closes (30-38 s
+for a 5,184-arm sweep on the benchmark's SQLite store under a load average of ~6, against ~31 min of logging).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import logging
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from ablate.tracking.bulk_read import read_arm_runs
+from ablate.tracking.mapping import ROLE_ARM, ROLE_BLOCK, ROLE_SWEEP, TAG
+
+if TYPE_CHECKING:
+    from ablate.tracking.mlflow_store import TrackingClient
+
+log = logging.getLogger(__name__)
+
+BUNDLE_ARTIFACT = "receipt-bundle.json.gz"
+BUNDLE_FORMAT = "ablate.receipt-bundle/1"
+SHA_TAG = TAG + "bundle.sha256"
+"""Parent-run tag, written after the artifact: a bundle replaced or half-written is seen, never read."""
+RUNS_TAG = TAG + "bundle.runs"
+_KEPT_TAGS = ("mlflow.parentRunId",)
+_ENDED = ("FINISHED", "FAILED", "KILLED")
+
+
+@dataclass
+class _Info:
+    run_id: str
+    run_name: Optional[str]
+    artifact_uri: str
+
+
+@dataclass
+class _Data:
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class BundledRun:
+    """The parts of an MLflow ``Run`` the bulk reader and the report's links read."""
+
+    info: _Info
+    data: _Data
+
+
+def _entry(run: Any) -> dict[str, Any]:
+    tags = {k: v for k, v in run.data.tags.items() if k.startswith(TAG) or k in _KEPT_TAGS}
+    return {"run_id": run.info.run_id, "run_name": run.info.run_name, "artifact_uri": run.info.artifact_uri,
+            "tags": tags}
+
+
+def bundle_bytes(sweep_id: str, arm_runs: list[Any], block_runs: list[Any]) -> bytes:
+    body = {"format": BUNDLE_FORMAT, "sweep_id": sweep_id,
+            "runs": [_entry(run) for run in sorted(arm_runs, key=lambda r: r.info.run_id)],
+            "blocks": {run.info.run_id: run.info.run_name for run in block_runs}}
+    # mtime=0: the same runs give the same bytes, so the same SHA-256.
+    return gzip.compress(json.dumps(body, sort_keys=True).encode("utf-8"), compresslevel=6, mtime=0)
+
+
+def write_bundle(client: "TrackingClient", parent_run_id: str, sweep_id: str) -> Optional[str]:
+    """Write (or rewrite) the sweep's bundle on its parent run; the artifact's SHA-256, None when it failed (the
+    readers then search the sweep's runs, as without a bundle)."""
+    from mlflow.entities import RunTag
+
+    from ablate.tracking.blocks import block_runs
+
+    try:
+        arms = list(client.arm_runs(sweep_id).values())
+        data = bundle_bytes(sweep_id, arms, list(block_runs(client, sweep_id).values()))
+        digest = hashlib.sha256(data).hexdigest()
+        with tempfile.TemporaryDirectory(prefix="ablate-bundle-") as tmp:
+            path = Path(tmp) / BUNDLE_ARTIFACT
+            path.write_bytes(data)
+            client.client.log_artifact(parent_run_id, str(path))
+        client.client.log_batch(parent_run_id, tags=[RunTag(SHA_TAG, digest), RunTag(RUNS_TAG, str(len(arms)))])
+        return digest
+    except Exception as exc:  # noqa: BLE001 - a missing bundle only costs readers time, never a receipt
+        log.warning("no receipt bundle for sweep %s (readers will search its runs): %s", sweep_id, exc)
+        return None
+
+
+def _load(parent: Any, tracking_uri: str, tmp: Path) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+    """(bundle, None) or (None, why it is not used)."""
+    from mlflow.artifacts import download_artifacts
+
+    expected = parent.data.tags.get(SHA_TAG)
+    if expected is None:
+        return None, None  # written before bundles existed, or by a writer that failed: not a problem
+    if parent.info.status not in _ENDED:
+        return None, None  # a live or resumed sweep adds runs its last bundle does not list: they are searched
+    try:
+        path = download_artifacts(artifact_uri=f"{parent.info.artifact_uri.rstrip('/')}/{BUNDLE_ARTIFACT}",
+                                  dst_path=str(tmp / parent.info.run_id), tracking_uri=tracking_uri)
+        data = Path(path).read_bytes()
+        if hashlib.sha256(data).hexdigest() != expected:
+            return None, f"its SHA-256 differs from the parent run's {SHA_TAG} tag"
+        body = json.loads(gzip.decompress(data))
+        if not isinstance(body, dict) or body.get("format") != BUNDLE_FORMAT or not _well_formed(body):
+            return None, f"not a well-formed {BUNDLE_FORMAT} bundle"
+        if body["sweep_id"] != parent.data.tags.get(TAG + "sweep_id"):
+            return None, f"it lists sweep {str(body['sweep_id'])[:80]!r}, not its parent run's"
+        return body, None
+    except Exception as exc:  # noqa: BLE001 - missing artifact, bad gzip or JSON: the runs are searched instead
+        return None, f"unreadable ({type(exc).__name__}: {str(exc)[:200]})"
+
+
+def _well_formed(body: dict[str, Any]) -> bool:
+    # Checked before any entry is used: a re-signed but malformed bundle falls back to the runs, never crashes.
+    runs, blocks = body.get("runs"), body.get("blocks")
+    return isinstance(body.get("sweep_id"), str) and isinstance(runs, list) and isinstance(blocks, dict) and all(
+        isinstance(e, dict) and isinstance(e.get("run_id"), str) and isinstance(e.get("artifact_uri"), str)
+        and isinstance(e.get("run_name"), (str, type(None))) and isinstance(e.get("tags"), dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in e["tags"].items()) for e in runs)
+
+
+def _stand_in(entry: dict[str, Any]) -> BundledRun:
+    return BundledRun(_Info(entry["run_id"], entry["run_name"], entry["artifact_uri"]), _Data(dict(entry["tags"])))
+
+
+def bundled_arm_runs(client: "TrackingClient", sweep_id: Optional[str], tracking_uri: str, with_blocks: bool = True
+                     ) -> tuple[dict[str, Any], dict[str, str], list[tuple[str, str]]]:
+    """(receipt id -> arm run, block run id -> name, notes) of the experiment's arm runs (one sweep): from the
+    bundles of finished sweeps, and searched for every other sweep (block runs only ``with_blocks``). Notes are
+    (origin, reason) rejects."""
+    from mlflow.entities import ViewType
+
+    from ablate.tracking.mlflow_store import _q
+
+    scope = [f"{_q(TAG + 'sweep_id')} = '{sweep_id}'"] if sweep_id else []
+    parents = client.search([f"{_q(TAG + 'role')} = '{ROLE_SWEEP}'"] + scope)
+    bundles: dict[str, dict[str, Any]] = {}
+    notes: list[tuple[str, str]] = []
+    per_sweep = Counter(parent.data.tags.get(TAG + "sweep_id", "") for parent in parents)
+    with tempfile.TemporaryDirectory(prefix="ablate-bundles-") as tmp:
+        for parent in parents:
+            sweep = parent.data.tags.get(TAG + "sweep_id", "")
+            if not sweep or per_sweep[sweep] > 1:
+                continue  # one bundle could not speak for another parent's runs: the sweep is searched
+            body, why = _load(parent, tracking_uri, Path(tmp))
+            if body is not None:
+                bundles[sweep] = body
+            elif why is not None:
+                notes.append((f"receipt bundle of sweep {sweep} (run {parent.info.run_id})",
+                              f"not used, the sweep's runs were searched instead: {why}"))
+    # Every other sweep's arm runs (no bundle, an unusable one, still running; arm runs whose sweep has no parent
+    # run): one search that leaves the bundled sweeps out, so it returns nothing when every sweep has a bundle.
+    others = [f"{_q(TAG + 'sweep_id')} != '{sweep}'" for sweep in sorted(bundles)]
+    runs: dict[str, Any] = {run.data.tags[TAG + "receipt_id"]: run
+                            for run in client.search([f"{_q(TAG + 'role')} = '{ROLE_ARM}'"] + scope + others)}
+    blocks: dict[str, str] = {}
+    if with_blocks:
+        blocks = {run.info.run_id: run.info.run_name
+                  for run in client.search([f"{_q(TAG + 'role')} = '{ROLE_BLOCK}'"] + scope + others)}
+    if bundles:
+        deleted = _deleted_arm_runs(client, sweep_id, ViewType.DELETED_ONLY)
+        for sweep, body in sorted(bundles.items()):
+            blocks.update(body["blocks"])
+            for entry in body["runs"]:
+                run = _stand_in(entry)
+                if run.info.run_id in deleted:
+                    notes.append((f"run {run.info.run_id}", f"deleted after sweep {sweep}'s receipt bundle was "
+                                                            f"written; not read from the bundle"))
+                    continue
+                rid = run.data.tags.get(TAG + "receipt_id")
+                if rid is None:
+                    notes.append((f"run {run.info.run_id}", f"sweep {sweep}'s receipt bundle lists it without an "
+                                                            f"{TAG}receipt_id tag"))
+                    continue
+                if rid in runs and runs[rid].info.run_id != run.info.run_id:
+                    notes.append((f"run {run.info.run_id}", f"sweep {sweep}'s receipt bundle lists receipt {rid}, "
+                                                            f"which run {runs[rid].info.run_id} also holds; the "
+                                                            f"bundle's entry is not used"))
+                    continue
+                runs[rid] = run
+    return runs, blocks, notes
+
+
+def _deleted_arm_runs(client: "TrackingClient", sweep_id: Optional[str], view: Any) -> set[str]:
+    from ablate.tracking.mlflow_store import _q
+
+    query = " and ".join([f"{_q(TAG + 'role')} = '{ROLE_ARM}'"] +
+                         ([f"{_q(TAG + 'sweep_id')} = '{sweep_id}'"] if sweep_id else []))
+    found, token = set(), None
+    while True:
+        page = client.client.search_runs([client.experiment_id], filter_string=query, run_view_type=view,
+                                         max_results=1000, page_token=token)
+        found.update(run.info.run_id for run in page)
+        token = page.token
+        if not token:
+            return found
+
+
+def read_receipts(client: "TrackingClient", sweep_id: Optional[str], uri: str, receipts: dict[str, Any],
+                  rejected: list[tuple[str, str]], links: dict[str, str], use_payload: bool = True,
+                  ui_url: Optional[str] = None, run_labels: Optional[dict[str, dict[str, str]]] = None) -> None:
+    """``mlflow_store._read_receipts`` with the arm runs of finished sweeps taken from their bundles."""
+    from ablate.tracking.mlflow_store import _read_receipts, run_link
+    from ablate.tracking.uri import ui_base
+
+    if not use_payload:  # the authoritative copies only: every receipt.json, as before
+        _read_receipts(client, sweep_id, uri, receipts, rejected, links, use_payload, ui_url, run_labels)
+        return
+    ui, _ = ui_base(uri, ui_url)
+    arm_runs, blocks, notes = bundled_arm_runs(client, sweep_id, uri, with_blocks=run_labels is not None)
+    rejected.extend(notes)
+    runs = [run for _, run in sorted(arm_runs.items())]
+    for outcome in read_arm_runs(runs, uri, use_payload=True):
+        run_id = outcome.run.info.run_id
+        if outcome.receipt is None:
+            rejected.append((f"run {run_id}", outcome.reason or "unreadable"))
+            continue
+        rid = outcome.receipt.identity.receipt_id
+        receipts.setdefault(rid, outcome.receipt)
+        links[rid] = run_link(ui, client.experiment_id, run_id)
+        if run_labels is not None:
+            run_labels[rid] = {"arm": outcome.run.info.run_name or run_id}
+            block_id = outcome.run.data.tags.get("mlflow.parentRunId", "")
+            if block_id in blocks:
+                run_labels[rid].update(block=blocks[block_id] or block_id,
+                                       block_url=run_link(ui, client.experiment_id, block_id))

@@ -1,0 +1,122 @@
+"""Smoke campaign throughput, arms per minute: this tree against a checkout of 055c5b2 (issue 14's "today"), same
+lane, same budget, same machine, alternating which goes first.
+
+How to run me: ``python benchmarks/bench_smoke_throughput.py`` (``--repeats 2``, ``--blocks 2``). Appends one
+record to ``benchmarks/results/smoke_throughput.json`` (``{"runs": [...]}``: every run is kept) and prints it.
+
+The campaign is ``search_spaces/smoke.yaml``'s lane and budget (what ``scripts/smoke.sh`` runs), trimmed to what
+055c5b2 can read: no ``horizon_steps`` (it only changes the projection, not what runs), no bundle blocks (not in
+055c5b2), and no ``recurrent_scan`` (inert on this pattern, refused before any arm runs); ``blocks``/``aa_blocks``
+set by ``--blocks`` so a repeat takes minutes. Each run is ``python -m ablate sweep <campaign> --no-progress`` in a
+fresh directory (local Ray, MLflow in that directory's sqlite store) with the tree's own code on ``PYTHONPATH``;
+the old tree is a ``git archive`` of 055c5b2 in a temporary directory. Figure: arms (receipts written) per minute of
+the command's wall time, Ray start and MLflow flush included, as a user waits for it. Criterion: median over the
+repeats, new / old (target, issue 14: >= 2x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from io import BytesIO
+from pathlib import Path
+from typing import Any
+
+from ruamel.yaml import YAML
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "smoke_throughput.json"
+OLD_COMMIT = "055c5b2"
+
+
+def _commit(tree: Path) -> str:
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=tree, capture_output=True, text=True).stdout
+    return sha + ("+dirty" if dirty.strip() else "")
+
+
+def _old_tree(into: Path) -> Path:
+    archive = subprocess.run(["git", "archive", "--format=tar", OLD_COMMIT], cwd=REPO, capture_output=True,
+                             check=True).stdout
+    with tarfile.open(fileobj=BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+def _campaign(tree: Path, run_dir: Path, blocks: int) -> Path:
+    yaml = YAML()
+    data = yaml.load(REPO / "search_spaces" / "smoke.yaml")
+    data["lane"]["budget"].pop("horizon_steps", None)
+    data.pop("bundle_blocks", None)
+    data["features"].pop("recurrent_scan", None)
+    data["blocks"], data["aa_blocks"] = blocks, blocks
+    data["defaults"] = str(tree / "search_spaces" / "defaults.yaml")
+    path = run_dir / "smoke_throughput.yaml"
+    with path.open("w") as handle:
+        yaml.dump(data, handle)
+    return path
+
+
+def _run(tree: Path, label: str, blocks: int, parent: Path) -> dict[str, Any]:
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{label}-", dir=parent))
+    campaign = _campaign(tree, run_dir, blocks)
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    load = os.getloadavg()
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "ablate", "sweep", str(campaign), "--no-progress",
+                           "--tracking-uri", f"sqlite:///{run_dir}/mlflow.db"], cwd=run_dir, env=env,
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    (run_dir / "sweep.log").write_text(proc.stdout + proc.stderr)
+    receipts = list(run_dir.glob("ablate_runs/*/receipts/*.json"))
+    if proc.returncode != 0:
+        print(f"{label}: exit {proc.returncode}; log {run_dir / 'sweep.log'}\n{(proc.stdout + proc.stderr)[-2000:]}")
+    return {"tree": label, "exit": proc.returncode, "wall_s": round(wall, 2), "arms": len(receipts),
+            "arms_per_min": round(len(receipts) / wall * 60, 3) if wall else None, "load_before": load,
+            "load_after": os.getloadavg(), "dir": str(run_dir)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--blocks", type=int, default=2, help="blocks per feature and A/A blocks")
+    args = parser.parse_args()
+    parent = Path(tempfile.mkdtemp(prefix="ablate-bench-smoke-"))
+    old = _old_tree(parent / "old")
+    trees = {"this_tree": REPO, OLD_COMMIT: old}
+    runs: list[dict[str, Any]] = []
+    for repeat in range(args.repeats):
+        order = list(trees) if repeat % 2 == 0 else list(reversed(trees))
+        for label in order:
+            row = {"repeat": repeat, **_run(trees[label], label, args.blocks, parent)}
+            runs.append(row)
+            print(f"repeat {repeat} {label:10s} {row['arms']} arms in {row['wall_s']:.1f}s = "
+                  f"{row['arms_per_min']} arms/min (exit {row['exit']}, load {row['load_before'][0]:.2f})", flush=True)
+    rate = {label: statistics.median([r["arms_per_min"] for r in runs if r["tree"] == label and r["exit"] == 0]
+                                     or [0.0]) for label in trees}
+    ratio = rate["this_tree"] / rate[OLD_COMMIT] if rate[OLD_COMMIT] else None
+    record = {"benchmark": "smoke_throughput", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "git_commit": _commit(REPO), "baseline_commit": OLD_COMMIT,
+              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+              "campaign": f"smoke.yaml lane and budget; blocks={args.blocks}, aa_blocks={args.blocks}; no bundle, "
+                          "no horizon_steps, no recurrent_scan",
+              "criterion": f"median arms/min over {args.repeats} runs per tree, this tree / {OLD_COMMIT} (target >= 2)",
+              "arms_per_min_median": rate, "ratio": round(ratio, 3) if ratio else None,
+              "target_met": ratio is not None and ratio >= 2.0, "runs": runs}
+    history = json.loads(RESULTS.read_text())["runs"] if RESULTS.exists() else []
+    RESULTS.write_text(json.dumps({"runs": [*history, record]}, indent=1) + "\n")
+    print(json.dumps({k: record[k] for k in ("criterion", "arms_per_min_median", "ratio", "target_met")}, indent=1))
+    print(f"appended to {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

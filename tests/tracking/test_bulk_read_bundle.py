@@ -1,0 +1,190 @@
+"""Receipts read from per-sweep bundles (ablate.tracking.receipt_bundle) equal those read run by run, on a real
+SQLite store and a loopback ``mlflow server``; a bundle that is stale, replaced or disagrees with the runs is
+seen, never silently preferred.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from sweeps_common import fresh_mlflow_uri, start_mlflow_server, stop_mlflow_server
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "promote"))
+
+from promote_sim import Sim, moe, simulate  # noqa: E402
+
+from ablate.receipts.schema import Receipt  # noqa: E402
+from ablate.receipts.store import seal  # noqa: E402
+from ablate.tracking import mlflow_store, receipt_bundle  # noqa: E402
+from ablate.tracking.mlflow_store import TrackingClient, load_receipts_from_mlflow  # noqa: E402
+from ablate.tracking.receipt_bundle import BUNDLE_ARTIFACT, SHA_TAG, write_bundle  # noqa: E402
+
+PNG = b"\x89PNG\r\n\x1a\n"
+ORIGINAL_READ = mlflow_store._read_receipts
+
+
+@pytest.fixture(autouse=True)
+def _no_png_rendering(monkeypatch: pytest.MonkeyPatch) -> None:
+    def stub(receipt: Receipt, path: Path, title: str = "") -> Path:
+        Path(path).write_bytes(PNG)
+        return Path(path)
+
+    monkeypatch.setattr(mlflow_store, "goodput_png", stub)
+
+
+@pytest.fixture(scope="module")
+def campaign() -> list[Receipt]:
+    """Two sweeps (rounds) of one feature, 2 hosts x 2 blocks + A/A blocks."""
+    return [seal(r) for r in simulate(Sim(features=[moe(1.05)], hosts=2, blocks_per_host=2, rounds=2), seed=5)]
+
+
+def _log(uri: str, receipts: list[Receipt], bundle: bool = True) -> tuple[TrackingClient, dict[str, str]]:
+    client = TrackingClient(uri, "ablate")
+    parents: dict[str, str] = {}
+    for receipt in receipts:
+        sweep = receipt.identity.sweep_id
+        if sweep not in parents:
+            parents[sweep] = client.parent_run(sweep, receipt.identity.campaign)[0]
+        client.log_receipt(receipt, parents[sweep])
+    for sweep, parent in parents.items():
+        if bundle:
+            assert write_bundle(client, parent, sweep) is not None
+        client.client.set_terminated(parent, status="FINISHED")
+    return client, parents
+
+
+def _read(uri: str, bundled: bool, monkeypatch: pytest.MonkeyPatch, sweep: str | None = None) -> tuple[Any, ...]:
+    """What ``ablate promote`` gets, through the bundle reader (the proposed call site) or run by run."""
+    monkeypatch.setattr(mlflow_store, "_read_receipts", receipt_bundle.read_receipts if bundled else ORIGINAL_READ)
+    labels: dict[str, dict[str, str]] = {}
+    receipts, rejected, links = load_receipts_from_mlflow(uri, "ablate", sweep_id=sweep, run_labels=labels)
+    monkeypatch.setattr(mlflow_store, "_read_receipts", ORIGINAL_READ)
+    return [r.model_dump_json() for r in receipts], rejected, links, labels
+
+
+@pytest.fixture
+def searches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """(filter, runs returned) of every TrackingClient.search."""
+    seen: list[tuple[str, int]] = []
+    real = TrackingClient.search
+
+    def counting(self: TrackingClient, filters: Any) -> list[Any]:
+        filters = list(filters)
+        found = real(self, filters)
+        seen.append((" and ".join(filters), len(found)))
+        return found
+
+    monkeypatch.setattr(TrackingClient, "search", counting)
+    return seen
+
+
+def _rewrite_bundle(tmp_path: Path, client: TrackingClient, parent: str, edit: Any) -> None:
+    """Edit a bundle in place and re-sign it: a consistent forgery, caught only by the per-receipt checks."""
+    path = next(p for p in tmp_path.rglob(BUNDLE_ARTIFACT) if parent in str(p))
+    body = json.loads(gzip.decompress(path.read_bytes()))
+    edit(body)
+    data = gzip.compress(json.dumps(body).encode(), mtime=0)
+    path.write_bytes(data)
+    client.client.set_tag(parent, SHA_TAG, hashlib.sha256(data).hexdigest())
+
+
+def test_bundles_give_what_the_runs_give_without_searching_arm_runs(
+        campaign: list[Receipt], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        searches: list[tuple[str, int]]) -> None:
+    uri = fresh_mlflow_uri(tmp_path)
+    _log(uri, campaign)
+    slow = _read(uri, False, monkeypatch)
+    searches.clear()
+    fast = _read(uri, True, monkeypatch)
+    assert fast == slow and len(fast[0]) == len(campaign) and fast[1] == []
+    assert fast[3] and all("block" in label for label in fast[3].values())
+    arm_searches = [count for query, count in searches if "'arm'" in query or "'block'" in query]
+    assert arm_searches and sum(arm_searches) == 0, "every arm and block run comes from the two bundles"
+    sweep = campaign[0].identity.sweep_id
+    assert _read(uri, True, monkeypatch, sweep) == _read(uri, False, monkeypatch, sweep)
+
+
+def test_running_sweep_missing_and_damaged_bundles_fall_back_to_the_runs(
+        campaign: list[Receipt], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    uri = fresh_mlflow_uri(tmp_path)
+    first = [r for r in campaign if r.identity.sweep_id == campaign[0].identity.sweep_id]
+    client, parents = _log(uri, first)
+    (sweep, parent), = parents.items()
+    # Resumed: RUNNING again, and a run logged after the bundle. The stale bundle must not hide it.
+    client.client.update_run(parent, status="RUNNING")
+    late = [r for r in campaign if r.identity.sweep_id != sweep][:2]
+    late = [seal(r.model_copy(update={"identity": r.identity.model_copy(update={"sweep_id": sweep})}))
+            for r in late]
+    for receipt in late:
+        client.log_receipt(receipt, parent)
+    slow = _read(uri, False, monkeypatch)
+    assert len(slow[0]) == len(first) + 2
+    assert _read(uri, True, monkeypatch) == slow
+    # Finished but its bundle replaced by other bytes: seen (a note) and the runs are searched.
+    client.client.set_terminated(parent, status="FINISHED")
+    path = next(p for p in tmp_path.rglob(BUNDLE_ARTIFACT) if parent in str(p))
+    path.write_bytes(gzip.compress(b'{"format": "ablate.receipt-bundle/1", "runs": []}'))
+    receipts, rejected, links, labels = _read(uri, True, monkeypatch)
+    assert (receipts, links, labels) == (slow[0], slow[2], slow[3])
+    assert len(rejected) == 1 and "SHA-256 differs" in rejected[0][1]
+    # Re-signed but malformed (an entry without its artifact URI): seen, never a crash, the runs are searched.
+    write_bundle(client, parent, sweep)
+    _rewrite_bundle(tmp_path, client, parent, lambda body: body["runs"][0].pop("artifact_uri"))
+    receipts, rejected, links, labels = _read(uri, True, monkeypatch)
+    assert (receipts, links, labels) == (slow[0], slow[2], slow[3])
+    assert len(rejected) == 1 and "not a well-formed" in rejected[0][1]
+
+
+def test_deleted_runs_and_forged_entries_are_reported(campaign: list[Receipt], tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    uri = fresh_mlflow_uri(tmp_path)
+    client, parents = _log(uri, campaign)
+    runs = {rid: run.info.run_id for rid, run in client.arm_runs().items()}
+    gone = campaign[0].identity.receipt_id
+    client.client.delete_run(runs[gone])
+    slow = _read(uri, False, monkeypatch)
+    receipts, rejected, links, labels = _read(uri, True, monkeypatch)
+    assert (receipts, links, labels) == (slow[0], slow[2], slow[3])
+    assert rejected == [(f"run {runs[gone]}", rejected[0][1])] and "deleted after" in rejected[0][1]
+
+    # An entry whose payload was swapped for another valid receipt, re-signed: the run-tag check refuses it.
+    victim = campaign[1].identity.receipt_id
+    donor = next(r for r in campaign if r.identity.sweep_id == campaign[1].identity.sweep_id
+                 and r.identity.receipt_id not in (victim, gone))
+
+    def swap(body: dict[str, Any]) -> None:
+        entries = {e["tags"]["ablate.receipt_id"]: e for e in body["runs"]}
+        payload = {k: v for k, v in entries[donor.identity.receipt_id]["tags"].items()
+                   if k.startswith("ablate.payload.")}
+        entries[victim]["tags"] = {**{k: v for k, v in entries[victim]["tags"].items()
+                                      if not k.startswith("ablate.payload.")}, **payload}
+
+    _rewrite_bundle(tmp_path, client, parents[campaign[1].identity.sweep_id], swap)
+    receipts, rejected, _, _ = _read(uri, True, monkeypatch)
+    assert len(receipts) == len(slow[0]) - 1
+    reasons = dict(rejected)
+    assert "does not match the run's ablate.receipt_id" in reasons[f"run {runs[victim]}"]
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[str]:
+    proc, url = start_mlflow_server(tmp_path / "server.db", tmp_path / "artifacts", tmp_path / "server.log")
+    try:
+        yield url
+    finally:
+        stop_mlflow_server(proc)
+
+
+def test_server_bundles_equal_the_runs(campaign: list[Receipt], server: str, monkeypatch: pytest.MonkeyPatch,
+                                       searches: list[tuple[str, int]]) -> None:
+    _log(server, campaign)
+    slow = _read(server, False, monkeypatch)
+    searches.clear()
+    assert _read(server, True, monkeypatch) == slow and len(slow[0]) == len(campaign)
+    assert sum(count for query, count in searches if "'arm'" in query or "'block'" in query) == 0

@@ -1,0 +1,162 @@
+"""The fork server hands every arm a process of its own that ran nothing before it, with the arm's own environment,
+and real arms forked from it leave receipts that say so."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from ablate.receipts.schema import Status, validate_receipt
+from trainer_helpers import make_spec, tiny_lane
+from trainers.forkserver import ForkServerUnavailable, fork_arm, server_key
+from trainers.run import _arm_env, run_arm, run_pair
+
+PROBE = "tests.trainers.forkserver_probe"
+SHARED = str(time.time())
+"""Tests that do not count forks share one server."""
+
+
+def _base_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = _arm_env(tmp_path)
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        env.pop(name)
+    return {**env, **extra}
+
+
+def _probe(tmp_path: Path, name: str, base: dict[str, str], *args: str, **overlay: str):  # noqa: ANN202
+    out = tmp_path / f"{name}.json"
+    proc = fork_arm(base, overlay, [str(out), *args], tmp_path / f"{name}.log", code="test", module=PROBE)
+    return proc, out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_each_fork_is_a_new_process_that_inherits_no_state_from_the_last(tmp_path: Path) -> None:
+    base = _base_env(tmp_path, ABLATE_PROBE_KEY=str(time.time()))
+    first, first_out = _probe(tmp_path, "first", base, PROBE_ARM="one")
+    assert first.wait(timeout=120) == 0
+    second, second_out = _probe(tmp_path, "second", base, PROBE_ARM="two")
+    assert second.wait(timeout=60) == 0
+    one, two = json.loads(first_out.read_text()), json.loads(second_out.read_text())
+    # Two arms, two processes, neither the caller nor the server; both children of one warm server.
+    assert len({one["pid"], two["pid"], os.getpid(), first.prepared.server_pid}) == 4
+    assert one["ppid"] == two["ppid"] == first.prepared.server_pid == second.prepared.server_pid
+    assert (first.prepared.forks_before, second.prepared.forks_before) == (0, 1)
+    # The first arm's module-level change died with its process.
+    assert one["seen_mark"] is None and two["seen_mark"] is None
+    # Imports were paid by the server; nothing that reads its config at import (dynamo, inductor) was.
+    assert two["preloaded"] == {"torch": True, "trainers.loop": True, "torch._dynamo": False,
+                                "torch._inductor": False}
+    # Exactly the arm's environment, as Popen would give it, and the caller's cwd and affinity.
+    assert one["env"] == {**base, "PROBE_ARM": "one"} and two["env"]["PROBE_ARM"] == "two"
+    assert one["cwd"] == os.getcwd() and one["affinity"] == sorted(os.sched_getaffinity(0))
+    assert "probe wrote" in (tmp_path / "first.log").read_text()
+    assert one["threads"] == 1  # no thread pool was started before the fork
+
+
+def test_exit_status_timeout_kill_and_a_vanished_caller(tmp_path: Path) -> None:
+    base = _base_env(tmp_path, ABLATE_PROBE_KEY=SHARED)
+    failing, _ = _probe(tmp_path, "fails", base, "0", "7")
+    assert failing.wait(timeout=120) == 7
+    sleeper, out = _probe(tmp_path, "sleeps", base, "60")
+    with pytest.raises(subprocess.TimeoutExpired):
+        sleeper.wait(timeout=0.3)
+    sleeper.kill()
+    assert sleeper.wait(timeout=10) == -signal.SIGKILL
+    # A caller that goes away (a trial killed by Ray) takes its arm with it.
+    orphan, out = _probe(tmp_path, "orphan", base, "60")
+    deadline = time.monotonic() + 30
+    while not out.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    orphan._sock.close()
+    deadline = time.monotonic() + 10
+    while _alive(orphan.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(orphan.pid)
+
+
+def test_a_server_is_never_shared_across_environments_or_code() -> None:
+    env = {"PATH": "/usr/bin", "OMP_NUM_THREADS": "1"}
+    assert server_key(env, "code-a") != server_key({**env, "OMP_NUM_THREADS": "2"}, "code-a")
+    assert server_key(env, "code-a") != server_key(env, "code-b")
+    assert server_key(env, "code-a") == server_key(dict(reversed(list(env.items()))), "code-a")
+
+
+def test_a_source_edit_retires_the_server_that_imported_the_old_code() -> None:
+    env = {"PATH": "/usr/bin"}
+    source = Path(__file__).resolve().parents[2] / "ablate" / "redact.py"  # outside the content fingerprint
+    before = source.stat()
+    key = server_key(env, "code")
+    try:
+        os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
+        assert server_key(env, "code") != key
+    finally:
+        os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert server_key(env, "code") == key
+
+
+def test_a_shared_server_directory_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Anyone who can reach the socket can run code as us: a directory others can write is not used.
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    shared = tmp_path / f"ablate-forkserver-{os.getuid()}"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ForkServerUnavailable, match="not private"):
+        fork_arm({"PATH": os.environ["PATH"]}, {}, [], tmp_path / "x.log", code="test", module=PROBE)
+
+
+@pytest.mark.slow
+def test_real_arms_are_forked_and_their_receipts_say_how(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ABLATE_PROBE_KEY", str(time.time()))  # a server of this test's own
+    lane = tiny_lane()
+    pairs = []
+    for index in range(2):
+        first = make_spec(lane, tmp_path, block_id=f"b{index}")
+        second = type(first)(**{**first.__dict__, "arm_index": 1, "order": 1})
+        pairs.append(run_pair((first, second)))
+    receipts = [receipt for pair in pairs for receipt in pair]
+    for receipt in receipts:
+        validate_receipt(receipt)
+        assert receipt.identity.status is Status.valid
+        assert receipt.identity.process is not None and receipt.identity.process.how == "fork_server"
+    servers = {r.identity.process.server_pid for r in receipts}  # type: ignore[union-attr]
+    pids = [r.identity.pid for r in receipts]
+    assert len(servers) == 1 and len(set(pids)) == 4 and not servers & set(pids) and os.getpid() not in pids
+    # One warm server, four forks: each arm its own.
+    assert len({r.identity.process.forks_before for r in receipts}) == 4  # type: ignore[union-attr]
+    # The fresh-interpreter path is still there, and says so.
+    fresh = run_arm(make_spec(lane, tmp_path, block_id="fresh"), fork_server=False)
+    assert fresh.identity.status is Status.valid and fresh.identity.process is not None
+    assert fresh.identity.process.how == "fresh_interpreter" and "fork_server=False" in str(
+        fresh.identity.process.fallback_reason)
+
+
+def test_a_passed_descriptor_reaches_the_arm_under_its_name(tmp_path: Path) -> None:
+    base = _base_env(tmp_path, ABLATE_PROBE_KEY=SHARED)
+    ours, theirs = socket.socketpair()
+    out = tmp_path / "fd.json"
+    proc = fork_arm(base, {}, [str(out)], tmp_path / "fd.log", code="test", module=PROBE,
+                    pass_fd=("PROBE_FD", theirs.fileno()))
+    theirs.close()
+    assert proc.wait(timeout=120) == 0
+    ours.settimeout(5)
+    assert ours.recv(16) == b"probe"
+    # The server closed its copy: once the arm exits, the caller sees end-of-stream (the turn coordinator
+    # relies on this to know an arm finished).
+    assert ours.recv(16) == b""

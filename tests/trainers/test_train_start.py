@@ -1,0 +1,122 @@
+"""Start-up of multi-worker arms (issue 14): what ``trainers.run`` changes in Ray Train, and that each arm still gets
+worker processes of its own. Timings live in ``benchmarks/bench_runner.py``; these tests assert behaviour."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from trainers.run import TRAIN_ENV_DEFAULTS, _train_env, _trainer_class
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_train_env_applies_defaults_keeps_a_set_value_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
+    names = list(TRAIN_ENV_DEFAULTS)
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(names[0], "7")  # set by whoever launched the sweep: it wins
+    with _train_env() as in_force:
+        assert in_force[names[0]] == os.environ[names[0]] == "7"
+        for name in names[1:]:
+            assert in_force[name] == os.environ[name] == TRAIN_ENV_DEFAULTS[name]
+    assert os.environ[names[0]] == "7"
+    assert all(name not in os.environ for name in names[1:])  # later one-worker arms do not inherit them
+
+
+def _probe_loop_factory() -> Callable[[dict[str, Any]], None]:
+    """A train function built here so cloudpickle ships it by value (workers cannot import this test module)."""
+
+    def probe(config: dict[str, Any]) -> None:
+        import os
+        import sys
+
+        import ray.train
+        import torch.distributed as dist
+
+        import trainers.run as run_module
+
+        # What a previous arm may have left in this process: a module attribute and an imported module.
+        seen = {"attribute": getattr(run_module, "_probe_arm", None), "module": "ablate_probe_marker" in sys.modules}
+        run_module._probe_arm = config["arm"]  # type: ignore[attr-defined]
+        sys.modules["ablate_probe_marker"] = run_module
+        rank = ray.train.get_context().get_world_rank()
+        record = {"pid": os.getpid(), "seen": seen, "world": dist.get_world_size() if dist.is_initialized() else 0,
+                  "env": {name: os.environ.get(name) for name in config["env_names"]}}
+        Path(config["out"], f"{config['arm']}-{rank}.json").write_text(json.dumps(record))
+
+    return probe
+
+
+@pytest.fixture(scope="module")
+def two_arms(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, list[dict[str, Any]]], Any]]:
+    ray = pytest.importorskip("ray")
+    import ray.train
+    from ray.train.torch import TorchConfig
+
+    out = tmp_path_factory.mktemp("train_start")
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False)
+    try:
+        arms: dict[str, list[dict[str, Any]]] = {}
+        for arm in ("first", "second"):
+            with _train_env() as train_env:
+                trainer = _trainer_class()(
+                    _probe_loop_factory(),
+                    train_loop_config={"arm": arm, "out": str(out), "env_names": list(TRAIN_ENV_DEFAULTS)},
+                    scaling_config=ray.train.ScalingConfig(num_workers=2, use_gpu=False),
+                    torch_config=TorchConfig(backend="gloo"),
+                    run_config=ray.train.RunConfig(name=f"probe-{arm}", storage_path=str(out / "ray"),
+                                                   worker_runtime_env={"env_vars": dict(train_env)}))
+                trainer.fit()
+            arms[arm] = [json.loads((out / f"{arm}-{rank}.json").read_text()) for rank in range(2)]
+        yield arms, ray
+    finally:
+        ray.shutdown()
+
+
+def test_consecutive_two_worker_arms_never_share_a_process(two_arms: tuple[dict[str, list[dict[str, Any]]], Any]
+                                                           ) -> None:
+    arms, _ = two_arms
+    first, second = ({record["pid"] for record in arms[arm]} for arm in ("first", "second"))
+    assert len(first) == 2 and len(second) == 2 and first.isdisjoint(second)
+    assert os.getpid() not in first | second
+    assert all(record["world"] == 2 for arm in arms.values() for record in arm)  # gloo group of the two ranks
+
+
+def test_module_state_of_one_arm_is_not_seen_by_the_next(two_arms: tuple[dict[str, list[dict[str, Any]]], Any]
+                                                         ) -> None:
+    arms, _ = two_arms
+    for arm in ("first", "second"):
+        for record in arms[arm]:
+            assert record["seen"] == {"attribute": None, "module": False}, (arm, record)
+
+
+def test_workers_see_the_train_settings_the_receipt_records(two_arms: tuple[dict[str, list[dict[str, Any]]], Any]
+                                                            ) -> None:
+    arms, _ = two_arms
+    for record in arms["second"]:
+        assert record["env"] == TRAIN_ENV_DEFAULTS
+
+
+def test_arm_trainer_drops_only_the_unused_datasets_callback(two_arms: tuple[dict[str, list[dict[str, Any]]], Any]
+                                                             ) -> None:
+    _, ray = two_arms
+    import ray.data
+    import ray.train
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+    def names(trainer: Any) -> set[str]:
+        return {type(callback).__name__ for callback in trainer._create_default_callbacks()}
+
+    scaling = ray.train.ScalingConfig(num_workers=2, use_gpu=False)
+    plain = names(_trainer_class()(lambda: None, scaling_config=scaling))
+    assert DatasetsCallback.__name__ not in plain
+    assert {"BackendSetupCallback", "PlacementGroupCleanerCallback", "AcceleratorSetupCallback"} <= plain
+    with_data = names(_trainer_class()(lambda: None, scaling_config=scaling,
+                                       datasets={"train": ray.data.from_items([{"x": 1}])}))
+    assert with_data == plain | {DatasetsCallback.__name__}
