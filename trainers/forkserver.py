@@ -16,9 +16,10 @@ to inherit, and inductor reads the arm's private cache directories from the arm'
 is a new child of that pristine image, so whatever one arm changes (module state, caches, threads) dies with its
 process and is never seen by the next. ``tests/trainers/test_forkserver.py`` checks both.
 
-What a child gets is what ``subprocess.Popen`` would have given it: exactly the arm's environment (``os.environ``
-replaced before any arm code runs), the caller's working directory and CPU affinity, stdout/stderr into the
-arm's log, stdin from /dev/null, and a passed descriptor (the pairing socket) under the name the arm expects.
+What a child gets is what ``subprocess.Popen`` in ``trainers.run`` would have given it: exactly the arm's
+environment (``os.environ`` replaced before any arm code runs), the repository as working directory, the caller's
+CPU affinity, stdout/stderr into the arm's log, stdin from /dev/null, and a passed descriptor (the pairing socket)
+under the name the arm expects.
 Settings a library reads once at import (OpenMP, BLAS) come from the server's own environment, so a server is
 keyed by the arm's environment minus its per-arm entries, the interpreter and the code fingerprint: an arm never
 runs in a server started for another environment or other code.
@@ -38,6 +39,7 @@ import os
 import selectors
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -87,9 +89,15 @@ def _source_stamp() -> list[tuple[str, int, int]]:
     """Every Python source the arm code can import, by mtime and size: an edit (even one the content
     fingerprint of kernels/ and trainers/ does not cover, under ablate/) retires the server that imported the old
     version."""
-    return sorted((str(path.relative_to(REPO_ROOT)), stat.st_mtime_ns, stat.st_size)
-                  for package in ("ablate", "trainers", "kernels") for path in (REPO_ROOT / package).rglob("*.py")
-                  for stat in (path.stat(),))
+    stamp = []
+    for package in ("ablate", "trainers", "kernels"):
+        for path in (REPO_ROOT / package).rglob("*.py"):
+            try:
+                stat = path.stat()
+            except OSError:  # an editor's lock file (a dangling symlink), a file deleted mid-scan: not importable
+                continue
+            stamp.append((str(path.relative_to(REPO_ROOT)), stat.st_mtime_ns, stat.st_size))
+    return sorted(stamp)
 
 
 def server_key(base_env: dict[str, str], code: Optional[str]) -> str:
@@ -102,7 +110,8 @@ def _server_dir() -> Path:
     # Private to this user (0700): the socket runs arbitrary argv in a process that carries our environment.
     directory = Path(os.environ.get("TMPDIR", "/tmp")) / f"ablate-forkserver-{os.getuid()}"
     directory.mkdir(mode=0o700, exist_ok=True)
-    if directory.stat().st_uid != os.getuid() or directory.stat().st_mode & 0o077:
+    info = directory.lstat()  # lstat: a symlink planted by someone else is not our directory
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
         raise ForkServerUnavailable(f"{directory} is not private to this user")
     return directory
 
@@ -240,9 +249,19 @@ def fork_arm(base_env: dict[str, str], overlay: dict[str, str], argv: list[str],
 
     Raises ForkServerUnavailable when no server can be had; nothing has run then.
     """
+    try:
+        return _fork_arm(base_env, overlay, argv, log_path, code=code, module=module, pass_fd=pass_fd)
+    except ForkServerUnavailable:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure to get a forked process ends in the fresh-interpreter path
+        raise ForkServerUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _fork_arm(base_env: dict[str, str], overlay: dict[str, str], argv: list[str], log_path: Path, *,
+              code: Optional[str], module: str, pass_fd: Optional[tuple[str, int]]) -> ArmProcess:
     asked = time.perf_counter()
     key = server_key(base_env, code)
-    request = {"module": module, "argv": argv, "env": {**base_env, **overlay}, "cwd": os.getcwd(),
+    request = {"module": module, "argv": argv, "env": {**base_env, **overlay}, "cwd": str(REPO_ROOT),
                "log": str(log_path), "affinity": sorted(os.sched_getaffinity(0)),
                "fd_env": pass_fd[0] if pass_fd else None}
     # A server that idled out just as we connected closes our connection unanswered: the second try starts a
@@ -437,9 +456,11 @@ def _become_arm(request: dict[str, Any], fds: list[int], conn: socket.socket, cl
 
 def main(argv: list[str]) -> int:
     path, idle_s, pid_path = Path(argv[0]), float(argv[1]), Path(argv[2])
-    if os.fork():
-        os._exit(0)  # the launcher: its caller waits for this exit, the server lives on as an orphan
-    pid_path.write_text(str(os.getpid()))
+    child = os.fork()
+    if child:  # the launcher: records the server's pid before its caller, waiting for this exit, looks for it
+        pid_path.with_suffix(".tmp").write_text(str(child))
+        os.replace(pid_path.with_suffix(".tmp"), pid_path)
+        os._exit(0)
     import importlib
 
     for name in PRELOAD:

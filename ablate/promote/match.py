@@ -269,6 +269,11 @@ def _check_pair(base: Receipt, cand: Receipt, check_order: bool = True) -> Optio
     for name in _SHARED_IDENTITY:
         if getattr(bi, name) != getattr(ci, name):
             return f"arms differ in {name}: {getattr(bi, name)!r} vs {getattr(ci, name)!r}"
+    base_how, cand_how = (bi.process.how if bi.process else None), (ci.process.how if ci.process else None)
+    if base_how != cand_how:
+        # A forked arm's process starts with the fork server's pages mapped (peak RSS) and its imports already
+        # paid; a fresh interpreter's does not: only arms prepared the same way compare.
+        return f"arms differ in process preparation: {base_how!r} vs {cand_how!r} (identity.process.how)"
     if check_order and sorted((bi.order, ci.order)) != [0, 1]:
         return f"arm orders {bi.order} and {ci.order}: one arm must run first (0) and the other second (1)"
     if base.requested.tokens_per_step != cand.requested.tokens_per_step:

@@ -223,6 +223,8 @@ class TrackingClient:
         found = self.search([f"{_q(TAG + 'role')} = '{ROLE_SWEEP}'", f"{_q(TAG + 'sweep_id')} = '{sweep_id}'"])
         if found:
             run_id = found[0].info.run_id
+            # Arms are about to be added (a resumed sweep, a sync): its bundle no longer speaks for the sweep.
+            receipt_bundle.withdraw_bundle(self, run_id)
             if reopen and found[0].info.status != "RUNNING":
                 self.client.update_run(run_id, status="RUNNING")
             return run_id, False

@@ -74,7 +74,7 @@ def goodput_svg(receipt: Receipt, path: Path, title: Optional[str] = None) -> Pa
     bottom = top + len(rows) * row_h
     body.append(f'<line x1="{label_w}" y1="{top}" x2="{label_w}" y2="{bottom}" stroke="black"/>')
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(_svg(label_w + bar_w + 110, bottom + 12, body))
+    path.write_text(_svg(label_w + bar_w + 110, bottom + 12, body), encoding="utf-8")
     return path
 
 
@@ -115,7 +115,7 @@ def block_svg(baseline: Receipt, candidate: Receipt, path: Path, title: str) -> 
         if points:
             body.append(f'<polyline points="{points}" fill="none" stroke="{color}" stroke-width="1.5"/>')
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(_svg(x0 + plot_w + 20, bottom + 20, body))
+    path.write_text(_svg(x0 + plot_w + 20, bottom + 20, body), encoding="utf-8")
     return path
 
 

@@ -18,11 +18,14 @@ a payload still has its ``receipt.json`` downloaded.
 When a bundle is not used (the sweep's runs are searched as before): the parent run carries no bundle tag, the
 artifact's SHA-256 differs from the tag written after it, the sweep is RUNNING (a live or resumed sweep adds runs
 the bundle does not list), or the artifact cannot be read or parsed. A bundle entry whose run has since been
-deleted is dropped and reported among the rejects, so a bundle never brings back a run a user removed.
+deleted is dropped and reported among the rejects. Before arms are added to a finished sweep (a resumed sweep, a
+sync), its bundle is withdrawn (the SHA tag goes) and written again at the end, so a rewrite that fails leaves no
+stale bundle behind.
 
 Not checked (the price of not listing every run): a run whose tags were edited in place after its sweep's bundle
-was written, and runs added to a finished sweep by an ``ablate receipts sync`` that stopped before it rewrote the
-summary and the bundle; the next complete sync rewrites the bundle, and ``use_payload=False`` reads every run.
+was written, and a run deleted *and then purged* (``mlflow gc``) after it: once purged it is in no list a reader
+can check, so its bundle entry counts again. Rewrite the sweep's bundle after removing runs (``ablate receipts
+sync`` on the sweep), or read with ``use_payload=False``, which reads every run.
 
 Cost of writing: one search of the sweep's arm runs and one of its block runs when the sweep closes (30-38 s
 for a 5,184-arm sweep on the benchmark's SQLite store under a load average of ~6, against ~31 min of logging).
@@ -51,6 +54,8 @@ log = logging.getLogger(__name__)
 BUNDLE_ARTIFACT = "receipt-bundle.json.gz"
 BUNDLE_FORMAT = "ablate.receipt-bundle/1"
 SHA_TAG = TAG + "bundle.sha256"
+MAX_EXCLUDED = 40
+"""Bundled sweeps one search may leave out (one tag filter each; SQLite joins at most 64 tables, MySQL 61)."""
 """Parent-run tag, written after the artifact: a bundle replaced or half-written is seen, never read."""
 RUNS_TAG = TAG + "bundle.runs"
 _KEPT_TAGS = ("mlflow.parentRunId",)
@@ -99,6 +104,9 @@ def write_bundle(client: "TrackingClient", parent_run_id: str, sweep_id: str) ->
     from ablate.tracking.blocks import block_runs
 
     try:
+        # First withdraw the old bundle: if this rewrite fails, readers search the sweep instead of trusting a
+        # bundle that may lack the arms added since (a resumed sweep, a sync).
+        withdraw_bundle(client, parent_run_id)
         arms = list(client.arm_runs(sweep_id).values())
         data = bundle_bytes(sweep_id, arms, list(block_runs(client, sweep_id).values()))
         digest = hashlib.sha256(data).hexdigest()
@@ -151,6 +159,16 @@ def _stand_in(entry: dict[str, Any]) -> BundledRun:
     return BundledRun(_Info(entry["run_id"], entry["run_name"], entry["artifact_uri"]), _Data(dict(entry["tags"])))
 
 
+def withdraw_bundle(client: "TrackingClient", parent_run_id: str) -> None:
+    """Make the parent run's bundle unusable (its SHA tag goes) before any arm is added to its sweep again."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.client.delete_tag(parent_run_id, SHA_TAG)
+    except MlflowException:
+        pass  # no bundle yet: nothing to withdraw
+
+
 def bundled_arm_runs(client: "TrackingClient", sweep_id: Optional[str], tracking_uri: str, with_blocks: bool = True
                      ) -> tuple[dict[str, Any], dict[str, str], list[tuple[str, str]]]:
     """(receipt id -> arm run, block run id -> name, notes) of the experiment's arm runs (one sweep): from the
@@ -178,6 +196,10 @@ def bundled_arm_runs(client: "TrackingClient", sweep_id: Optional[str], tracking
                               f"not used, the sweep's runs were searched instead: {why}"))
     # Every other sweep's arm runs (no bundle, an unusable one, still running; arm runs whose sweep has no parent
     # run): one search that leaves the bundled sweeps out, so it returns nothing when every sweep has a bundle.
+    # A SQL store joins one subquery per tag filter and SQLite stops at 64 tables in a join: past MAX_EXCLUDED
+    # bundles, the largest ones are used and the other sweeps are searched like unbundled ones.
+    kept = sorted(bundles, key=lambda sweep: (-len(bundles[sweep]["runs"]), sweep))[:MAX_EXCLUDED]
+    bundles = {sweep: bundles[sweep] for sweep in kept}
     others = [f"{_q(TAG + 'sweep_id')} != '{sweep}'" for sweep in sorted(bundles)]
     runs: dict[str, Any] = {run.data.tags[TAG + "receipt_id"]: run
                             for run in client.search([f"{_q(TAG + 'role')} = '{ROLE_ARM}'"] + scope + others)}
@@ -194,6 +216,10 @@ def bundled_arm_runs(client: "TrackingClient", sweep_id: Optional[str], tracking
                 if run.info.run_id in deleted:
                     notes.append((f"run {run.info.run_id}", f"deleted after sweep {sweep}'s receipt bundle was "
                                                             f"written; not read from the bundle"))
+                    continue
+                if run.data.tags.get(TAG + "sweep_id") != sweep:
+                    notes.append((f"run {run.info.run_id}", f"sweep {sweep}'s receipt bundle lists it under sweep "
+                                                            f"{run.data.tags.get(TAG + 'sweep_id')!r}; not used"))
                     continue
                 rid = run.data.tags.get(TAG + "receipt_id")
                 if rid is None:

@@ -153,3 +153,18 @@ def test_a_candidate_that_ran_its_baselines_code_is_an_observed_inert_toggle(pol
     v = result.verdicts[0]
     assert v.verdict == "REJECT" and v.reason.startswith("INERT_TOGGLE disqualifier on 12 candidate arm")
     assert v.gated_disqualifiers["INERT_TOGGLE"] == 12 and v.gated_disqualifiers["BACKEND_FALLBACK"] == 12
+
+
+def test_arms_prepared_differently_are_not_one_block(policy: Policy) -> None:
+    # One arm forked from the fork server (its imports already paid, the server's pages mapped into its peak RSS)
+    # and one in a fresh interpreter (a fallback) did not start from the same place.
+    from ablate.receipts.schema import ProcessStart
+
+    mixed, forked = pair("mixed"), pair("forked")
+    for receipt in (*forked, mixed[0]):
+        receipt.identity.process = ProcessStart(how="fork_server", server_pid=7, forks_before=0)
+    mixed[1].identity.process = ProcessStart(how="fresh_interpreter", fallback_reason="no server")
+    got = reasons(mixed + forked, policy)
+    assert got["mixed"] == ("arms differ in process preparation: 'fork_server' vs 'fresh_interpreter' "
+                            "(identity.process.how)")
+    assert got["forked"] == "matched"

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "promote"))
 from promote_sim import Sim, make_receipt, moe, simulate  # noqa: E402
 
 from ablate.receipts.schema import Receipt  # noqa: E402
+from ablate.tracking.receipt_bundle import withdraw_bundle  # noqa: E402
 from ablate.receipts.store import seal  # noqa: E402
 from ablate.tracking import bulk_read, mlflow_store, payload  # noqa: E402
 from ablate.tracking.mlflow_store import TrackingClient, load_receipts_from_mlflow  # noqa: E402
@@ -221,6 +222,9 @@ def test_sync_writes_the_payload_and_gives_one_to_runs_logged_before_it(
     client = TrackingClient(uri, "ablate")
     old = client.arm_runs()[mine[2].identity.receipt_id].info.run_id
     _strip_payload(client, old)
+    # A store from before payloads had no receipt bundle either (ablate.tracking.receipt_bundle): its runs are
+    # searched, and the run without a payload has its receipt.json read.
+    withdraw_bundle(client, client.parent_run(mine[0].identity.sweep_id, "sim")[0])
     assert load_receipts_from_mlflow(uri, "ablate")[1] == [] and artifact_reads == [old]
 
     again = sync(sweep_dir, uri, experiment="ablate")

@@ -60,11 +60,14 @@ def _log(uri: str, receipts: list[Receipt], bundle: bool = True) -> tuple[Tracki
 
 
 def _read(uri: str, bundled: bool, monkeypatch: pytest.MonkeyPatch, sweep: str | None = None) -> tuple[Any, ...]:
-    """What ``ablate promote`` gets, through the bundle reader (the proposed call site) or run by run."""
-    monkeypatch.setattr(mlflow_store, "_read_receipts", receipt_bundle.read_receipts if bundled else ORIGINAL_READ)
+    """What ``ablate promote`` gets: through the bundle reader (what ``load_receipts_from_mlflow`` calls) or, with
+    ``bundled=False``, run by run (the reader it falls back to)."""
+    real = receipt_bundle.read_receipts
+    if not bundled:
+        monkeypatch.setattr(receipt_bundle, "read_receipts", ORIGINAL_READ)
     labels: dict[str, dict[str, str]] = {}
     receipts, rejected, links = load_receipts_from_mlflow(uri, "ablate", sweep_id=sweep, run_labels=labels)
-    monkeypatch.setattr(mlflow_store, "_read_receipts", ORIGINAL_READ)
+    monkeypatch.setattr(receipt_bundle, "read_receipts", real)
     return [r.model_dump_json() for r in receipts], rejected, links, labels
 
 
@@ -170,6 +173,46 @@ def test_deleted_runs_and_forged_entries_are_reported(campaign: list[Receipt], t
     assert len(receipts) == len(slow[0]) - 1
     reasons = dict(rejected)
     assert "does not match the run's ablate.receipt_id" in reasons[f"run {runs[victim]}"]
+
+
+def test_a_failed_rewrite_or_a_reopened_sweep_leaves_no_stale_bundle(
+        campaign: list[Receipt], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    uri = fresh_mlflow_uri(tmp_path)
+    first = [r for r in campaign if r.identity.sweep_id == campaign[0].identity.sweep_id]
+    client, parents = _log(uri, first)
+    (sweep, parent), = parents.items()
+    assert SHA_TAG in client.client.get_run(parent).data.tags
+    # Found again to take more arms (a resume, a sync): the bundle is withdrawn at once.
+    assert client.parent_run(sweep, first[0].identity.campaign) == (parent, False)
+    assert SHA_TAG not in client.client.get_run(parent).data.tags
+    write_bundle(client, parent, sweep)
+    # A rewrite that fails after arms were added: the old bundle is gone, so the new arms are still read.
+    late = [seal(r.model_copy(update={"identity": r.identity.model_copy(update={"sweep_id": sweep})}))
+            for r in campaign if r.identity.sweep_id != sweep][:2]
+    for receipt in late:
+        client.log_receipt(receipt, parent)
+
+    def broken(*_: Any, **__: Any) -> bytes:
+        raise OSError("disk full")
+
+    real = receipt_bundle.bundle_bytes
+    monkeypatch.setattr(receipt_bundle, "bundle_bytes", broken)
+    assert write_bundle(client, parent, sweep) is None
+    monkeypatch.setattr(receipt_bundle, "bundle_bytes", real)
+    assert SHA_TAG not in client.client.get_run(parent).data.tags
+    receipts, rejected, _, _ = _read(uri, True, monkeypatch)
+    assert len(receipts) == len(first) + 2 and rejected == []
+
+
+def test_past_the_exclusion_cap_the_other_sweeps_are_searched(
+        campaign: list[Receipt], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A SQL store joins one subquery per excluded sweep (SQLite: at most 64 tables): only MAX_EXCLUDED bundles
+    # are used, the rest of the sweeps are read by the search, with the same result.
+    uri = fresh_mlflow_uri(tmp_path)
+    _log(uri, campaign)
+    slow = _read(uri, False, monkeypatch)
+    monkeypatch.setattr(receipt_bundle, "MAX_EXCLUDED", 1)
+    assert _read(uri, True, monkeypatch) == slow and len(slow[0]) == len(campaign)
 
 
 @pytest.fixture

@@ -281,8 +281,18 @@ def test_sync_reports_a_receipt_edited_after_it_was_logged_instead_of_already_th
     from ablate.tracking.payload import encode_json
 
     run_id = artifact.parent.parent.name
+    client = TrackingClient(uri, "ablate")
     for key, value in encode_json(json.dumps(data).encode()).items():
-        TrackingClient(uri, "ablate").client.set_tag(run_id, key, value)
+        client.client.set_tag(run_id, key, value)
+    # A finished sweep is read from its receipt bundle, written when the sweep was logged: a payload edited in
+    # place afterwards is not what is read (the bundle's sealed copy is, and it passes its digest check) ...
+    found, rejected, _ = load_receipts_from_mlflow(uri, "ablate", sweep_id="track-1")
+    assert sorted(r.identity.receipt_id for r in found) == sorted(r.identity.receipt_id for r in receipts)
+    assert rejected == [] and all(r.quality.loss_final != 0.001 for r in found)
+    # ... and once the bundle is withdrawn (a resumed or re-synced sweep), the runs are read and the edit refused.
+    from ablate.tracking.receipt_bundle import withdraw_bundle
+
+    withdraw_bundle(client, client.parent_run("track-1", "smoke")[0])
     found, rejected, _ = load_receipts_from_mlflow(uri, "ablate", sweep_id="track-1")
     assert len(found) == 1 and [r[0] for r in rejected] == [f"run {run_id}"]
     assert "does not match its digest" in rejected[0][1]

@@ -19,6 +19,7 @@ from trainers.forkserver import ForkServerUnavailable, fork_arm, server_key
 from trainers.run import _arm_env, run_arm, run_pair
 
 PROBE = "tests.trainers.forkserver_probe"
+REPO = Path(__file__).resolve().parents[2]
 SHARED = str(time.time())
 """Tests that do not count forks share one server."""
 
@@ -65,7 +66,7 @@ def test_each_fork_is_a_new_process_that_inherits_no_state_from_the_last(tmp_pat
                                 "torch._inductor": False}
     # Exactly the arm's environment, as Popen would give it, and the caller's cwd and affinity.
     assert one["env"] == {**base, "PROBE_ARM": "one"} and two["env"]["PROBE_ARM"] == "two"
-    assert one["cwd"] == os.getcwd() and one["affinity"] == sorted(os.sched_getaffinity(0))
+    assert one["cwd"] == str(REPO) and one["affinity"] == sorted(os.sched_getaffinity(0))
     assert "probe wrote" in (tmp_path / "first.log").read_text()
     assert one["threads"] == 1  # no thread pool was started before the fork
 
