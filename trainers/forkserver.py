@@ -10,11 +10,12 @@ How to use (``trainers.run`` does this for every one-worker arm)::
 Why: a fresh ``python -m trainers.worker`` pays 2-4 s of imports (torch alone ~2 s) on the critical path of
 every arm. The server pays them once per sweep and node; a fork costs milliseconds.
 
-What keeps arms isolated: the server only *imports* (``PRELOAD``). It never builds a model, runs an op, starts
-an OpenMP pool, touches CUDA or imports dynamo/inductor (so no compile cache, allocator or kernel state exists
-to inherit, and inductor reads the arm's private cache directories from the arm's own environment). Each arm
-is a new child of that pristine image, so whatever one arm changes (module state, caches, threads) dies with its
-process and is never seen by the next. ``tests/trainers/test_forkserver.py`` checks both.
+What keeps arms isolated: the server only *imports* (``PRELOAD``, and dynamo on a CPU build of torch). It never
+builds a model, runs an op, compiles, starts an OpenMP pool or touches CUDA (so no compile cache, allocator or
+kernel state exists to inherit, and inductor and triton read the arm's private cache directories from the arm's
+own environment when they first use them). Each arm is a new child of that pristine image, so whatever one arm
+changes (module state, caches, threads) dies with its process and is never seen by the next.
+``tests/trainers/test_forkserver.py`` checks both.
 
 What a child gets is what ``subprocess.Popen`` in ``trainers.run`` would have given it: exactly the arm's
 environment (``os.environ`` replaced before any arm code runs), the repository as working directory, the caller's
@@ -50,12 +51,19 @@ from typing import Any, Optional
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PRELOAD = ("torch", "trainers.loop", "trainers.pairing", "trainers.result", "trainers.spec", "trainers.hostload")
-"""Imports only: none of them runs an op, starts a thread pool or imports dynamo/inductor at import time.
-``trainers.worker`` itself is not preloaded: it runs as ``__main__`` in the child, as ``python -m`` would."""
-NEVER_PRELOADED = ("torch._dynamo", "torch._inductor", "deepspeed", "triton")
-"""Modules that read configuration (cache directories, env) at import: the server refuses to start with them."""
+"""Imports only: none of them runs an op or starts a thread pool at import time. ``trainers.worker`` itself is not
+preloaded: it runs as ``__main__`` in the child, as ``python -m`` would."""
+PRELOAD_CPU_BUILD = ("torch._dynamo",)
+"""Also preloaded where torch was built without CUDA/ROCm: every arm imports dynamo before its features are read
+(``trainers.loop``'s compile watch, ~1.5-2 s on 2 CPUs). It imports ``torch._inductor.config`` and triton, whose
+cache directories are read when used, not at import (``cache_dir_utils.cache_dir``, ``triton.knobs``), so each
+arm still compiles into its own empty caches (``tests/trainers/test_forkserver.py`` checks this). Left out on
+GPU builds: a module that probes the driver at import (``cuInit``) would leave every forked child with a CUDA
+that cannot initialise, and no GPU run has verified that none does."""
+NEVER_PRELOADED = ("deepspeed",)
+"""Reads its accelerator and launcher environment at import: the server refuses to start with it loaded."""
 WORKER_MODULE = "trainers.worker"
-IDLE_S = 60.0
+IDLE_S = 180.0
 """Long enough to bridge the gap between blocks (and a round gap of a short until-decided campaign)."""
 START_TIMEOUT_S = 120.0
 _HEADER = struct.Struct("!I")
@@ -465,12 +473,15 @@ def main(argv: list[str]) -> int:
 
     for name in PRELOAD:
         importlib.import_module(name)
+    import torch
+
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        for name in PRELOAD_CPU_BUILD:
+            importlib.import_module(name)
     loaded = [name for name in NEVER_PRELOADED if name in sys.modules]
     if loaded:
         print(f"forkserver: refusing to serve, import-time state of {loaded} would be shared", file=sys.stderr)
         return 3
-    import torch
-
     if torch.cuda.is_initialized():  # a CUDA context does not survive fork: every child would inherit a broken one
         print("forkserver: refusing to serve, CUDA was initialised by an import", file=sys.stderr)
         return 3

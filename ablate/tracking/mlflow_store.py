@@ -579,10 +579,19 @@ def load_receipts_from_mlflow(tracking_uri: Optional[str], experiment: str, swee
 def _read_receipts(client: TrackingClient, sweep_id: Optional[str], uri: str, receipts: dict[str, Receipt],
                    rejected: list[tuple[str, str]], links: dict[str, str], use_payload: bool = True,
                    ui_url: Optional[str] = None, run_labels: Optional[dict[str, dict[str, str]]] = None) -> None:
-    ui, _ = ui_base(uri, ui_url)
     runs = [run for _, run in sorted(client.arm_runs(sweep_id).items())]
-    blocks = block_runs(client, sweep_id) if run_labels is not None else {}
-    for outcome in read_arm_runs(runs, uri, use_payload=use_payload):
+    blocks = {run_id: run.info.run_name or run_id
+              for run_id, run in (block_runs(client, sweep_id) if run_labels is not None else {}).items()}
+    collect_outcomes(client, read_arm_runs(runs, uri, use_payload=use_payload), ui_base(uri, ui_url)[0], blocks,
+                     receipts, rejected, links, run_labels)
+
+
+def collect_outcomes(client: TrackingClient, outcomes: Iterable[Any], ui: str, blocks: dict[str, str],
+                     receipts: dict[str, Receipt], rejected: list[tuple[str, str]], links: dict[str, str],
+                     run_labels: Optional[dict[str, dict[str, str]]]) -> None:
+    """Each read arm run into the reader's results: its receipt and link, or the reason it was rejected; with
+    ``run_labels``, its arm run's name and its block run's (``blocks``: block run id -> name)."""
+    for outcome in outcomes:
         run_id = outcome.run.info.run_id
         if outcome.receipt is None:
             rejected.append((f"run {run_id}", outcome.reason or "unreadable"))
@@ -592,10 +601,10 @@ def _read_receipts(client: TrackingClient, sweep_id: Optional[str], uri: str, re
         links[rid] = run_link(ui, client.experiment_id, run_id)
         if run_labels is not None:
             run_labels[rid] = {"arm": outcome.run.info.run_name or run_id}
-            block = blocks.get(outcome.run.data.tags.get("mlflow.parentRunId", ""))
-            if block is not None:
-                run_labels[rid].update(block=block.info.run_name or block.info.run_id,
-                                       block_url=run_link(ui, client.experiment_id, block.info.run_id))
+            block_id = outcome.run.data.tags.get("mlflow.parentRunId", "")
+            if block_id in blocks:
+                run_labels[rid].update(block=blocks[block_id] or block_id,
+                                       block_url=run_link(ui, client.experiment_id, block_id))
 
 
 def store_failure(uri: str, exc: BaseException) -> str:

@@ -254,27 +254,14 @@ def read_receipts(client: "TrackingClient", sweep_id: Optional[str], uri: str, r
                   rejected: list[tuple[str, str]], links: dict[str, str], use_payload: bool = True,
                   ui_url: Optional[str] = None, run_labels: Optional[dict[str, dict[str, str]]] = None) -> None:
     """``mlflow_store._read_receipts`` with the arm runs of finished sweeps taken from their bundles."""
-    from ablate.tracking.mlflow_store import _read_receipts, run_link
+    from ablate.tracking.mlflow_store import _read_receipts, collect_outcomes
     from ablate.tracking.uri import ui_base
 
     if not use_payload:  # the authoritative copies only: every receipt.json, as before
         _read_receipts(client, sweep_id, uri, receipts, rejected, links, use_payload, ui_url, run_labels)
         return
-    ui, _ = ui_base(uri, ui_url)
     arm_runs, blocks, notes = bundled_arm_runs(client, sweep_id, uri, with_blocks=run_labels is not None)
     rejected.extend(notes)
     runs = [run for _, run in sorted(arm_runs.items())]
-    for outcome in read_arm_runs(runs, uri, use_payload=True):
-        run_id = outcome.run.info.run_id
-        if outcome.receipt is None:
-            rejected.append((f"run {run_id}", outcome.reason or "unreadable"))
-            continue
-        rid = outcome.receipt.identity.receipt_id
-        receipts.setdefault(rid, outcome.receipt)
-        links[rid] = run_link(ui, client.experiment_id, run_id)
-        if run_labels is not None:
-            run_labels[rid] = {"arm": outcome.run.info.run_name or run_id}
-            block_id = outcome.run.data.tags.get("mlflow.parentRunId", "")
-            if block_id in blocks:
-                run_labels[rid].update(block=blocks[block_id] or block_id,
-                                       block_url=run_link(ui, client.experiment_id, block_id))
+    collect_outcomes(client, read_arm_runs(runs, uri, use_payload=True), ui_base(uri, ui_url)[0], blocks, receipts,
+                     rejected, links, run_labels)

@@ -1,8 +1,7 @@
 """Receipts read back in bulk from their runs' payload tags, against the artifact path, on a real SQLite store
 and a real loopback ``mlflow server``.
 
-Receipts are simulated campaigns (tests/promote/promote_sim.py), real validated ``Receipt`` objects. The goodput
-PNG is stubbed: no reader opens it, and rendering it is most of what logging a receipt costs.
+Receipts are simulated campaigns (tests/promote/promote_sim.py), real validated ``Receipt`` objects.
 """
 
 from __future__ import annotations
@@ -23,20 +22,8 @@ from promote_sim import Sim, make_receipt, moe, simulate  # noqa: E402
 from ablate.receipts.schema import Receipt  # noqa: E402
 from ablate.tracking.receipt_bundle import withdraw_bundle  # noqa: E402
 from ablate.receipts.store import seal  # noqa: E402
-from ablate.tracking import bulk_read, mlflow_store, payload  # noqa: E402
+from ablate.tracking import bulk_read, payload  # noqa: E402
 from ablate.tracking.mlflow_store import TrackingClient, load_receipts_from_mlflow  # noqa: E402
-
-PNG = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(autouse=True)
-def _no_png_rendering(monkeypatch: pytest.MonkeyPatch) -> None:
-    def stub(receipt: Receipt, path: Path, title: str = "") -> Path:
-        Path(path).write_bytes(PNG)
-        return Path(path)
-
-    monkeypatch.setattr(mlflow_store, "goodput_png", stub)
-
 
 @pytest.fixture(scope="module")
 def campaign() -> list[Receipt]:

@@ -25,17 +25,7 @@ from ablate.tracking import mlflow_store, receipt_bundle  # noqa: E402
 from ablate.tracking.mlflow_store import TrackingClient, load_receipts_from_mlflow  # noqa: E402
 from ablate.tracking.receipt_bundle import BUNDLE_ARTIFACT, SHA_TAG, write_bundle  # noqa: E402
 
-PNG = b"\x89PNG\r\n\x1a\n"
 ORIGINAL_READ = mlflow_store._read_receipts
-
-
-@pytest.fixture(autouse=True)
-def _no_png_rendering(monkeypatch: pytest.MonkeyPatch) -> None:
-    def stub(receipt: Receipt, path: Path, title: str = "") -> Path:
-        Path(path).write_bytes(PNG)
-        return Path(path)
-
-    monkeypatch.setattr(mlflow_store, "goodput_png", stub)
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +47,12 @@ def _log(uri: str, receipts: list[Receipt], bundle: bool = True) -> tuple[Tracki
             assert write_bundle(client, parent, sweep) is not None
         client.client.set_terminated(parent, status="FINISHED")
     return client, parents
+
+
+def _moved_into(sweep: str, receipts: list[Receipt]) -> list[Receipt]:
+    """Arms logged into ``sweep`` after its bundle was written (re-sealed copies of other sweeps' arms)."""
+    return [seal(r.model_copy(update={"identity": r.identity.model_copy(update={"sweep_id": sweep})}))
+            for r in receipts]
 
 
 def _read(uri: str, bundled: bool, monkeypatch: pytest.MonkeyPatch, sweep: str | None = None) -> tuple[Any, ...]:
@@ -121,9 +117,7 @@ def test_running_sweep_missing_and_damaged_bundles_fall_back_to_the_runs(
     (sweep, parent), = parents.items()
     # Resumed: RUNNING again, and a run logged after the bundle. The stale bundle must not hide it.
     client.client.update_run(parent, status="RUNNING")
-    late = [r for r in campaign if r.identity.sweep_id != sweep][:2]
-    late = [seal(r.model_copy(update={"identity": r.identity.model_copy(update={"sweep_id": sweep})}))
-            for r in late]
+    late = _moved_into(sweep, [r for r in campaign if r.identity.sweep_id != sweep][:2])
     for receipt in late:
         client.log_receipt(receipt, parent)
     slow = _read(uri, False, monkeypatch)
@@ -187,8 +181,7 @@ def test_a_failed_rewrite_or_a_reopened_sweep_leaves_no_stale_bundle(
     assert SHA_TAG not in client.client.get_run(parent).data.tags
     write_bundle(client, parent, sweep)
     # A rewrite that fails after arms were added: the old bundle is gone, so the new arms are still read.
-    late = [seal(r.model_copy(update={"identity": r.identity.model_copy(update={"sweep_id": sweep})}))
-            for r in campaign if r.identity.sweep_id != sweep][:2]
+    late = _moved_into(sweep, [r for r in campaign if r.identity.sweep_id != sweep][:2])
     for receipt in late:
         client.log_receipt(receipt, parent)
 

@@ -7,7 +7,7 @@ import sys
 import time
 
 # Before anything of ours imports more: what the server preloaded, exactly as a forked arm starts.
-_PRELOADED = {name: name in sys.modules for name in ("torch", "trainers.loop", "torch._dynamo", "torch._inductor")}
+_PRELOADED = {name: name in sys.modules for name in ("torch", "trainers.loop", "torch._dynamo", "deepspeed")}
 
 import trainers.loop  # noqa: E402 - after the snapshot above
 
@@ -15,7 +15,12 @@ seen = getattr(trainers.loop, "_probe_mark", None)
 trainers.loop._probe_mark = os.getpid()  # type: ignore[attr-defined]
 out = {"pid": os.getpid(), "ppid": os.getppid(), "seen_mark": seen, "preloaded": _PRELOADED,
        "env": dict(os.environ), "cwd": os.getcwd(), "affinity": sorted(os.sched_getaffinity(0)),
-       "argv": sys.argv[1:], "threads": len(os.listdir(f"/proc/{os.getpid()}/task"))}
+       "argv": sys.argv[1:]}
+if "TORCHINDUCTOR_CACHE_DIR" in os.environ:  # where this arm would compile into: its own directories
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from triton import knobs
+
+    out["caches"] = {"inductor": cache_dir(), "triton": knobs.cache.dir}
 fd = os.environ.get("PROBE_FD")
 if fd is not None:
     os.write(int(fd), b"probe")

@@ -50,7 +50,9 @@ def _alive(pid: int) -> bool:
 
 def test_each_fork_is_a_new_process_that_inherits_no_state_from_the_last(tmp_path: Path) -> None:
     base = _base_env(tmp_path, ABLATE_PROBE_KEY=str(time.time()))
-    first, first_out = _probe(tmp_path, "first", base, PROBE_ARM="one")
+    caches = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "one-inductor"),
+              "TRITON_CACHE_DIR": str(tmp_path / "one-triton")}
+    first, first_out = _probe(tmp_path, "first", base, PROBE_ARM="one", **caches)
     assert first.wait(timeout=120) == 0
     second, second_out = _probe(tmp_path, "second", base, PROBE_ARM="two")
     assert second.wait(timeout=60) == 0
@@ -61,14 +63,18 @@ def test_each_fork_is_a_new_process_that_inherits_no_state_from_the_last(tmp_pat
     assert (first.prepared.forks_before, second.prepared.forks_before) == (0, 1)
     # The first arm's module-level change died with its process.
     assert one["seen_mark"] is None and two["seen_mark"] is None
-    # Imports were paid by the server; nothing that reads its config at import (dynamo, inductor) was.
-    assert two["preloaded"] == {"torch": True, "trainers.loop": True, "torch._dynamo": False,
-                                "torch._inductor": False}
+    # Imports were paid by the server (dynamo too on a CPU build of torch), DeepSpeed's never.
+    import torch
+
+    cpu_build = torch.version.cuda is None and getattr(torch.version, "hip", None) is None
+    assert two["preloaded"] == {"torch": True, "trainers.loop": True, "torch._dynamo": cpu_build,
+                                "deepspeed": False}
+    # Inductor and triton, preloaded or not, compile into this arm's own empty cache directories.
+    assert one["caches"] == {"inductor": caches["TORCHINDUCTOR_CACHE_DIR"], "triton": caches["TRITON_CACHE_DIR"]}
     # Exactly the arm's environment, as Popen would give it, and the caller's cwd and affinity.
-    assert one["env"] == {**base, "PROBE_ARM": "one"} and two["env"]["PROBE_ARM"] == "two"
+    assert one["env"] == {**base, "PROBE_ARM": "one", **caches} and two["env"]["PROBE_ARM"] == "two"
     assert one["cwd"] == str(REPO) and one["affinity"] == sorted(os.sched_getaffinity(0))
     assert "probe wrote" in (tmp_path / "first.log").read_text()
-    assert one["threads"] == 1  # no thread pool was started before the fork
 
 
 def test_exit_status_timeout_kill_and_a_vanished_caller(tmp_path: Path) -> None:
