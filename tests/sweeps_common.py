@@ -108,6 +108,21 @@ def fresh_mlflow_uri(directory: Path) -> str:
     return f"sqlite:///{target}"
 
 
+def log_campaign(uri: str, receipts: list[Any]) -> tuple[Any, dict[str, str]]:
+    """Log receipts as the sweep driver does (a parent run per sweep, an arm run each) into experiment "ablate";
+    (the tracking client, sweep id -> parent run id)."""
+    from ablate.tracking.mlflow_store import TrackingClient
+
+    client = TrackingClient(uri, "ablate")
+    parents: dict[str, str] = {}
+    for receipt in receipts:
+        sweep = receipt.identity.sweep_id
+        if sweep not in parents:
+            parents[sweep] = client.parent_run(sweep, receipt.identity.campaign)[0]
+        client.log_receipt(receipt, parents[sweep])
+    return client, parents
+
+
 def by_block(receipts: list[Any]) -> dict[str, list[Any]]:
     blocks: dict[str, list[Any]] = defaultdict(list)
     for receipt in receipts:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from sweeps_common import fresh_mlflow_uri, start_mlflow_server, stop_mlflow_server
+from sweeps_common import fresh_mlflow_uri, log_campaign, start_mlflow_server, stop_mlflow_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "promote"))
 
@@ -46,14 +46,7 @@ def artifact_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def _log(uri: str, receipts: list[Receipt]) -> TrackingClient:
-    client = TrackingClient(uri, "ablate")
-    parents: dict[str, str] = {}
-    for receipt in receipts:
-        sweep = receipt.identity.sweep_id
-        if sweep not in parents:
-            parents[sweep] = client.parent_run(sweep, receipt.identity.campaign)[0]
-        client.log_receipt(receipt, parents[sweep])
-    return client
+    return log_campaign(uri, receipts)[0]
 
 
 def _strip_payload(client: TrackingClient, run_id: str) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from sweeps_common import fresh_mlflow_uri, start_mlflow_server, stop_mlflow_server
+from sweeps_common import fresh_mlflow_uri, log_campaign, start_mlflow_server, stop_mlflow_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "promote"))
 
@@ -35,18 +35,22 @@ def campaign() -> list[Receipt]:
 
 
 def _log(uri: str, receipts: list[Receipt], bundle: bool = True) -> tuple[TrackingClient, dict[str, str]]:
-    client = TrackingClient(uri, "ablate")
-    parents: dict[str, str] = {}
-    for receipt in receipts:
-        sweep = receipt.identity.sweep_id
-        if sweep not in parents:
-            parents[sweep] = client.parent_run(sweep, receipt.identity.campaign)[0]
-        client.log_receipt(receipt, parents[sweep])
+    client, parents = log_campaign(uri, receipts)
     for sweep, parent in parents.items():
         if bundle:
             assert write_bundle(client, parent, sweep) is not None
         client.client.set_terminated(parent, status="FINISHED")
     return client, parents
+
+
+def _first_sweep_logged(campaign: list[Receipt], tmp_path: Path) -> tuple[str, list[Receipt], TrackingClient,
+                                                                           str, str]:
+    """The campaign's first sweep alone, logged with its bundle: (uri, its receipts, client, sweep, parent run)."""
+    uri = fresh_mlflow_uri(tmp_path)
+    first = [r for r in campaign if r.identity.sweep_id == campaign[0].identity.sweep_id]
+    client, parents = _log(uri, first)
+    (sweep, parent), = parents.items()
+    return uri, first, client, sweep, parent
 
 
 def _moved_into(sweep: str, receipts: list[Receipt]) -> list[Receipt]:
@@ -111,10 +115,7 @@ def test_bundles_give_what_the_runs_give_without_searching_arm_runs(
 
 def test_running_sweep_missing_and_damaged_bundles_fall_back_to_the_runs(
         campaign: list[Receipt], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    uri = fresh_mlflow_uri(tmp_path)
-    first = [r for r in campaign if r.identity.sweep_id == campaign[0].identity.sweep_id]
-    client, parents = _log(uri, first)
-    (sweep, parent), = parents.items()
+    uri, first, client, sweep, parent = _first_sweep_logged(campaign, tmp_path)
     # Resumed: RUNNING again, and a run logged after the bundle. The stale bundle must not hide it.
     client.client.update_run(parent, status="RUNNING")
     late = _moved_into(sweep, [r for r in campaign if r.identity.sweep_id != sweep][:2])
@@ -171,10 +172,7 @@ def test_deleted_runs_and_forged_entries_are_reported(campaign: list[Receipt], t
 
 def test_a_failed_rewrite_or_a_reopened_sweep_leaves_no_stale_bundle(
         campaign: list[Receipt], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    uri = fresh_mlflow_uri(tmp_path)
-    first = [r for r in campaign if r.identity.sweep_id == campaign[0].identity.sweep_id]
-    client, parents = _log(uri, first)
-    (sweep, parent), = parents.items()
+    uri, first, client, sweep, parent = _first_sweep_logged(campaign, tmp_path)
     assert SHA_TAG in client.client.get_run(parent).data.tags
     # Found again to take more arms (a resume, a sync): the bundle is withdrawn at once.
     assert client.parent_run(sweep, first[0].identity.campaign) == (parent, False)
