@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
 from ablate.config.load import load_defaults
+from ablate.parallel import fork_map
 from ablate.promote.analysis import analyse
 from ablate.promote.bundle import check_bundles, held_keys
 from ablate.promote.defaults_writer import find_revalidations, plan_changes
@@ -35,6 +36,9 @@ from ablate.promote.policy import Policy, load_policy
 from ablate.promote.report import LaneSummary, PromotionResult
 from ablate.promote.rule import decide_all
 from ablate.receipts.schema import InvalidReceipt, Receipt, validate_receipt
+
+ANALYSE_MIN_SHARE = 4
+"""Fewer tests per process than this are measured in this process (a fork costs more than a few tests)."""
 
 
 def _validated(receipts: Iterable[Receipt | Mapping[str, Any]]) -> tuple[list[Receipt], list[tuple[str, str]]]:
@@ -140,7 +144,10 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     blocks = [b for b in blocks if b.feature != BUNDLE]
     tests, calibrations, lanes = organise(blocks, policy)
     flags = startup_outliers(blocks)
-    measured = [analyse(test, calibrations[test.lane_key], policy, flags) for test in tests]
+    # Each test is measured on its own (its bootstrap draws from a generator seeded by its key), so the tests are
+    # split over the CPUs with results identical to one process's.
+    measured = fork_map(lambda test: analyse(test, calibrations[test.lane_key], policy, flags), tests,
+                        min_share=ANALYSE_MIN_SHARE)
     family = decide_all(measured, policy, defaults)  # the Defaults: rule reads each lane's own default
     campaigns = sorted({r.identity.campaign for r in valid})
     report_id = _report_id(campaigns, valid, policy)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import enum
 import math
-from typing import Any, Iterator, Literal, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -539,26 +539,55 @@ def _numbers(node: Any, path: str) -> list[tuple[str, float]]:
     return []
 
 
-def _values(node: Any) -> Iterator[float]:
-    """``_numbers`` without the paths: reading 10,000 receipts back spent most of its validation building path
-    strings for numbers that were fine. The paths are built only when a value fails (same messages)."""
-    if isinstance(node, bool) or node is None or isinstance(node, str):
-        return
-    if isinstance(node, (int, float)):
-        yield node
-    elif isinstance(node, dict):
-        for value in node.values():
-            yield from _values(value)
-    elif isinstance(node, (list, tuple)):
-        for value in node:
-            yield from _values(value)
+def _all_finite(node: Any) -> bool:
+    """True when every number under ``node`` is finite. Reading 10,000 receipts back spent most of its validation
+    visiting numbers one call each: this walks with a stack, and a list of numbers (the per-step series) is summed
+    in C (``math.fsum`` of finite numbers is finite or raises), visited item by item only when that does not
+    settle it."""
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                return False
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            try:
+                if math.isfinite(math.fsum(item)):
+                    continue
+            except (TypeError, ValueError, OverflowError):  # None or a nested list inside; inf - inf; huge ints
+                pass
+            stack.extend(item)
+    return True  # what is left is int (bool included), str or None: never infinite or NaN
+
+
+def _none_negative(node: Any) -> bool:
+    """True when no number under ``node`` is below zero (every number already known to be finite). ``min`` in C
+    settles a flat list of numbers; anything else (None, strings, nested lists) is visited item by item."""
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (int, float)):
+            if item < 0:
+                return False
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            try:
+                if min(item, default=0) < 0:
+                    return False
+                continue
+            except TypeError:  # None, a string or a nested list inside
+                stack.extend(item)
+    return True
 
 
 def figure_errors(receipt: "Receipt") -> list[str]:
     """Numbers no measurement produces: NaN or infinity anywhere (the trainer writes null for what it could not
     measure), a negative count, duration, size, rate or share, a family share above 1."""
     data = receipt.model_dump(mode="python", exclude={"digest"})
-    if not all(math.isfinite(value) for value in _values(data)):
+    if not _all_finite(data):
         return [f"{path} is {value!r}: a receipt holds finite numbers only (null for what was not measured)"
                 for path, value in _numbers(data, "") if not math.isfinite(value)]
     errors: list[str] = []
@@ -566,7 +595,7 @@ def figure_errors(receipt: "Receipt") -> list[str]:
         node: Any = data
         for part in section.split("."):
             node = node.get(part) if isinstance(node, dict) else None
-        if all(value >= 0 for value in _values(node)):
+        if _none_negative(node):
             continue
         for path, value in _numbers(node, section):
             if value < 0 and path.split("[")[0] not in _SIGNED:

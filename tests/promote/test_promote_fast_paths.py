@@ -3,18 +3,24 @@
 - ``match._unregistered_scalar`` (a memo keyed on type and value) answers as ``match._unregistered`` on the
   value's JSON, for every plain scalar a receipt can state, including the coercions OmegaConf would accept;
 - ``engine._validated`` dumps receipts only when an id has several copies, and still keeps identical copies
-  once and refuses differing ones.
+  once and refuses differing ones;
+- ``schema._all_finite`` and ``schema._none_negative`` (C-speed checks of whole lists) answer as the number by
+  number walk they replace, on any tree of numbers, NaN, infinities, huge integers, bools, strings and None.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from promote_sim import Sim, moe, simulate
 
 from ablate.promote import engine, match
+from ablate.receipts import schema
 from ablate.receipts.store import seal
 
 VALUES: list[tuple[str, Any]] = [
@@ -75,3 +81,44 @@ def test_validated_keeps_identical_copies_once_and_refuses_differing_ones() -> N
     assert len(valid) == len(receipts) - 1
     assert [rid for rid, _ in rejected] == [second.identity.receipt_id] * 2
     assert all("conflicting copies" in why for _, why in rejected)
+
+
+def _reference_numbers(node: Any) -> list[float]:
+    # The walk figure_errors made before its shortcuts: every number, bools, strings and None excluded.
+    if isinstance(node, bool) or node is None or isinstance(node, str):
+        return []
+    if isinstance(node, (int, float)):
+        return [node]
+    if isinstance(node, dict):
+        return [x for v in node.values() for x in _reference_numbers(v)]
+    return [x for v in node for x in _reference_numbers(v)]
+
+
+_SCALARS = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(min_value=-10**400, max_value=10**400),
+                     st.booleans(), st.none(), st.text(max_size=3),
+                     st.sampled_from([0.0, -0.0, 1e308, -1e308, 5e-324, float("inf"), float("-inf"), float("nan")]))
+_TREES = st.recursive(_SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=6),
+                                                         st.dictionaries(st.text(max_size=2), inner, max_size=4)),
+                      max_leaves=30)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_TREES)
+def test_number_shortcuts_answer_as_the_number_by_number_walk(tree: Any) -> None:
+    numbers = _reference_numbers(tree)
+    # An int is finite however large (math.isfinite would raise converting 10**400 to a float).
+    finite = all(isinstance(v, int) or math.isfinite(v) for v in numbers)
+    assert schema._all_finite(tree) == finite
+    if finite:  # figure_errors asks about signs only once every number is known to be finite
+        assert schema._none_negative(tree) == all(v >= 0 for v in numbers)
+
+
+@pytest.mark.parametrize(("series", "finite", "non_negative"), [
+    ([1.0, 2.0, float("nan")], False, None), ([float("inf"), float("-inf")], False, None),
+    ([1e308, 1e308, 1e308], True, True), ([0.5, None, -1.0], True, False), ([[0.5], [-0.5]], True, False),
+    ([3, True, 0.0], True, True), ([10**400, -1], True, False), ([], True, True),
+])
+def test_number_shortcuts_on_per_step_series(series: list[Any], finite: bool, non_negative: Any) -> None:
+    assert schema._all_finite({"steps": {"series": series}}) is finite
+    if non_negative is not None:
+        assert schema._none_negative({"series": series}) is non_negative

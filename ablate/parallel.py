@@ -1,0 +1,123 @@
+"""CPU-bound, side-effect-free work of one command (checking 10,000 receipts, analysing each test, drawing each
+lane's plot) spread over this machine's cores by forking.
+
+A forked child already holds the parent's data, so nothing is pickled on the way in; each child sends back only
+its results, through a file, and exits without running the parent's exit handlers or flushing its buffers. The
+parent computes its own share meanwhile. Whatever goes wrong in a child (an exception, a crash, a kill, results
+that cannot be read back) costs time, never a result: the parent computes that share itself, so ``fork_map`` always
+returns exactly ``[fn(item) for item in items]`` or raises what that raises.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional, Sequence, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+PROCESSES_ENV = "ABLATE_PROCESSES"
+"""How many processes ``fork_map`` may use (1: none forked); default: the CPUs this process may run on."""
+
+
+def usable_processes() -> int:
+    configured = os.environ.get(PROCESSES_ENV, "").strip()
+    if configured:
+        try:
+            value = int(configured)
+        except ValueError:
+            raise ValueError(f"{PROCESSES_ENV}={configured!r}: allowed: a whole number >= 1") from None
+        if value < 1:
+            raise ValueError(f"{PROCESSES_ENV}={configured!r}: allowed: a whole number >= 1")
+        return value
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity call on this platform
+        return max(1, os.cpu_count() or 1)
+
+
+def fork_map(fn: Callable[[T], R], items: Sequence[T], processes: Optional[int] = None,
+             min_share: int = 1) -> list[R]:
+    """``[fn(item) for item in items]``, items dealt round-robin (a share's cost does not depend on where the
+    costly items sit) over up to ``processes`` processes, this one included, with at least ``min_share`` items
+    each. ``fn`` must not depend on state it changes (a child's changes are lost) and its results must pickle."""
+    count = min(processes or usable_processes(), len(items) // max(1, min_share))
+    if count < 2 or not hasattr(os, "fork"):
+        return [fn(item) for item in items]
+    shares = [range(start, len(items), count) for start in range(count)]
+    results: list[Optional[R]] = [None] * len(items)
+    with tempfile.TemporaryDirectory(prefix="ablate-fork-") as tmp:
+        children = {}
+        for number, share in enumerate(shares[1:], start=1):
+            path = Path(tmp) / f"share-{number}.pickle"
+            pid = _fork_child(fn, items, share, path)
+            if pid is not None:
+                children[number] = (pid, path)
+        try:
+            for index in shares[0]:
+                results[index] = fn(items[index])
+        except BaseException:
+            _stop(children.values())
+            raise
+        for number, share in enumerate(shares[1:], start=1):
+            got = _collect(*children[number]) if number in children else None
+            values = got if got is not None and len(got) == len(share) else [fn(items[i]) for i in share]
+            for index, value in zip(share, values):
+                results[index] = value
+    return results  # type: ignore[return-value]
+
+
+def _fork_child(fn: Callable[[T], R], items: Sequence[T], share: range, path: Path) -> Optional[int]:
+    for stream in (sys.stdout, sys.stderr):  # else a child's exit could repeat what the parent buffered
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    try:
+        pid = os.fork()
+    except OSError:  # no memory or process slots: the parent does the share
+        return None
+    if pid:
+        return pid
+    code = 1
+    try:
+        values = [fn(items[index]) for index in share]
+        partial = path.with_suffix(".partial")
+        with open(partial, "wb") as handle:
+            pickle.dump(values, handle, protocol=pickle.HIGHEST_PROTOCOL)
+        partial.rename(path)  # complete or absent: a killed child never leaves half a result
+        code = 0
+    except BaseException:  # noqa: BLE001 - the parent recomputes the share and raises what fn raises
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _stop(children) -> None:
+    import signal
+
+    for pid, _ in children:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+
+def _collect(pid: int, path: Path) -> Optional[list]:
+    try:
+        _, status = os.waitpid(pid, 0)
+    except ChildProcessError:
+        status = -1
+    if status != 0 or not path.exists():
+        return None
+    try:
+        with open(path, "rb") as handle:
+            values = pickle.load(handle)
+    except Exception:  # noqa: BLE001 - unreadable results: the parent recomputes them
+        return None
+    return values if isinstance(values, list) else None
