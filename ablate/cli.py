@@ -13,10 +13,11 @@ Heavy imports (torch, Ray, MLflow) happen inside the commands so `ablate validat
 
 from __future__ import annotations
 
+import functools
 import gc
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import typer
 from rich.console import Console
@@ -312,7 +313,20 @@ def receipts_sync(
 # --- promote ---
 
 
+def _owns_its_process(command: Callable[..., Any]) -> Callable[..., Any]:
+    """A command whose pure CPU work (checking receipts, analysing tests, drawing plots) may be split over the
+    CPUs by forking (``ablate.parallel``): it runs alone in its process, with no other thread at work."""
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        from ablate.parallel import forking
+
+        with forking():
+            return command(*args, **kwargs)
+    return run
+
+
 @app.command()
+@_owns_its_process
 def promote(
     source: Optional[Path] = typer.Option(None, "--source", help="Receipt dir / JSON / JSONL (default: MLflow)."),
     tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri"),

@@ -10,18 +10,35 @@ returns exactly ``[fn(item) for item in items]`` or raises what that raises.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, Optional, Sequence, TypeVar
+from typing import Callable, Iterator, Optional, Sequence, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
 
 PROCESSES_ENV = "ABLATE_PROCESSES"
 """How many processes ``fork_map`` may use (1: none forked); default: the CPUs this process may run on."""
+
+
+_allowed = False
+
+
+@contextlib.contextmanager
+def forking() -> Iterator[None]:
+    """Let ``fork_map`` fork inside this block. Off by default: only a command that owns its whole process (``ablate
+    promote``) turns it on. A process with other threads at work (the sweep driver: Ray's and gRPC's) must not
+    fork, since a child could inherit a lock one of them holds; there ``fork_map`` computes everything itself."""
+    global _allowed
+    before, _allowed = _allowed, True
+    try:
+        yield
+    finally:
+        _allowed = before
 
 
 def usable_processes() -> int:
@@ -42,10 +59,11 @@ def usable_processes() -> int:
 
 def fork_map(fn: Callable[[T], R], items: Sequence[T], processes: Optional[int] = None,
              min_share: int = 1) -> list[R]:
-    """``[fn(item) for item in items]``, items dealt round-robin (a share's cost does not depend on where the
-    costly items sit) over up to ``processes`` processes, this one included, with at least ``min_share`` items
-    each. ``fn`` must not depend on state it changes (a child's changes are lost) and its results must pickle."""
-    count = min(processes or usable_processes(), len(items) // max(1, min_share))
+    """``[fn(item) for item in items]``. Inside ``forking()`` the items are dealt round-robin (a share's cost does not
+    depend on where the costly items sit) over up to ``processes`` processes, this one included, with at least
+    ``min_share`` items each. ``fn`` must not depend on state it changes (a child's changes are lost) and its
+    results must pickle."""
+    count = min(processes or usable_processes(), len(items) // max(1, min_share)) if _allowed else 1
     if count < 2 or not hasattr(os, "fork"):
         return [fn(item) for item in items]
     shares = [range(start, len(items), count) for start in range(count)]

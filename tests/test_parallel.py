@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 from sweeps_common import fresh_mlflow_uri, log_campaign
@@ -25,6 +26,12 @@ from ablate.parallel import fork_map  # noqa: E402
 from ablate.receipts.store import seal  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def forking() -> Iterator[None]:
+    with parallel.forking():
+        yield
 
 
 def _no_children_left() -> bool:
@@ -46,8 +53,14 @@ def test_results_in_order_and_computed_in_two_processes() -> None:
 
 def test_one_process_and_small_inputs_fork_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     parent = os.getpid()
+    with parallel.forking():
+        pass
+    assert parallel._allowed, "leaving an inner block keeps the outer one's permission"
     assert {pid for pid in fork_map(lambda _: os.getpid(), range(5), processes=2, min_share=3)} == {parent}
     monkeypatch.setenv(parallel.PROCESSES_ENV, "1")
+    assert {pid for pid in fork_map(lambda _: os.getpid(), range(50))} == {parent}
+    monkeypatch.setenv(parallel.PROCESSES_ENV, "2")
+    monkeypatch.setattr(parallel, "_allowed", False)  # outside forking(): a sweep driver's threads are never forked
     assert {pid for pid in fork_map(lambda _: os.getpid(), range(50))} == {parent}
 
 
