@@ -243,7 +243,20 @@ def _print_rejected(rejected: list[tuple[str, str]]) -> None:
         err.print(f"rejected {origin}: {reason}", markup=False, highlight=False, soft_wrap=True)
 
 
+def _owns_its_process(command: Callable[..., Any]) -> Callable[..., Any]:
+    """A command whose pure CPU work (checking receipts, analysing tests, drawing plots) may be split over the
+    CPUs by forking (``ablate.parallel``): it runs alone in its process, with no other thread at work."""
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        from ablate.parallel import forking
+
+        with forking():
+            return command(*args, **kwargs)
+    return run
+
+
 @receipts_app.command("list")
+@_owns_its_process
 def receipts_list(
     source: Optional[Path] = typer.Option(None, "--source", help="Receipt dir / JSON / JSONL (default: MLflow)."),
     tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri"),
@@ -265,6 +278,7 @@ def receipts_list(
 
 
 @receipts_app.command("show")
+@_owns_its_process
 def receipts_show(
     receipt_id: str = typer.Argument(..., help="A receipt id or a unique prefix."),
     source: Optional[Path] = typer.Option(None, "--source"),
@@ -311,18 +325,6 @@ def receipts_sync(
 
 
 # --- promote ---
-
-
-def _owns_its_process(command: Callable[..., Any]) -> Callable[..., Any]:
-    """A command whose pure CPU work (checking receipts, analysing tests, drawing plots) may be split over the
-    CPUs by forking (``ablate.parallel``): it runs alone in its process, with no other thread at work."""
-    @functools.wraps(command)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        from ablate.parallel import forking
-
-        with forking():
-            return command(*args, **kwargs)
-    return run
 
 
 @app.command()

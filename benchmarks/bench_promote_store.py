@@ -52,6 +52,7 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks"), str(REPO / "tests")]
 import store_10k  # noqa: E402
 from sweeps_common import start_mlflow_server, stop_mlflow_server  # noqa: E402
 
+from ablate.parallel import usable_processes  # noqa: E402
 from ablate.tracking.bulk_read import DOWNLOAD_THREADS  # noqa: E402
 from trainers.provenance import git_state  # noqa: E402
 
@@ -235,7 +236,9 @@ def main() -> None:
                               "download_threads": DOWNLOAD_THREADS, "bundles": bundles,
                               "variant": "this tree + proposed receipt-bundle call sites" if args.call_sites
                               else "this tree", "criterion": f"median of {args.repeat} CLI runs per store kind, "
-                                                             f"interleaved", "cpu_count": os.cpu_count()}
+                                                             f"interleaved", "cpu_count": os.cpu_count(),
+                              # The CLI splits checking, analysis and plots over this many processes (ablate.parallel).
+                              "cli_processes": usable_processes()}
     with tempfile.TemporaryDirectory(prefix="ablate-bench-store-") as tmp_name:
         tmp = Path(tmp_name)
         server, uris["server"] = start_mlflow_server(server_db, directory / "mlartifacts", tmp / "server.log")
