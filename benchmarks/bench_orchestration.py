@@ -24,6 +24,8 @@ Figures:
 - ``params.sqlite_journal_mode``: the store's journal mode after the sweep (``MlflowStore.open_sweep`` switches a
   local SQLite store to WAL); ``--memo-lanes`` (measurement only) memoizes the plan's lane serialization;
 - ``hooks_s``: driver time inside the recorder's and the progress display's Tune hooks;
+- ``timed.close_*``: parts of ``mlflow_close_sweep`` (``close_settle_blocks`` also counts the one in
+  ``open_sweep``); ``timed.end_*``: the sweep's end outside it (every receipt on disk read back, the catch-up);
 - ``rss_mb``: the driver's resident memory sampled every second (peak, and at each tenth of the blocks done);
 - ``threads``: the driver process's OS threads (psutil ``num_threads``: Python's, Ray's and gRPC's), sampled with
   the RSS (peak and last), and Python's ``threading.active_count()`` at the end;
@@ -61,6 +63,7 @@ from ablate.config.load import load_sweep  # noqa: E402
 from ablate.sweep import run as sweep_run  # noqa: E402
 from ablate.sweep.plan import plan_sweep  # noqa: E402
 from ablate.sweep.progress import SweepProgress  # noqa: E402
+from ablate.tracking import mlflow_store, receipt_bundle  # noqa: E402
 from ablate.tracking.mlflow_store import MlflowStore  # noqa: E402
 from trainers.provenance import git_state  # noqa: E402
 
@@ -101,9 +104,9 @@ class _Timed:
         self.seconds: dict[str, list[float]] = {}
         self.cpu_seconds: dict[str, list[float]] = {}
         """The calling thread's own CPU time per call (``time.thread_time``): what the call cost, not its wait."""
-        self._saved: list[tuple[type, str, Callable[..., Any]]] = []
+        self._saved: list[tuple[Any, str, Callable[..., Any]]] = []
 
-    def wrap(self, cls: type, name: str, label: str) -> None:
+    def wrap(self, cls: Any, name: str, label: str) -> None:
         original = getattr(cls, name)
         samples, cpu = self.seconds.setdefault(label, []), self.cpu_seconds.setdefault(label, [])
 
@@ -246,6 +249,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     timed.wrap(MlflowStore, "open_sweep", "mlflow_open_sweep")
     timed.wrap(MlflowStore, "close_sweep", "mlflow_close_sweep")
     timed.wrap(sweep_run._Recorder, "flush", "recorder_flush")
+    # What the sweep's end costs besides close_sweep: every receipt on disk read back and validated, the catch-up.
+    timed.wrap(sweep_run, "gather", "end_gather_receipts")
+    timed.wrap(sweep_run, "_catch_up", "end_catch_up")
+    # close_sweep's parts (module functions, looked up by name when called).
+    timed.wrap(mlflow_store, "settle_blocks", "close_settle_blocks")
+    timed.wrap(mlflow_store, "summary_png", "close_summary_png")
+    timed.wrap(receipt_bundle, "write_bundle", "close_write_bundle")
     original_init = sweep_run._Recorder.__init__
 
     def init(self: Any, *a: Any, **k: Any) -> None:

@@ -115,3 +115,36 @@ def test_a_forged_or_incoherent_figure_is_refused_by_name(good: dict[str, Any], 
     with pytest.raises(InvalidReceipt, match=None) as info:
         validate_receipt(data)
     assert fragment in str(info.value), str(info.value)
+
+
+def _disqualified(data: dict[str, Any], code: str) -> None:
+    data["identity"]["status"] = "disqualified"
+    data["disqualifiers"].append({"code": code, "severity": "fatal", "detail": "as the trainer words it",
+                                  "step": None})
+
+
+def test_an_arm_that_declares_its_unattributed_time_is_kept_as_a_disqualified_arm(good: dict[str, Any]) -> None:
+    # The trainer disqualifies an arm whose wall time it cannot explain; refusing that receipt too dropped the arm
+    # from the evidence and left its block without an answer (seen on 8 of 1,000 simulated blocks under load).
+    data = copy.deepcopy(good)
+    _unexplained(data)
+    _disqualified(data, "TIME_ACCOUNTING_VIOLATION")
+    receipt = validate_receipt(data)
+    assert receipt.identity.status.value == "disqualified" and "TIME_ACCOUNTING_VIOLATION" in receipt.fatal_codes()
+
+
+@pytest.mark.parametrize(("status", "code", "edit", "fragment"), [
+    ("valid", None, _unexplained, "unattributed"),                                     # no declaration
+    ("disqualified", "INERT_TOGGLE", _unexplained, "unattributed"),                    # another reason
+    ("disqualified", "TIME_ACCOUNTING_VIOLATION", _move_time, "goodput"),              # parts still must add up
+])
+def test_only_the_declared_violation_waives_only_the_unattributed_limit(
+        good: dict[str, Any], status: str, code: Any, edit: Callable[[dict[str, Any]], None], fragment: str) -> None:
+    data = copy.deepcopy(good)
+    edit(data)
+    if code is not None:
+        _disqualified(data, code)
+    data["identity"]["status"] = status
+    with pytest.raises(InvalidReceipt) as info:
+        validate_receipt(data)
+    assert fragment in str(info.value), str(info.value)

@@ -660,7 +660,12 @@ def validate_receipt(obj: dict[str, Any] | Receipt) -> Receipt:
     if errors:
         raise InvalidReceipt("; ".join(errors[:4]))
     failed = receipt.identity.status is Status.failed
-    errors = time_accounting_errors(receipt.time, finished=not failed)
+    # An arm whose own receipt declares the unattributed time (TIME_ACCOUNTING_VIOLATION, so not valid) is evidence
+    # of a disqualified arm: its block is counted, never its ratio. Refusing it dropped the arm and left its block
+    # without an answer. Only the unattributed limit is waived; the parts must still add up to the wall time.
+    declared = Code.TIME_ACCOUNTING_VIOLATION.value in receipt.fatal_codes() and \
+        receipt.identity.status is not Status.valid
+    errors = time_accounting_errors(receipt.time, finished=not failed and not declared)
     if errors and not failed:
         raise InvalidReceipt("; ".join(errors))
     errors = derived_figure_errors(receipt)

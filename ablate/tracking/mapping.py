@@ -77,7 +77,7 @@ def block_change(receipt: Receipt) -> str:
 
 def sweep_note(sweep_id: str, campaign: str) -> str:
     return (f"Round **{round_short_id(sweep_id)}** (sweep `{sweep_id}`) of campaign `{campaign}`: one child run per "
-            f"block, each holding its baseline and candidate arm runs; summary.png compares them per block.")
+            f"block, each holding its baseline and candidate arm runs; summary.svg compares them per block.")
 
 
 def receipt_params(receipt: Receipt) -> dict[str, str]:

@@ -3,7 +3,7 @@ receipt id (block runs: ``ablate.tracking.blocks``).
 
 How to run me: ``python -m ablate.tracking.mlflow_store <sweep dir>`` replays a sweep's receipts (what
 ``ablate receipts sync`` does); ``... pngs <tracking uri> <experiment> <run id>...`` adds the matplotlib PNGs of
-those arm and block runs (``log_pngs``).
+those arm, block and sweep runs (``log_pngs``).
 
 The receipt files are the source of truth; MLflow is a view of them. Everything here runs on the Tune *driver*
 (a ``Callback``), so a SQLite store has a single writer. Before creating a child run the store looks the receipt
@@ -11,11 +11,14 @@ id up (tag ``ablate.receipt_id``); a run is marked complete (tag ``ablate.logged
 metrics and artifacts are in, and an incomplete one left by a crash is deleted and written again. If the store
 cannot be reached, receipts are appended to ``<sweep dir>/spool.jsonl`` and ``sync`` replays them later.
 
-What one arm costs the driver's writer thread (``benchmarks/bench_orchestration.py``): the arm run is created with
-its tags, its two artifacts go in one ``log_artifacts`` call, then params, metrics and the ``ablate.logged`` tag in
-as few ``log_batch`` calls as MLflow's limits allow (one for a usual lane), then its end. Lookups the sweep already
-made are not repeated: ``MlflowStore.open_sweep`` reads the sweep's arm and block runs once, and the client
-remembers the block runs it made (``ablate.tracking.blocks``).
+What one arm costs the driver's writer thread (``benchmarks/bench_orchestration.py``): the receipt is sealed once
+(payload tags and ``receipt.json`` share it), the arm run is created with its tags, its two artifacts are written
+straight into a local artifact store (one ``log_artifacts`` call for any other), then params, metrics and the
+``ablate.logged`` tag in as few ``log_batch`` calls as MLflow's limits allow (one for a usual lane), then its end.
+Lookups the sweep already made are not repeated: ``MlflowStore.open_sweep`` reads the sweep's arm and block runs
+once, and the client remembers the block runs it made (``ablate.tracking.blocks``). Closing a sweep that started
+empty reads none of its runs back: the receipt bundle comes from what the writer logged (``receipt_bundle.Ledger``),
+and the final block settle is skipped when every block run the client knows is answered.
 
 An embedded SQLite store on a local disk is switched to WAL journal mode when a sweep opens it (``prefer_wal``;
 the mode is kept in the file): each commit then costs one fsync instead of the several of the default rollback
@@ -74,6 +77,7 @@ from ablate.tracking.mapping import (
     ROLE_SWEEP,
     TAG,
     UI_TRAINING_VIEW,
+    block_run_name,
     epoch_ms,
     receipt_metrics,
     receipt_params,
@@ -83,8 +87,8 @@ from ablate.tracking.mapping import (
     sweep_note,
     sweep_run_name,
 )
-from ablate.tracking.payload import COUNT_TAG, payload_tags
-from ablate.tracking.plots import block_png, goodput_png, goodput_svg, summary_png
+from ablate.tracking.payload import COUNT_TAG, encode_json, payload_tags
+from ablate.tracking.plots import block_png, goodput_png, goodput_svg, summary_png, summary_svg
 from ablate.tracking.uri import TrackingStoreError, check_sqlite_store, resolve_tracking_uri, sqlite_path, ui_base
 
 log = logging.getLogger(__name__)
@@ -179,6 +183,9 @@ class TrackingClient:
         self.unpaired: dict[Any, Receipt] = {}
         """Block key -> the one arm logged so far into a block run this client made: the second arm's answer
         needs no read back. Emptied as blocks are answered."""
+        self.ledger: Optional[receipt_bundle.Ledger] = None
+        """The runs this client makes for a sweep it opened empty (``MlflowStore.open_sweep``): its bundle is
+        written from them, without a search."""
 
     def _experiment(self, name: str) -> str:
         found = self.client.get_experiment_by_name(name)
@@ -254,7 +261,14 @@ class TrackingClient:
             if not param_items and not rows:
                 room = min(_TAGS_PER_BATCH, _ENTITIES_PER_BATCH - len(batch_params) - len(batch_rows))
                 batch_tags, tag_items = tag_items[:room], tag_items[room:]
-            self.client.log_batch(run_id, metrics=batch_rows, params=batch_params, tags=batch_tags)
+            try:
+                self.client.log_batch(run_id, metrics=batch_rows, params=batch_params, tags=batch_tags)
+            except Exception:
+                if self.ledger is not None:  # part of the batch may be in: only a search knows the run's tags now
+                    self.ledger.complete = False
+                raise
+            if self.ledger is not None and batch_tags:
+                self.ledger.tags_logged(run_id, {tag.key: tag.value for tag in batch_tags})
 
     def log_files(self, artifact_uri: str, directory: str) -> None:
         """Every file in ``directory`` into the run whose ``artifact_uri`` the caller holds (from ``create_run``):
@@ -279,18 +293,20 @@ class TrackingClient:
             if existing.data.tags.get(TAG + "logged") == "1":
                 return existing.info.run_id, False
             self.client.delete_run(existing.info.run_id)  # a crash mid-write: write it again, whole
+            if self.ledger is not None:
+                self.ledger.deleted(existing.info.run_id)
         end_ms = epoch_ms(receipt.identity.created_at) or int(time.time() * 1000)
         start_ms = end_ms - int(receipt.time.wall_s * 1000)
+        sealed, name = seal(receipt), run_name(receipt)  # sealed once: the payload tags and receipt.json share it
         tags = receipt_tags(receipt)
-        tags.update(payload_tags(receipt))  # what the bulk reader uses; receipt.json stays the authoritative copy
+        # What the bulk reader uses (``payload_tags``, from the sealed copy); receipt.json stays the authoritative one.
+        tags.update(encode_json(sealed.model_dump_json().encode("utf-8")))
         block_run_id, made = open_block_run(self, receipt, parent_run_id)
         tags["mlflow.parentRunId"] = block_run_id
-        run = self.client.create_run(self.experiment_id, start_time=start_ms, tags=tags, run_name=run_name(receipt))
+        run = self.client.create_run(self.experiment_id, start_time=start_ms, tags=tags, run_name=name)
         run_id = run.info.run_id
-        with tempfile.TemporaryDirectory(prefix="ablate-mlflow-") as tmp:
-            (Path(tmp) / "receipt.json").write_text(seal(receipt).model_dump_json(indent=2))
-            goodput_svg(receipt, Path(tmp) / "goodput.svg", title=run_name(receipt))
-            self.log_files(run.info.artifact_uri, tmp)
+        self._record(receipt, run, tags, block_run_id if made else None)
+        self._log_arm_files(run.info.artifact_uri, sealed, name)
         metrics = [Metric(k, v, end_ms, 0) for k, v in receipt_metrics(receipt).items()]
         metrics += [Metric(k, v, start_ms + step, step) for k, v, step in receipt_series(receipt)]
         # Complete (tag ``logged``) in the same call as its params and metrics, once its artifacts are in.
@@ -304,12 +320,35 @@ class TrackingClient:
             try_answer_block(self, key, block_run_id, known=receipt)
         return run_id, True
 
+    def _record(self, receipt: Receipt, run: Any, tags: dict[str, str], block_made: Optional[str]) -> None:
+        """The arm run just created (and the block run made for it) into the ledger of its sweep."""
+        ledger = self.ledger
+        if ledger is None or receipt.identity.sweep_id != ledger.sweep_id:
+            return
+        ledger.arm_created(run, tags)
+        if block_made is not None:
+            # The name ``open_block_run`` gives it; answering the block renames it (seen by ``_log_batch``).
+            ledger.block_created(block_made, block_run_name(receipt))
+
+    def _log_arm_files(self, artifact_uri: str, sealed: Receipt, title: str) -> None:
+        """``receipt.json`` and ``goodput.svg`` into the arm run. A local artifact store gets them written in place,
+        where ``log_artifacts`` would copy them from a temporary directory (the run is marked complete only later,
+        so a write cut short is redone whole, as any other)."""
+        local = _local_artifact_dir(artifact_uri)
+        if local is not None:
+            local.mkdir(parents=True, exist_ok=True)
+            _write_arm_files(local, sealed, title)
+            return
+        with tempfile.TemporaryDirectory(prefix="ablate-mlflow-") as tmp:
+            _write_arm_files(Path(tmp), sealed, title)
+            self.log_files(artifact_uri, tmp)
+
     def log_summary(self, parent_run_id: str, sweep_id: str, receipts: list[Receipt]) -> None:
         """Summary plot + per-sweep counts on the parent run (rewritten each time, so it stays current)."""
         mine = [r for r in receipts if r.identity.sweep_id == sweep_id]
         counts = {status.value: sum(r.identity.status is status for r in mine) for status in Status}
         with tempfile.TemporaryDirectory(prefix="ablate-mlflow-") as tmp:
-            plot = summary_png(mine, Path(tmp) / "summary.png", title=f"{sweep_id}: candidate / baseline per block")
+            plot = summary_svg(mine, Path(tmp) / "summary.svg", title=f"{sweep_id}: candidate / baseline per block")
             if plot is not None:
                 self.client.log_artifact(parent_run_id, str(plot))
             summary = {"sweep_id": sweep_id, "arms": len(mine), "status": counts,
@@ -323,7 +362,8 @@ class TrackingClient:
         rows.append(Metric("arms", float(len(mine)), now, 0))
         self._log_batch(parent_run_id, metrics=rows)
         # Last: readers of a finished sweep take its arm runs from this one artifact instead of searching them.
-        receipt_bundle.write_bundle(self, parent_run_id, sweep_id)
+        ledger = self.ledger if self.ledger is not None and self.ledger.sweep_id == sweep_id else None
+        receipt_bundle.write_bundle(self, parent_run_id, sweep_id, known=ledger.runs() if ledger else None)
 
 
 class MlflowStore:
@@ -371,6 +411,9 @@ class MlflowStore:
                            if run.data.tags.get(TAG + "logged") == "1"}
             self.sweep_id = sweep_id
             preload_blocks(self.client, sweep_id)
+            # Nothing of this sweep in MLflow yet: every run it gets is this writer's, so its bundle needs no search.
+            empty = not self.present and not any(key[0] == sweep_id for key in self.client.block_ids)
+            self.client.ledger = receipt_bundle.Ledger(sweep_id) if empty else None
             # A driver killed between a block's second arm and its answer: the resumed sweep answers it now.
             settle_blocks(self.client, sweep_id)
         except Exception as exc:  # noqa: BLE001 - any store failure means: spool, never lose a receipt
@@ -429,12 +472,34 @@ class MlflowStore:
         if not self.online or self.client is None or self.parent_run_id is None:
             return
         try:
-            settle_blocks(self.client, sweep_id, final=True)
+            if not self._blocks_settled(sweep_id):
+                settle_blocks(self.client, sweep_id, final=True)
             self.client.log_summary(self.parent_run_id, sweep_id, receipts)
             self.client.client.set_terminated(self.parent_run_id, status="FAILED" if failed else "FINISHED")
         except Exception as exc:  # noqa: BLE001
             self._go_offline(exc)
         checkpoint_wal(self.tracking_uri)
+
+    def _blocks_settled(self, sweep_id: str) -> bool:
+        """Every block run of the sweep is known to this client (read when the sweep opened, or made since) and
+        answered: the final ``settle_blocks`` would search them all (~0.5 s for 1,000) to do nothing."""
+        client = self.client
+        return client is not None and sweep_id in client.blocks_known and all(
+            run_id in client.answered for key, run_id in client.block_ids.items() if key[0] == sweep_id)
+
+
+def _local_artifact_dir(artifact_uri: str) -> Optional[Path]:
+    """The directory of a ``file:`` artifact URI (MLflow's local artifact store), None for any other store."""
+    if not artifact_uri.startswith("file:"):
+        return None
+    from mlflow.utils.file_utils import local_file_uri_to_path
+
+    return Path(local_file_uri_to_path(artifact_uri))
+
+
+def _write_arm_files(directory: Path, sealed: Receipt, title: str) -> None:
+    (directory / "receipt.json").write_text(sealed.model_dump_json(indent=2))
+    goodput_svg(sealed, directory / "goodput.svg", title=title)
 
 
 # --- replay and read back ---
@@ -674,8 +739,8 @@ def log_promotion_plots(tracking_uri: str, experiment: str, sweep_ids: Iterable[
 
 def log_pngs(tracking_uri: str, experiment: str, run_ids: Iterable[str]) -> dict[str, str]:
     """The matplotlib pictures, on demand, for the runs a reader cites (a report's blocks and arms): ``goodput.png``
-    on each arm run, ``block.png`` on each block run, beside the SVGs the sweep logged. Receipts come from the
-    runs' payload tags. Returns run id -> the file logged (runs of another role, or unreadable, are left out)."""
+    on each arm run, ``block.png`` on each block run, ``summary.png`` on a sweep's parent run, beside the SVGs the
+    sweep logged. Receipts come from the runs' payload tags. Returns run id -> the file logged (runs of another role, or unreadable, are left out)."""
     client = TrackingClient(tracking_uri, experiment)
     done: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="ablate-mlflow-") as tmp:
@@ -687,6 +752,14 @@ def log_pngs(tracking_uri: str, experiment: str, run_ids: Iterable[str]) -> dict
             elif role == ROLE_BLOCK and run.data.tags.get(TAG + "receipts"):
                 ids = run.data.tags[TAG + "receipts"].split(",")  # baseline, candidate
                 arms = [hit for rid in ids for hit in client.search([f"{_q(TAG + 'receipt_id')} = '{rid}'"])[:1]]
+            elif role == ROLE_SWEEP and run.data.tags.get(TAG + "sweep_id"):
+                sweep_id = run.data.tags[TAG + "sweep_id"]
+                mine = load_receipts_from_mlflow(tracking_uri, experiment, sweep_id=sweep_id)[0]
+                plot = summary_png(mine, out / "summary.png", title=f"{sweep_id}: candidate / baseline per block")
+                if plot is not None:
+                    client.client.log_artifact(run_id, str(plot))
+                    done[run_id] = plot.name
+                continue
             else:
                 continue
             receipts = [o.receipt for o in read_arm_runs(arms, tracking_uri) if o.receipt is not None]
@@ -703,7 +776,7 @@ def log_pngs(tracking_uri: str, experiment: str, run_ids: Iterable[str]) -> dict
 
 _USAGE = ("usage: python -m ablate.tracking.mlflow_store <sweep dir> [tracking uri]   (replay receipts)\n"
           "       python -m ablate.tracking.mlflow_store pngs <tracking uri> <experiment> <run id>...   (render the "
-          "matplotlib goodput.png / block.png of those arm / block runs)")
+          "matplotlib goodput.png / block.png / summary.png of those arm / block / sweep runs)")
 
 
 def _main(argv: list[str]) -> int:

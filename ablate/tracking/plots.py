@@ -3,13 +3,14 @@ speed ratios at the lane's horizon, and a lane's speed-up against the horizon (t
 plot).
 
 Two kinds, by who pays for them:
-- per arm and per block (``goodput_svg``, ``block_svg``): logged by the sweep driver's MLflow writer for every arm
-  of every block, so they are SVG text written directly (about a millisecond; matplotlib took 0.35 s per arm and
+- per arm, per block and per sweep (``goodput_svg``, ``block_svg``, ``summary_svg``): logged by the sweep driver's
+  MLflow writer for every arm of every block and at each sweep's close, so they are SVG text written directly (about a millisecond; matplotlib took 0.35 s per arm and
   0.6 s per block on the 2-core host, which paced a whole campaign: ``benchmarks/results/orchestration.json``).
   MLflow's artifact view shows ``.svg`` like ``.png``. The same numbers are also the arm run's metrics
   (``goodput_s``, ``badput_<phase>_s``), which MLflow charts natively;
-- per sweep and per report (``summary_png``, ``horizon_png``), and the matplotlib twins of the per-arm pictures
-  (``goodput_png``, ``block_png``, rendered on demand: ``ablate.tracking.mlflow_store.log_pngs``): drawn on a bare
+- per report (``horizon_png``), and the matplotlib twins of the SVG pictures (``goodput_png``, ``block_png``,
+  ``summary_png``, rendered on demand: ``ablate.tracking.mlflow_store.log_pngs``; a 1,000-block sweep's
+  ``summary_png`` took 6-8 s at its close): drawn on a bare
   ``matplotlib.figure.Figure`` (Agg canvas, no pyplot): no global backend switch, no GUI, safe on the Tune driver
   thread.
 """
@@ -212,6 +213,70 @@ def _value(pair: dict[int, Receipt]) -> object:
     return candidate.identity.feature_value if candidate else next(iter(pair.values())).identity.feature_value
 
 
+_PALETTE = ["#1565c0", "#ef6c00", "#6a1b9a", "#00838f", "#ad1457", "#558b2f", "#4e342e", "#37474f"]
+
+
+def _summary_colors(rows: list[tuple[str, str, Optional[float], bool]]) -> dict[str, str]:
+    labels = sorted({label for _, label, _, _ in rows})
+    return {label: ("#757575" if label == "A/A" else _PALETTE[i % len(_PALETTE)]) for i, label in enumerate(labels)}
+
+
+SUMMARY_TICKS_MAX = 60
+"""Blocks up to which each bar is labelled under the axis; past that every bar still names its block on hover."""
+
+
+def summary_svg(receipts: Iterable[Receipt], path: Path, title: str) -> Optional[Path]:
+    """``summary_png`` as SVG text: one bar per block from 1.0 to its candidate / baseline projected tokens/s,
+    coloured by comparison; hatched = not both arms valid, faint = no ratio. No matplotlib: a 1,000-block sweep's
+    summary took 6-8 s to draw at its close, this about 20 ms."""
+    rows = block_ratios(receipts)
+    if not rows:
+        return None
+    color = _summary_colors(rows)
+    ratios = [ratio for _, _, ratio, _ in rows if ratio is not None]
+    reach = max([abs(r - 1.0) for r in ratios] + [0.01]) * 1.15
+    left, top, plot_h, bar_w, gap = 70, 60, 240, 10, 4
+    labelled = len(rows) <= SUMMARY_TICKS_MAX
+    width = max(560, left + len(rows) * (bar_w + gap) + 20)
+    axis_y = top + plot_h / 2  # the 1.0 line: bars go up for a faster candidate, down for a slower one
+    scale = (plot_h / 2) / reach
+    body = ['<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" '
+            'patternTransform="rotate(45)"><rect width="6" height="6" fill="white" fill-opacity="0.0"/>'
+            '<line x1="0" y1="0" x2="0" y2="6" stroke="black" stroke-width="1.2"/></pattern></defs>',
+            _text(10, 16, title, size=12, weight="bold"),
+            _text(10, 32, "candidate / baseline tokens/s at the horizon, per block (hatched: not both arms valid; "
+                          "faint: no ratio)", size=10)]
+    for i, label in enumerate(sorted(color)):
+        body.append(f'<rect x="{10 + 150 * i}" y="42" width="10" height="10" fill="{color[label]}"/>')
+        body.append(_text(24 + 150 * i, 47, label, size=9))
+    for value in (1.0 - reach / 1.15, 1.0, 1.0 + reach / 1.15):
+        y = axis_y - (value - 1.0) * scale
+        body.append(f'<line x1="{left}" y1="{y:.1f}" x2="{width - 10}" y2="{y:.1f}" stroke="'
+                    f'{"black" if value == 1.0 else "#bdbdbd"}" stroke-width="{0.8 if value == 1.0 else 0.5}"/>')
+        body.append(_text(left - 6, y, f"{value:.3f}", anchor="end", size=9))
+    for i, (block_id, label, ratio, valid) in enumerate(rows):
+        x = left + 6 + i * (bar_w + gap)
+        shown = ratio if ratio is not None else 1.0
+        height = abs(shown - 1.0) * scale
+        y = axis_y - height if shown >= 1.0 else axis_y
+        tip = escape(f"{block_id} {label}: " + (f"{ratio:.4f}" if ratio is not None else "no ratio")
+                     + ("" if valid else " (not both arms valid)"))
+        opacity = "1" if ratio is not None else "0.2"
+        body.append(f'<rect x="{x}" y="{y:.1f}" width="{bar_w}" height="{max(height, 1.0):.1f}" '
+                    f'fill="{color[label]}" fill-opacity="{opacity}" stroke="black" stroke-width="0.4">'
+                    f'<title>{tip}</title></rect>')
+        if not valid:
+            body.append(f'<rect x="{x}" y="{y:.1f}" width="{bar_w}" height="{max(height, 1.0):.1f}" '
+                        f'fill="url(#hatch)"/>')
+        if labelled:
+            body.append(f'<text x="{x + bar_w / 2:.1f}" y="{top + plot_h + 8}" font-size="7" text-anchor="end" '
+                        f'transform="rotate(-60 {x + bar_w / 2:.1f} {top + plot_h + 8})">{escape(block_id)}</text>')
+    height = top + plot_h + (70 if labelled else 20)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(_svg(width, height, body), encoding="utf-8")
+    return path
+
+
 def summary_png(receipts: Iterable[Receipt], path: Path, title: str) -> Optional[Path]:
     """Candidate / baseline projected tokens/s per block, coloured by comparison; hatched = not both arms valid."""
     from matplotlib.figure import Figure
@@ -219,9 +284,8 @@ def summary_png(receipts: Iterable[Receipt], path: Path, title: str) -> Optional
     rows = block_ratios(receipts)
     if not rows:
         return None
-    labels = sorted({label for _, label, _, _ in rows})
-    palette = ["#1565c0", "#ef6c00", "#6a1b9a", "#00838f", "#ad1457", "#558b2f", "#4e342e", "#37474f"]
-    color = {label: ("#757575" if label == "A/A" else palette[i % len(palette)]) for i, label in enumerate(labels)}
+    color = _summary_colors(rows)
+    labels = sorted(color)
     fig = Figure(figsize=(max(6.0, 0.45 * len(rows) + 2.5), 4.2), layout="constrained")
     ax = fig.add_subplot()
     for x, (block_id, label, ratio, valid) in enumerate(rows):
@@ -248,12 +312,11 @@ def horizon_png(curves: list[tuple[str, list[dict[str, float]]]], horizon: int, 
     curves = [(label, points) for label, points in curves if points]
     if not curves:
         return None
-    palette = ["#1565c0", "#ef6c00", "#6a1b9a", "#00838f", "#ad1457", "#558b2f", "#4e342e", "#37474f"]
     fig = Figure(figsize=(7.0, 4.2), layout="constrained")
     ax = fig.add_subplot()
     for i, (label, points) in enumerate(curves):
         xs = [p["horizon"] for p in points]
-        color = palette[i % len(palette)]
+        color = _PALETTE[i % len(_PALETTE)]
         ax.fill_between(xs, [p["lo"] for p in points], [p["hi"] for p in points], color=color, alpha=0.18,
                         linewidth=0)
         ax.plot(xs, [p["speedup"] for p in points], color=color, label=label, linewidth=1.6)

@@ -32,7 +32,7 @@ from ablate.tracking.mlflow_store import (
     run_name,
     sync,
 )
-from ablate.tracking.plots import phases
+from ablate.tracking.plots import block_ratios, phases
 from ablate.tracking.uri import default_tracking_uri, resolve_tracking_uri
 
 
@@ -100,9 +100,11 @@ def test_child_runs_carry_params_tags_metrics_series_and_artifacts(receipts: lis
     # Idempotent: logging again returns the same runs and creates none.
     assert [client.log_receipt(r, parent) for r in receipts] == [(run_id, False) for run_id in run_ids]
     assert len(client.arm_runs("track-1")) == 2
-    # The matplotlib PNGs only on demand (a report's cited runs): arm runs get goodput.png, block runs block.png.
+    # The matplotlib PNGs only on demand (a report's cited runs): arm runs get goodput.png, block runs block.png,
+    # the sweep's parent run summary.png.
     cited = [*run_ids, block.info.run_id, parent]
-    assert log_pngs(uri, "exp", cited) == {**{i: "goodput.png" for i in run_ids}, block.info.run_id: "block.png"}
+    assert log_pngs(uri, "exp", cited) == {**{i: "goodput.png" for i in run_ids}, block.info.run_id: "block.png",
+                                           parent: "summary.png"}
     for run_id, name in [(run_ids[0], "goodput.png"), (block.info.run_id, "block.png")]:
         png = mlflow.download_artifacts(run_id, name, str(tmp_path / "png" / run_id))
         assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -130,7 +132,15 @@ def test_unreachable_store_spools_and_sync_replays_exactly_once(receipts: list[R
     assert len(client.arm_runs()) == len(receipts), "no duplicates after two syncs"
     parent = client.client.get_run(first.parents["track-1"])
     assert parent.info.status == "FINISHED"
-    assert {a.path for a in client.client.list_artifacts(parent.info.run_id)} >= {"summary.png", "summary.json"}
+    assert {a.path for a in client.client.list_artifacts(parent.info.run_id)} >= {"summary.svg", "summary.json"}
+    svg = Path(client.client.download_artifacts(parent.info.run_id, "summary.svg", str(tmp_path / "svg")))
+    picture = ElementTree.fromstring(svg.read_text())  # well-formed XML
+    tips = [t.text or "" for t in picture.iter("{http://www.w3.org/2000/svg}title")]
+    rows = block_ratios([r for r in receipts if r.identity.sweep_id == "track-1"])
+    assert len(tips) == len(rows) >= 1, "one bar per block, each naming its block and ratio on hover"
+    assert all(tip.startswith(f"{block_id} {label}: ") for tip, (block_id, label, _, _) in zip(tips, rows))
+    assert log_pngs(uri, "exp", [parent.info.run_id]) == {parent.info.run_id: "summary.png"}  # matplotlib on demand
+    assert "summary.png" in {a.path for a in client.client.list_artifacts(parent.info.run_id)}
 
 
 def test_sync_reports_every_file_it_could_not_read(receipts: list[Receipt], tmp_path: Path) -> None:
