@@ -60,9 +60,6 @@ class LaunchInfo:
     code_fingerprint: Optional[str] = None
     process: Optional[dict[str, Any]] = None
     """How the arm's process was prepared (``trainers.forkserver.Prepared.to_dict``), None when unknown."""
-    process_evidence: Optional[list[dict[str, Any]]] = None
-    """Ray Train arms: each rank's own account of its process (``trainers.ray_pool.process_evidence``: pid, start
-    time, setup hook); what ``process`` is decided from. Not part of the receipt."""
 
 
 def config_hash(spec: ArmSpec) -> str:

@@ -46,7 +46,6 @@ from ablate.redact import process_env, process_env_only, redact_text
 from trainers.forkserver import ForkServerUnavailable, Prepared, fork_arm
 from trainers.provenance import code_fingerprint, git_state, host_name, software_versions
 from trainers.pairing import ENV_CPUS as PAIR_CPUS_ENV, ENV_FD as TURN_FD_ENV, TurnCoordinator, cpu_slot
-from trainers import ray_pool
 from trainers.receipt import LaunchInfo, build_receipt
 from trainers.result import WorkerResult
 from trainers.spec import ArmSpec
@@ -171,13 +170,6 @@ def _train_loop_per_worker(config: dict[str, Any]) -> None:
     from trainers.hostload import reset_priority
 
     reset_priority()
-    work = Path(config["work_dir"])
-    # The arm's private caches come here, not through the workers' runtime env: a per-arm runtime env would give
-    # every arm its own hash, and no prestarted process would ever match it (trainers.ray_pool). Inductor and
-    # triton read these when first used, not at import, so a process whose setup hook imported torch still
-    # compiles into this arm's own empty directories (as a fork-server child does).
-    os.environ.update(_private_caches(work))
-    evidence = ray_pool.process_evidence(config["created_after"])
     import ray
     import ray.train
     import torch
@@ -187,7 +179,7 @@ def _train_loop_per_worker(config: dict[str, Any]) -> None:
 
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
-    (work / f"process-{rank}-{os.getpid()}.state").write_text(json.dumps(evidence))
+    work = Path(config["work_dir"])
     restarts = _claim_attempt(work) if rank == 0 else 0
     spec = ArmSpec.from_json(config["spec"])
     cuda_index = None
@@ -273,7 +265,7 @@ def _trainer_class() -> type:
 
 def _run_ray_train(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchInfo, node_id: Optional[str],
                    use_gpu: Optional[bool], resources_per_worker: Optional[dict[str, float]],
-                   storage_path: Optional[str], prestart_next: int = 1) -> Optional[WorkerResult]:
+                   storage_path: Optional[str]) -> Optional[WorkerResult]:
     import ray
 
     if not ray.is_initialized():
@@ -283,10 +275,7 @@ def _run_ray_train(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchI
     if use_gpu is None:
         use_gpu = lane.hardware.device.value != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
     # Ray starts workers at niceness 15 by default; an arm measured at low priority is pre-empted by anything.
-    # Nothing per arm in here (the caches come through the train loop's config): the same runtime env for every
-    # arm is what lets a prestarted process serve the next one, its setup hook having imported torch and the arm
-    # code (trainers.ray_pool).
-    env_vars = {"PYTHONPATH": _pythonpath(), "RAY_worker_niceness": "0", **ray_pool.hook_env_vars()}
+    env_vars = {"PYTHONPATH": _pythonpath(), "RAY_worker_niceness": "0", **_private_caches(work)}
     if not use_gpu:
         env_vars["DS_ACCELERATOR"] = "cpu"
     scaling: dict[str, Any] = {"num_workers": lane.engine.workers, "use_gpu": use_gpu}
@@ -300,15 +289,7 @@ def _run_ray_train(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchI
         launch.node_id = node_id
     with _train_env() as train_env:
         env_vars.update(train_env)
-        envs = _pool_envs(env_vars)
-        # No prestart here: processes asked for now would start beside this arm's own and slow it; the first arm of
-        # a sweep starts fresh ones, later arms find what the previous arm (in this trial or the last) asked for.
         result = _fit_arm(spec, work, max_failures, launch, use_gpu, scaling, env_vars, storage_path)
-        _record_processes(work, launch, envs)  # corrects the prediction if a worker carried another env
-        envs = _pool_envs(env_vars)
-    if envs is not None and prestart_next > 0:
-        # The next arms' processes start now, while nothing is measured: this arm is over, the next not begun.
-        ray_pool.prestart(envs, lane.engine.workers, arms=prestart_next)
     attempts = sorted(work.glob("attempt-*.state"))
     launch.restarts = max(0, len(attempts) - 1)
     if result is None:
@@ -325,52 +306,6 @@ def _run_ray_train(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchI
     return result
 
 
-def _pool_envs(worker_env_vars: dict[str, str]) -> Optional[tuple[str, str]]:
-    """The runtime envs Ray Train 2.60 will give this arm's controller and workers (``trainers.ray_pool``), as
-    computed by Train itself from this process's environment; None when this Ray/Train layout is unknown."""
-    try:
-        import ray
-        from ray.train.v2._internal.constants import (DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
-                                                      RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
-                                                      get_env_vars_to_propagate)
-
-        caller = ray._private.worker.global_worker.core_worker.get_current_runtime_env()
-    except Exception:  # noqa: BLE001 - another Ray: no pool, fresh processes as before
-        return None
-    controller = get_env_vars_to_propagate()  # as DataParallelTrainer._initialize_and_run_controller builds it
-    controller.setdefault(RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR, DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)
-    return ray_pool.expected_envs(caller, controller, worker_env_vars)
-
-
-def _record_processes(work: Path, launch: LaunchInfo, envs: Optional[tuple[str, str]]) -> None:
-    """``launch.process`` from the workers' own evidence (``ray_pool.process_evidence``): prestarted only when
-    every rank's process was. Evidence of a reused process fails the arm (Ray never reuses an actor's process)."""
-    paths = sorted(work.glob("process-*.state"))
-    evidence = [json.loads(path.read_text()) for path in paths]
-    launch.process_evidence = evidence
-    if not evidence:
-        return
-    if envs is not None:
-        ray_pool.learn(envs[1], evidence[0])
-    how = "ray_prestarted_worker" if all(e["how"] == "ray_prestarted_worker" for e in evidence) else "ray_train_worker"
-    ranks = [_rank_process(int(path.name.split("-")[1]), e) for path, e in zip(paths, evidence)]
-    launch.process = {**Prepared(how).to_dict(), "ranks": sorted(ranks, key=lambda r: r["rank"])}
-    if any(e.get("reused") for e in evidence) and launch.failure is None:
-        launch.failure = {"type": "ProcessReused", "category": "exception",
-                          "message": f"a Train worker's process had run an earlier arm: {evidence}"[-3000:]}
-
-
-def _rank_process(rank: int, evidence: dict[str, Any]) -> dict[str, Any]:
-    """The receipt's account of one rank's process (``identity.process.ranks``); the runtime env it carried stays
-    out (its env vars are the job's, not evidence)."""
-    started, fit = evidence.get("process_started_at"), evidence.get("arm_created_after")
-    hook = evidence.get("hook") or {}
-    return {"rank": rank, "pid": int(evidence["pid"]), "how": evidence["how"],
-            "started_before_arm_s": round(fit - started, 3) if started is not None and fit is not None else None,
-            "hook_s": round(hook["hook_end"] - hook["hook_start"], 3) if "hook_end" in hook else None,
-            "hook_error": redact_text(hook["error"])[:300] if hook.get("error") else None}
-
-
 def _fit_arm(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchInfo, use_gpu: bool,
              scaling: dict[str, Any], env_vars: dict[str, str], storage_path: Optional[str]) -> Optional[WorkerResult]:
     """Build and fit the arm's trainer; the result rank 0 attached to the final checkpoint, or None."""
@@ -379,8 +314,7 @@ def _fit_arm(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchInfo, u
 
     trainer = _trainer_class()(
         _train_loop_per_worker,
-        # created_after: a process that started before this instant was prestarted (trainers.ray_pool).
-        train_loop_config={"spec": spec.to_json(), "work_dir": str(work), "created_after": time.time()},
+        train_loop_config={"spec": spec.to_json(), "work_dir": str(work)},
         scaling_config=ray.train.ScalingConfig(**scaling),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         # A fresh run name per call: a reused name would make Train resume a stale run and hand back its checkpoint.
@@ -464,7 +398,7 @@ def _finish(spec: ArmSpec, work: Path, launch: LaunchInfo, result: Optional[Work
 def run_arm(spec: ArmSpec, *, max_failures: int = 0, node_id: Optional[str] = "current",
             use_gpu: Optional[bool] = None, resources_per_worker: Optional[dict[str, float]] = None,
             storage_path: Optional[str] = None, timeout_s: Optional[float] = None,
-            fork_server: bool = True, prestart_next: int = 1) -> Receipt:
+            fork_server: bool = True) -> Receipt:
     """Run one arm and return its receipt, also written atomically to ``spec.receipt_dir``.
 
     Args:
@@ -477,9 +411,6 @@ def run_arm(spec: ArmSpec, *, max_failures: int = 0, node_id: Optional[str] = "c
         timeout_s: wall limit of a one-worker arm's process (per attempt).
         fork_server: fork a one-worker arm's process from the node's fork server (``trainers.forkserver``);
             False starts a fresh interpreter (imports on the arm's clock), as a fallback does.
-        prestart_next: multi-worker arms: how many arms' worth of Ray processes (``trainers.ray_pool``) to ask
-            the raylet for once this arm's ``fit()`` returned; 0 = none (an arm that follows at once would have
-            them start beside its own start-up on a small node).
     """
     executor = "subprocess" if spec.lane.engine.workers == 1 else "ray_train"
     spec, work, launch = _prepare(spec, executor, time.time())
@@ -493,7 +424,7 @@ def run_arm(spec: ArmSpec, *, max_failures: int = 0, node_id: Optional[str] = "c
             if node_id == "current":
                 node_id = _caller_node_id()
             result = _run_ray_train(worker_spec, work, max_failures, launch, node_id, use_gpu,
-                                    resources_per_worker, storage_path, prestart_next)
+                                    resources_per_worker, storage_path)
     except Exception as exc:  # noqa: BLE001 - an executor bug still ends in a failed receipt
         launch.failure = {"type": type(exc).__name__, "category": "exception",
                           "message": redact_text(f"{exc}\n{traceback.format_exc(limit=6)}")[-3000:]}

@@ -22,11 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ablate.receipts import derive
 from ablate.receipts.derive import Projection
 
-SCHEMA_VERSION = "2.5.0"
-"""2.5: ``identity.process.how`` may be ``ray_prestarted_worker`` (every rank of a Ray Train arm ran in a process
-the raylet had started before the arm, whose setup hook imported torch and the arm code), with ``ranks``: each
-rank's own account of its process; optional, absent on older receipts.
-2.4: ``identity.process`` (how the arm's process was prepared: forked from a fork server that had imported
+SCHEMA_VERSION = "2.4.0"
+"""2.4: ``identity.process`` (how the arm's process was prepared: forked from a fork server that had imported
 torch and the arm code, or a fresh interpreter, or a Ray Train worker); optional, absent on older receipts.
 2.3: ``identity.schedule`` (fixed, or until_decided: the block was scheduled by the sequential searcher, so
 only a sequential policy may judge it); optional, absent reads as fixed.
@@ -124,25 +121,11 @@ SIMULATED_EXECUTOR = "simulated"
 through the real sweep, recorder and MLflow, but no arm ran; promotion refuses every block that holds one."""
 
 
-class RankProcess(_Model):
-    """One Ray Train rank's process, as the process itself saw it (``trainers.ray_pool.process_evidence``)."""
-
-    rank: int
-    pid: int
-    how: Literal["ray_prestarted_worker", "ray_train_worker"]
-    started_before_arm_s: Optional[float] = None
-    """The arm's ``fit()`` minus the process's start: > 0 for a prestarted process (its wait in the pool)."""
-    hook_s: Optional[float] = None
-    """Seconds the setup hook spent importing torch and the arm code; None when no hook ran in it."""
-    hook_error: Optional[str] = None
-
-
 class ProcessStart(_Model):
     """How an arm's process came to be. Every arm runs in a process that ran nothing before it; this says
-    whether its imports were paid on the arm's clock (fresh_interpreter, ray_train_worker) or beforehand, by a fork
-    server (fork_server) or by the setup hook of a Ray process started before the arm (ray_prestarted_worker)."""
+    whether its imports were paid on the arm's clock (fresh_interpreter) or by a fork server beforehand."""
 
-    how: Literal["fork_server", "fresh_interpreter", "ray_train_worker", "ray_prestarted_worker"]
+    how: Literal["fork_server", "fresh_interpreter", "ray_train_worker"]
     server_pid: Optional[int] = None
     server_started_at: Optional[float] = None
     forks_before: Optional[int] = None
@@ -151,8 +134,6 @@ class ProcessStart(_Model):
     """Fork request sent -> child pid back (the server's own start-up included when this request started it)."""
     fallback_reason: Optional[str] = None
     """Why a one-worker arm ran in a fresh interpreter instead of a forked one."""
-    ranks: Optional[list[RankProcess]] = None
-    """Ray Train arms: every rank's process (``ray_prestarted_worker`` only when every rank's was)."""
 
 
 class Identity(_Model):

@@ -171,12 +171,12 @@ def run_block(config: dict[str, Any], context: Optional[dict[str, Any]] = None) 
     # Test-only (``run_sweep(simulate_arms=True)``): no-op arms whose receipts say so and never count as evidence.
     simulated = context.get("simulate_arms") is True
 
-    def run_one(spec: "ArmSpec", prestart_next: int) -> Receipt:
+    def run_one(spec: "ArmSpec") -> Receipt:
         if simulated:
             from trainers.simulate import simulate_arm
 
             return simulate_arm(spec)
-        return run_arm(spec, **{**context["run_arm"], "prestart_next": prestart_next})
+        return run_arm(spec, **context["run_arm"])
 
     if context.get("block_mode", "interleaved") == "interleaved" and not simulated:
         specs = tuple(make_arm_spec(block, position, arm, sweep_id=context["sweep_id"], campaign=context["campaign"],
@@ -192,19 +192,14 @@ def run_block(config: dict[str, Any], context: Optional[dict[str, Any]] = None) 
             for (position, arm), spec, receipt in zip(order, specs, receipts):
                 report(position, arm, spec, receipt)
             order = []
-    for index, (position, arm) in enumerate(order):
+    for position, arm in order:
         spec = make_arm_spec(block, position, arm, sweep_id=context["sweep_id"], campaign=context["campaign"],
                              receipt_dir=context["receipt_dir"], attempt=attempt,
                              inject=inject if position == 0 else None,
                              scheduled_at=scheduled if position == 0 else None, hashes=context.get("hashes"),
                              node_check_path=context.get("node_check_path"),
                              schedule=context.get("schedule", "fixed"))
-        # Multi-worker arms: Ray processes for the next block's arms are asked for after this block's last arm
-        # only, so they start while the trial turns over and both arms of every block find them ready (prepared
-        # alike). Asked for between the arms, they would start beside the second arm's own start-up
-        # (trainers.ray_pool; benchmarks/results/train_pool.json).
-        run_next = len(order) if index == len(order) - 1 else 0
-        report(position, arm, spec, run_one(spec, prestart_next=run_next))
+        report(position, arm, spec, run_one(spec))
     if failed:
         raise ArmFailed(f"block {block.block_id} attempt {attempt}: " + "; ".join(failed))
 
