@@ -87,6 +87,10 @@ FORGERIES = {
     "NaN projected tokens/s": (lambda d: d["projection"].__setitem__("tokens_per_s", float("nan")),
                                "projection.tokens_per_s is nan"),
     "NaN in a diagnostic figure": (lambda d: d["throughput"].__setitem__("mfu", float("nan")), "throughput.mfu"),
+    # An int beyond float range beside the NaN: named like any other NaN, never an OverflowError while naming it.
+    "NaN beside a huge int": (lambda d: (d["throughput"].__setitem__("mfu", float("nan")),
+                                         d["observed"]["compile"].__setitem__("graph_breaks", 10**400)),
+                              "throughput.mfu is nan"),
     "negative projected tokens/s": (_scale("projection.tokens_per_s", -1.0), "never negative"),
     "negative step time": (lambda d: d["steps"]["step_s"].__setitem__(1, -0.1), "steps.step_s[1]"),
     "negative graph breaks": (lambda d: d["observed"]["compile"].__setitem__("graph_breaks", -1),

@@ -589,7 +589,7 @@ def figure_errors(receipt: "Receipt") -> list[str]:
     data = receipt.model_dump(mode="python", exclude={"digest"})
     if not _all_finite(data):
         return [f"{path} is {value!r}: a receipt holds finite numbers only (null for what was not measured)"
-                for path, value in _numbers(data, "") if not math.isfinite(value)]
+                for path, value in _numbers(data, "") if isinstance(value, float) and not math.isfinite(value)]
     errors: list[str] = []
     for section in _NON_NEGATIVE:
         node: Any = data

@@ -87,7 +87,7 @@ from ablate.tracking.mapping import (
     sweep_note,
     sweep_run_name,
 )
-from ablate.tracking.payload import COUNT_TAG, encode_json, payload_tags
+from ablate.tracking.payload import COUNT_TAG, payload_tags, sealed_payload_tags
 from ablate.tracking.plots import block_png, goodput_png, goodput_svg, summary_png, summary_svg
 from ablate.tracking.uri import TrackingStoreError, check_sqlite_store, resolve_tracking_uri, sqlite_path, ui_base
 
@@ -299,8 +299,7 @@ class TrackingClient:
         start_ms = end_ms - int(receipt.time.wall_s * 1000)
         sealed, name = seal(receipt), run_name(receipt)  # sealed once: the payload tags and receipt.json share it
         tags = receipt_tags(receipt)
-        # What the bulk reader uses (``payload_tags``, from the sealed copy); receipt.json stays the authoritative one.
-        tags.update(encode_json(sealed.model_dump_json().encode("utf-8")))
+        tags.update(sealed_payload_tags(sealed))  # what the bulk reader uses; receipt.json stays the authoritative copy
         block_run_id, made = open_block_run(self, receipt, parent_run_id)
         tags["mlflow.parentRunId"] = block_run_id
         run = self.client.create_run(self.experiment_id, start_time=start_ms, tags=tags, run_name=name)
@@ -740,7 +739,8 @@ def log_promotion_plots(tracking_uri: str, experiment: str, sweep_ids: Iterable[
 def log_pngs(tracking_uri: str, experiment: str, run_ids: Iterable[str]) -> dict[str, str]:
     """The matplotlib pictures, on demand, for the runs a reader cites (a report's blocks and arms): ``goodput.png``
     on each arm run, ``block.png`` on each block run, ``summary.png`` on a sweep's parent run, beside the SVGs the
-    sweep logged. Receipts come from the runs' payload tags. Returns run id -> the file logged (runs of another role, or unreadable, are left out)."""
+    sweep logged. Receipts come from the runs' payload tags. Returns run id -> the file logged (runs of another
+    role, or unreadable, are left out)."""
     client = TrackingClient(tracking_uri, experiment)
     done: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="ablate-mlflow-") as tmp:

@@ -43,7 +43,13 @@ class PayloadError(ValueError):
 
 def payload_tags(receipt: Receipt) -> dict[str, str]:
     """The payload tags of a receipt (sealed first, as ``receipt.json`` is); empty when it would not fit."""
-    return encode_json(seal(receipt).model_dump_json().encode("utf-8"))
+    return sealed_payload_tags(seal(receipt))
+
+
+def sealed_payload_tags(sealed: Receipt) -> dict[str, str]:
+    """``payload_tags`` of a receipt already sealed (``store.seal``): a writer that also writes its ``receipt.json``
+    seals it once for both."""
+    return encode_json(sealed.model_dump_json().encode("utf-8"))
 
 
 def encode_json(data: bytes) -> dict[str, str]:

@@ -4,8 +4,9 @@ plot).
 
 Two kinds, by who pays for them:
 - per arm, per block and per sweep (``goodput_svg``, ``block_svg``, ``summary_svg``): logged by the sweep driver's
-  MLflow writer for every arm of every block and at each sweep's close, so they are SVG text written directly (about a millisecond; matplotlib took 0.35 s per arm and
-  0.6 s per block on the 2-core host, which paced a whole campaign: ``benchmarks/results/orchestration.json``).
+  MLflow writer for every arm of every block and at each sweep's close, so they are SVG text written directly
+  (about a millisecond; matplotlib took 0.35 s per arm and 0.6 s per block on the 2-core host, which paced a whole
+  campaign: ``benchmarks/results/orchestration.json``).
   MLflow's artifact view shows ``.svg`` like ``.png``. The same numbers are also the arm run's metrics
   (``goodput_s``, ``badput_<phase>_s``), which MLflow charts natively;
 - per report (``horizon_png``), and the matplotlib twins of the SVG pictures (``goodput_png``, ``block_png``,

@@ -57,9 +57,9 @@ log = logging.getLogger(__name__)
 BUNDLE_ARTIFACT = "receipt-bundle.json.gz"
 BUNDLE_FORMAT = "ablate.receipt-bundle/1"
 SHA_TAG = TAG + "bundle.sha256"
+"""Parent-run tag, written after the artifact: a bundle replaced or half-written is seen, never read."""
 MAX_EXCLUDED = 40
 """Bundled sweeps one search may leave out (one tag filter each; SQLite joins at most 64 tables, MySQL 61)."""
-"""Parent-run tag, written after the artifact: a bundle replaced or half-written is seen, never read."""
 RUNS_TAG = TAG + "bundle.runs"
 _KEPT_TAGS = ("mlflow.parentRunId",)
 _ENDED = ("FINISHED", "FAILED", "KILLED")
