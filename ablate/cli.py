@@ -248,8 +248,12 @@ def _owns_its_process(command: Callable[..., Any]) -> Callable[..., Any]:
     CPUs by forking (``ablate.parallel``): it runs alone in its process, with no other thread at work."""
     @functools.wraps(command)
     def run(*args: Any, **kwargs: Any) -> Any:
-        from ablate.parallel import forking
+        from ablate.parallel import forking, usable_processes
 
+        try:
+            usable_processes()  # a bad ABLATE_PROCESSES is refused before anything is read
+        except ValueError as exc:
+            _fail(markup_escape(str(exc)))
         with forking():
             return command(*args, **kwargs)
     return run

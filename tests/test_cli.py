@@ -221,3 +221,16 @@ def test_validate_passes_on_the_promotion_branch_and_names_what_it_skips(tmp_pat
     assert len(testing) >= 2  # smoke.yaml and nam56r_gpu.yaml at least
     assert out.stdout.count("skip mamba_scan=chunked: already this lane's default (global default since report "
                             "promote-cli-1)") == len(testing), out.stdout
+
+
+@pytest.mark.parametrize("command", [["promote"], ["receipts", "list"], ["receipts", "show", "abc"]])
+def test_a_bad_process_count_is_refused_before_any_receipt_is_read(tmp_path: Path, command: list[str]) -> None:
+    from typer.testing import CliRunner
+
+    from ablate.cli import app
+
+    missing = tmp_path / "no-such-dir"  # never reached: the variable is checked first
+    out = CliRunner().invoke(app, [*command, "--source", str(missing)], env={"ABLATE_PROCESSES": "two"})
+    assert out.exit_code == 2, out.output
+    assert "ABLATE_PROCESSES='two'" in out.output and "allowed: a whole number >= 1" in out.output
+    assert "no such file" not in out.output
