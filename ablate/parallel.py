@@ -82,8 +82,12 @@ def fork_map(fn: Callable[[T], R], items: Sequence[T], processes: Optional[int] 
             _stop(children.values())
             raise
         for number, share in enumerate(shares[1:], start=1):
-            got = _collect(*children[number]) if number in children else None
-            values = got if got is not None and len(got) == len(share) else [fn(items[i]) for i in share]
+            got = _collect(*children.pop(number)) if number in children else None
+            try:
+                values = got if got is not None and len(got) == len(share) else [fn(items[i]) for i in share]
+            except BaseException:
+                _stop(children.values())  # the later children too: none outlives the call, none left a zombie
+                raise
             for index, value in zip(share, values):
                 results[index] = value
     return results  # type: ignore[return-value]

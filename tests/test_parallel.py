@@ -105,6 +105,25 @@ def test_what_fn_raises_reaches_the_caller_and_no_child_is_left() -> None:
     assert _children() <= before
 
 
+def test_a_raise_while_recomputing_a_share_leaves_no_later_child_behind() -> None:
+    import time
+
+    parent, before = os.getpid(), _children()
+
+    def fails_on_one(x: int) -> int:
+        if x == 1:
+            raise KeyError("one")  # child 1's share: its child fails, the parent's recompute raises
+        if os.getpid() != parent and x % 3 == 2:
+            time.sleep(30)  # child 2, still at work when the parent raises
+        return x
+
+    started = time.monotonic()
+    with pytest.raises(KeyError, match="one"):
+        fork_map(fails_on_one, list(range(9)), processes=3)
+    assert _children() <= before, "child 2 was stopped and reaped, not left running or as a zombie"
+    assert time.monotonic() - started < 20
+
+
 def test_state_a_child_changes_is_not_seen_by_the_parent() -> None:
     seen: list[int] = []
     fork_map(seen.append, list(range(6)), processes=2)
