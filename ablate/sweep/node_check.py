@@ -31,6 +31,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from ablate.config.backends import requested_backends
 from ablate.config.schema import LaneConfig, NodeCheckConfig
 
 log = logging.getLogger(__name__)
@@ -94,8 +95,6 @@ def lane_device(lane: LaneConfig, has_gpu: bool) -> str:
 
 
 def lane_requests(lanes: Iterable[LaneConfig], has_gpu: bool) -> set[Request]:
-    from trainers.model.hybrid import requested_backends
-
     out = set()
     for lane in lanes:
         device = lane_device(lane, has_gpu)

@@ -432,6 +432,7 @@ def _sweep_identity(path: Path, resume: bool, storage: Optional[str]
 def _tuner(trainable: Any, sweep: SweepConfig, layout: Layout, plan: SweepPlan, capacity: Capacity,
            resume: bool, searcher: Any = None) -> Any:
     from ray import tune
+    from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
     tune_path = layout.tune_path(plan.sweep_id)
     if resume and tune.Tuner.can_restore(tune_path):
@@ -454,7 +455,10 @@ def _tuner(trainable: Any, sweep: SweepConfig, layout: Layout, plan: SweepPlan, 
             # block and costs the driver a sync per block. Retries restore from the trial's own latest checkpoint
             # and --resume reads the receipts, so the periodic snapshot is all a sweep needs.
             checkpoint_config=tune.CheckpointConfig(),
-            callbacks=[_Relay(plan.sweep_id)]))
+            # Tune's JSON and CSV result logs, without its TensorBoard one (``_TUNE_ENV`` stops Tune adding it):
+            # ablate's results are read in MLflow, and tensorboardX imports torch into the driver (~2 s of every
+            # sweep's start on a 2-core host) to write event files nobody opens.
+            callbacks=[_Relay(plan.sweep_id), JsonLoggerCallback(), CSVLoggerCallback()]))
 
 
 class _BacklogWaitLines(logging.Filter):
@@ -492,19 +496,23 @@ class _TuneInterrupted(logging.Filter):
 
 
 _CHATTY_LOGGERS = ("ray.tune", "ray.train", "mlflow")
+_TUNE_ENV = {"RAY_AIR_NEW_OUTPUT": "0", "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS": "1"}
+"""Read by Tune in the driver while ``fit()`` runs: its legacy console (which honours ``verbose=0``), and no result
+loggers beyond the ones ``_tuner`` names."""
 
 
 @contextlib.contextmanager
 def _quiet_libraries() -> Iterator[None]:
     """One progress display and one summary: Ray Tune's own console (the experiment box, result paths, a
     TensorBoard hint, INFO lines) and MLflow's INFO lines stay out of it. The legacy reporter honours
-    ``verbose=0`` (the new one still prints its box), so it is selected for this call; warnings still print."""
+    ``verbose=0`` (the new one still prints its box), so it is selected for this call (``_TUNE_ENV``); warnings still
+    print."""
     import mlflow  # noqa: F401  (its import configures the "mlflow" logger at INFO: import first, then quieten)
 
-    saved_env = os.environ.get("RAY_AIR_NEW_OUTPUT")
+    saved_env = {name: os.environ.get(name) for name in _TUNE_ENV}
     loggers = [logging.getLogger(name) for name in _CHATTY_LOGGERS]
     levels = [logger.level for logger in loggers]
-    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    os.environ.update(_TUNE_ENV)
     for logger in loggers:
         logger.setLevel(logging.WARNING)
     try:
@@ -512,10 +520,11 @@ def _quiet_libraries() -> Iterator[None]:
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
-        if saved_env is None:
-            os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
-        else:
-            os.environ["RAY_AIR_NEW_OUTPUT"] = saved_env
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 _DISK_FAULTS = ("No space left on device", "database or disk is full", "Read-only file system", "Disk quota exceeded")

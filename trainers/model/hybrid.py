@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from ablate.config.backends import requested_backends
 from ablate.config.schema import FeatureConfig, ModelConfig, OnOff
 from kernels.dispatch import Dispatcher, Resolved
 from trainers.model.blocks import Mamba2Block, MLABlock, MoEBlock, RecurrentBlock, ResidualNorm
@@ -50,19 +51,6 @@ class LMOutput:
     """int64 scalar: routed (token, expert) rows dropped by padded capacity, summed over E layers (0 when dropless)."""
     routed_rows: int
     """Routed (token, expert) rows over all E layers this step: T * top_k * Le; the denominator of the drop rate."""
-
-
-def requested_backends(cfg: ModelConfig, features: FeatureConfig, cuda: bool) -> dict[str, tuple[str, str]]:
-    """op -> (feature, backend) this pattern requests on a CUDA or CPU node: what arms resolve, and what the sweep
-    holds against the node check before any block runs."""
-    letters = parse_pattern(cfg.pattern)
-    fused = features.fused_residual is OnOff.on
-    out = {"add_rmsnorm": ("fused_residual", ("triton" if cuda else "compiled") if fused else "eager")}
-    for letter, op, feature in (("A", "mla_ingress", "mla_ingress"), ("E", "moe", "moe_dispatch"),
-                                ("M", "ssd", "mamba_scan"), ("R", "recurrent_scan", "recurrent_scan")):
-        if letter in letters:
-            out[op] = (feature, getattr(features, feature).value)
-    return out
 
 
 def _resolve_kernels(cfg: ModelConfig, features: FeatureConfig, dispatcher: Dispatcher) -> dict[str, Resolved]:
