@@ -38,7 +38,9 @@ PROMOTE, HOLD, REJECT, TAX_REPORTED = "PROMOTE", "HOLD", "REJECT", "TAX-REPORTED
 CURVE_POINTS = 25
 """Horizons on the speed-up curve: log-spaced from 1 step to 10x the lane's horizon (plus the horizon itself)."""
 CURVE_RESAMPLES = 400
-"""Bootstrap resamples per curve point: a plotted band, not a decision."""
+"""Bootstrap resamples per curve point: a plotted band, not a decision. Drawn from a stream of their own
+(``_rng(policy, key + CURVE_STREAM)``), so leaving the curve out changes no other number of the test."""
+CURVE_STREAM = "|curve"
 
 
 @dataclass
@@ -344,8 +346,9 @@ def _counter_violations(blocks: list[Block], policy: Policy) -> list[str]:
 
 
 def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
-            startup_flags: Optional[dict[str, str]] = None) -> FeatureVerdict:
-    """Measure one test; the decision (Holm, clauses, verdict) is made later in ``rule``."""
+            startup_flags: Optional[dict[str, str]] = None, curve: bool = True) -> FeatureVerdict:
+    """Measure one test; the decision (Holm, clauses, verdict) is made later in ``rule``. ``curve=False`` leaves
+    ``verdict.curve`` empty (it feeds the report's plot only; 70% of the analysis of a small campaign)."""
     startup_flags = startup_flags or {}
     verdict = FeatureVerdict(feature=test.feature, value=test.value, baseline_value=test.baseline_value,
                              kind=test.kind, lane_key=test.lane_key, software_fingerprint=test.software_fingerprint)
@@ -446,7 +449,8 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
     else:
         verdict.break_even = break_even(None, None)
     verdict.amdahl = _amdahl(test, verdict.steady_speedup)
-    verdict.curve = _curve(rows, verdict.horizon_steps, policy, clusters, rng)
+    if curve:
+        verdict.curve = _curve(rows, verdict.horizon_steps, policy, clusters, _rng(policy, test.key + CURVE_STREAM))
     if loss.size:
         loss_theta = bootstrap_hl(loss, loss_hosts if len(set(loss_hosts.tolist())) > 1 else None,
                                   policy.bootstrap.loss_resamples, rng)

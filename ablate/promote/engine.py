@@ -133,8 +133,10 @@ def _git(blocks: list[Block]) -> dict[str, Any]:
 def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str | Path | Policy,
             defaults_path: str | Path, rejected: Iterable[tuple[str, str]] = (),
             run_links: Optional[Mapping[str, str]] = None, now: Optional[datetime] = None,
-            not_run: Iterable[Mapping[str, str]] = ()) -> PromotionResult:
-    """Decide every feature x lane test in ``receipts`` under the policy; see the module docstring."""
+            not_run: Iterable[Mapping[str, str]] = (), curves: bool = True) -> PromotionResult:
+    """Decide every feature x lane test in ``receipts`` under the policy; see the module docstring. ``curves=False``
+    skips each test's speed-up-vs-horizon curve, which only the report plots: every verdict, clause and number
+    the decision reads is the same (a reader of verdicts alone, the until-decided judge, sets it)."""
     policy = policy_path if isinstance(policy_path, Policy) else load_policy(policy_path)
     now = now or datetime.now(timezone.utc)
     valid, invalid = _validated(receipts)
@@ -146,7 +148,7 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     flags = startup_outliers(blocks)
     # Each test is measured on its own (its bootstrap draws from a generator seeded by its key), so the tests are
     # split over the CPUs with results identical to one process's.
-    measured = fork_map(lambda test: analyse(test, calibrations[test.lane_key], policy, flags), tests,
+    measured = fork_map(lambda test: analyse(test, calibrations[test.lane_key], policy, flags, curve=curves), tests,
                         min_share=ANALYSE_MIN_SHARE)
     family = decide_all(measured, policy, defaults)  # the Defaults: rule reads each lane's own default
     campaigns = sorted({r.identity.campaign for r in valid})

@@ -101,7 +101,8 @@ def judge_states(receipts: Iterable[Receipt], policy: Policy, defaults_path: str
     """Every speed test in ``receipts`` judged by the promotion rule under ``policy`` (sequential enabled)."""
     from ablate.promote.engine import promote
 
-    result = promote(list(receipts), policy_path=policy, defaults_path=defaults_path)
+    # Verdicts only: no curve (the report's plot), which was most of each look at a small campaign's tests.
+    result = promote(list(receipts), policy_path=policy, defaults_path=defaults_path, curves=False)
     states: dict[SpeedKey, Standing] = {}
     for v in result.speed_verdicts:
         seq = v.sequential or {}

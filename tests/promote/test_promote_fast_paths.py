@@ -122,3 +122,29 @@ def test_number_shortcuts_on_per_step_series(series: list[Any], finite: bool, no
     assert schema._all_finite({"steps": {"series": series}}) is finite
     if non_negative is not None:
         assert schema._none_negative({"series": series}) is non_negative
+
+
+@pytest.mark.parametrize("hosts", [1, 3])
+def test_leaving_the_curves_out_changes_nothing_but_the_curves(hosts: int) -> None:
+    """``promote(curves=False)`` (the until-decided judge's looks) decides exactly as the full report: the curve
+    draws from a stream of its own, so skipping it moves no other bootstrap (loss bounds included)."""
+    from datetime import datetime, timezone
+
+    from conftest import DEFAULTS, SINGLE_NODE_POLICY
+
+    from ablate.promote.policy import load_policy
+
+    receipts = [seal(r) for r in simulate(Sim(features=[moe(1.06)], hosts=hosts, blocks_per_host=4, rounds=2),
+                                          seed=3)]
+    policy = load_policy(SINGLE_NODE_POLICY, overrides={"bootstrap.resamples": 400, "bootstrap.loss_resamples": 200})
+    now = datetime(2026, 11, 23, tzinfo=timezone.utc)
+    full = engine.promote(receipts, policy_path=policy, defaults_path=DEFAULTS, now=now)
+    light = engine.promote(receipts, policy_path=policy, defaults_path=DEFAULTS, now=now, curves=False)
+    assert full.speed_verdicts and all(v.curve for v in full.verdicts if v.n_blocks)
+    assert all(v.curve == [] for v in light.verdicts)
+    assert any(v.loss_bounds is not None for v in full.verdicts), "the loss bootstrap ran after the curve's place"
+    without_curves = json.loads(full.to_json())
+    for section in ("verdicts", "taxes"):
+        for verdict in without_curves[section]:
+            verdict["curve"] = []
+    assert without_curves == json.loads(light.to_json())
