@@ -34,7 +34,6 @@ Faults that must not lose a receipt:
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import logging
 import math
@@ -52,7 +51,6 @@ from ray.tune import Callback
 
 from ablate.config.load import flatten, lane_to_dict, load_sweep
 from ablate.config.schema import ConfigError, SweepConfig
-from ablate.logfaults import DiskFaultLines
 from ablate.receipts.schema import SIMULATED_EXECUTOR, InvalidReceipt, Receipt, Status, validate_receipt
 from ablate.receipts.store import (RECEIPTS_DIR, SPOOL_FILE, ReceiptNotSaved, digest_problem, fallback_dirs,
                                    load_receipts, settle_unfinished_writes, write_receipt_or_fallback)
@@ -64,9 +62,8 @@ from ablate.sweep.resources import (Capacity, block_need, check_cluster, gpu_res
                                     tune_env_filter)
 from ablate.sweep.trial import (block_progress, clear_interrupted_scratch, run_block, start_clock, trial_dirname,
                                 trial_name)
-from ablate.tracking.mlflow_store import MAX_TAG_CHARS, SKIPPED_TAG, SWEEPS_DIR, gather
+from ablate.tracking.mlflow_store import MAX_TAG_CHARS, SKIPPED_TAG, SWEEPS_DIR, MlflowStore, gather
 from ablate.tracking.uri import check_sqlite_store, resolve_tracking_uri, shown
-from ablate.tracking.writer import StoreProcess
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +131,8 @@ class _Recorder(Callback):
         self.unsaved: list[tuple[str, str]] = []
         """(receipt id, why): receipts no directory took (still sent to MLflow or the spool)."""
         self.timeline: dict[str, dict[str, Any]] = {}
-        # One writer thread hands receipts to the store (``StoreProcess``: MLflow's calls, 0.15-0.3 s per arm on 2
-        # busy cores, run in its own process) off Tune's event loop, and SQLite still sees a single writer. The
-        # receipt file is written synchronously before anything is queued.
+        # One writer thread: MLflow calls (0.15-0.3 s per arm on 2 busy cores) stay off Tune's event loop, and SQLite
+        # still sees a single writer. The receipt file is written synchronously before anything is queued.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ablate-mlflow")
         self._backlog = threading.BoundedSemaphore(MAX_TRACKING_BACKLOG)
         self.backlog_wait_s = 0.0
@@ -508,9 +504,11 @@ loggers beyond the ones ``_tuner`` names."""
 @contextlib.contextmanager
 def _quiet_libraries() -> Iterator[None]:
     """One progress display and one summary: Ray Tune's own console (the experiment box, result paths, a
-    TensorBoard hint, INFO lines) stays out of it (MLflow's INFO lines are quietened in its writer process,
-    ``ablate.tracking.writer``). The legacy reporter honours ``verbose=0`` (the new one still prints its box), so it
-    is selected for this call (``_TUNE_ENV``); warnings still print."""
+    TensorBoard hint, INFO lines) and MLflow's INFO lines stay out of it. The legacy reporter honours
+    ``verbose=0`` (the new one still prints its box), so it is selected for this call (``_TUNE_ENV``); warnings still
+    print."""
+    import mlflow  # noqa: F401  (its import configures the "mlflow" logger at INFO: import first, then quieten)
+
     saved_env = {name: os.environ.get(name) for name in _TUNE_ENV}
     loggers = [logging.getLogger(name) for name in _CHATTY_LOGGERS]
     levels = [logger.level for logger in loggers]
@@ -529,13 +527,31 @@ def _quiet_libraries() -> Iterator[None]:
                 os.environ[name] = value
 
 
+_DISK_FAULTS = ("No space left on device", "database or disk is full", "Read-only file system", "Disk quota exceeded")
 _NOISY_LOGGERS = ("ray.tune.execution.tune_controller", "ray.tune.execution.experiment_state", "ray.train",
                   "mlflow.store.db.utils", "mlflow.system_metrics.system_metrics_monitor", "mlflow.tracking")
 
 
+class _DiskFaultLines(logging.Filter):
+    """A full or read-only disk makes Ray Tune and MLflow log a traceback per failed write (trial checkpoints,
+    Tune's state, every SQLite insert): a cascade that buries the one thing to act on. While a sweep runs, such a
+    record becomes one line, its first, plus the fault; the summary then says where the receipts are."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            text += "\n" + str(record.exc_info[1])
+        fault = next((f for f in _DISK_FAULTS if f in text), None)
+        if fault is not None:
+            first = text.strip().splitlines()[0] if text.strip() else ""
+            record.msg, record.args = f"{first[:300]} ({fault})", None
+            record.exc_info, record.exc_text, record.stack_info = None, None, None
+        return True
+
+
 @contextlib.contextmanager
 def _disk_faults_in_one_line() -> Iterator[None]:
-    quiet = DiskFaultLines()
+    quiet = _DiskFaultLines()
     loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
     for logger in loggers:
         logger.addFilter(quiet)
@@ -561,14 +577,7 @@ def _found_in_fallback(campaign: str, sweep_id: str, known: set[str], recorder: 
     return found
 
 
-def _import_quietly(module: str) -> None:
-    try:
-        importlib.import_module(module)
-    except Exception:  # noqa: BLE001 - whoever needs it imports it again and meets the error there
-        pass
-
-
-def _catch_up(store: StoreProcess, on_disk: list[Receipt]) -> int:
+def _catch_up(store: MlflowStore, on_disk: list[Receipt]) -> int:
     """Log (or spool) this sweep's receipts on disk that the store has neither logged nor spooled: arms that wrote
     their receipt while the driver was no longer listening (Ctrl+C). Returns how many."""
     missing = [r for r in on_disk if r.identity.receipt_id not in store.logged
@@ -638,7 +647,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
 
     sweep_id = plan.sweep_id
     started_ray = ensure_ray()
-    store: Optional[StoreProcess] = None
+    store: Optional[MlflowStore] = None
     try:
         sweep.resources = gpu_resources(sweep.lane, sweep.resources, ray.cluster_resources().get("GPU", 0.0))
         need = block_need(plan.blocks, sweep.resources)
@@ -662,11 +671,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
                     "node_checks": node_checks}
             layout.write(f"{SWEEPS_DIR}/{sweep_id}.json", json.dumps(meta, indent=2, default=str))
             layout.write(LATEST, sweep_id + "\n")
-        # MLflow's writes (~60 ms of CPU an arm) in a process of their own, beside Tune's event loop. Ray Tune still
-        # imports MLflow here at fit() (its callback telemetry checks each callback against its MLflow integration):
-        # that import runs while this thread waits for the writer to open the sweep.
-        store = StoreProcess(uri, sweep.tracking.experiment, layout.local_dir)
-        threading.Thread(target=_import_quietly, args=("mlflow",), name="ablate-import-mlflow", daemon=True).start()
+        store = MlflowStore(uri, sweep.tracking.experiment, layout.local_dir)
         for what, why in plan.skipped:
             log.warning("not run: %s: %s", what, why)
         store.open_sweep(sweep_id, sweep.name, params,
@@ -769,6 +774,6 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
             fallbacks=recorder.fallbacks, unsaved=recorder.unsaved, spools=dict(store.spool_paths), fatal=fatal)
     finally:
         if store is not None:
-            store.shutdown()  # interrupted or not: the parent run stays resumable, the sampler thread ends
+            store.stop_monitor()  # interrupted or not: the parent run stays resumable, the sampler thread ends
         if started_ray:
             ray.shutdown()
