@@ -10,19 +10,27 @@ original pair (i <= j) appears: ``c_i * c_j`` times for i < j and ``c_i (c_i + 1
 weighted median over that fixed sorted array. With host clusters the weight of a pair depends only on its
 (host, host) category, so the cumulative weight at any sorted position is ``W_b . Cum[:, p]`` (resample weights
 per category times per-category cumulative pair counts) and the median position is found by a vectorised
-bisection: O(B x categories x log P) instead of O(B x P). Block bootstraps use a cumulative sum per resample.
+bisection: O(B x categories x log P) instead of O(B x P). Block bootstraps with many blocks bisect over the
+distinct Walsh averages instead (``_Ladder``): the weight at or below a value is a sum over the n blocks, so a
+resample costs O(n log P) instead of the O(P) = O(n^2) of a cumulative sum over every pair; small ones keep that
+cumulative sum. Every path selects the same Walsh average, so all give bit-identical results.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 _CUMSUM_CHUNK_ELEMENTS = 65_536
 """Rows of the B x P weight matrix are processed in cache-sized chunks (measured: 6x faster than 2M-element ones)."""
 _CATEGORY_CHUNK_ELEMENTS = 2_000_000
+_LADDER_CHUNK_ROWS = 256
+"""Resamples bisected together: their (rows x n) gathers stay in cache (measured faster than 1,024)."""
+_LADDER_MAX_ELEMENTS = 8_000_000
+"""Largest ladder (distinct averages x blocks) built: 32 MB of int32 (and 64 MB more while it is counted), ~250
+blocks; beyond it the cumulative sum, as before (n=250, 10,000 resamples: 0.3 s against 5.8 s)."""
 
 
 def walsh_averages(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -52,10 +60,49 @@ class _SortedPairs:
         self.diag = i[order] == j[order]
         self.num_clusters = int(cluster.max()) + 1
         self.cluster_sizes = np.bincount(cluster, minlength=self.num_clusters)
+        self._x, self._cluster = x, cluster
+        self._ladder: Optional[_Ladder] = None
 
     @property
     def size(self) -> int:
         return int(self.values.size)
+
+    def ladder(self) -> "_Ladder":
+        if self._ladder is None:
+            self._ladder = _Ladder(self._x, self._cluster, self.values)
+        return self._ladder
+
+
+class _Ladder:
+    """The distinct Walsh averages, and for each of them how many partners of every block average at or below it.
+
+    With blocks sorted by value, the averages of block i with its partners, ``(x_i + x_j) / 2`` over j, are
+    non-decreasing in j; so the (ordered) pairs at or below a value v number ``below[v, i]`` for block i, and a
+    resample's doubled weight at or below v is ``sum_i c_i * C[below[v, i]] + C[self_below[v]]`` (``c``: how often
+    each sorted block was drawn, ``C``: its prefix sums; the second term adds each block's pair with itself once
+    more, as ``c (c + 1) / 2`` counts it). Every average is the same float ``walsh_averages`` computes (the same
+    expression; addition commutes), so the counts are exact, ties included.
+    """
+
+    def __init__(self, x: np.ndarray, cluster: np.ndarray, sorted_values: np.ndarray) -> None:
+        order = np.argsort(x, kind="stable")
+        xs = x[order]
+        n = xs.size
+        self.block_cluster = cluster[order]
+        distinct = np.empty(sorted_values.size, dtype=bool)
+        distinct[:1] = True
+        np.not_equal(sorted_values[1:], sorted_values[:-1], out=distinct[1:])
+        self.values = sorted_values[distinct]
+        grid = (xs[:, None] + xs[None, :]) * 0.5
+        # Count each ordered pair at its own distinct value, then accumulate over the values: below[v, i].
+        where = np.searchsorted(self.values, grid, side="left") * n + np.arange(n)[:, None]
+        hits = np.bincount(where.ravel(), minlength=self.values.size * n).reshape(self.values.size, n)
+        self.below = np.cumsum(hits, axis=0, dtype=np.int32)
+        self.self_below = np.searchsorted(np.diagonal(grid), self.values, side="right").astype(np.int32)
+
+    @staticmethod
+    def fits(pairs: _SortedPairs) -> bool:
+        return pairs.size * int(pairs.cluster_sizes.sum()) <= _LADDER_MAX_ELEMENTS
 
 
 def _median_positions(total: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -116,6 +163,50 @@ def _hl_by_cumsum(pairs: _SortedPairs, counts: np.ndarray) -> np.ndarray:
     return out
 
 
+def _doubled_weight_below(c: np.ndarray, prefix: np.ndarray, ladder: _Ladder, at: np.ndarray) -> np.ndarray:
+    rows = np.arange(c.shape[0])
+    return (c * prefix[rows[:, None], ladder.below[at]]).sum(axis=1) + prefix[rows, ladder.self_below[at]]
+
+
+def _first_above(c: np.ndarray, prefix: np.ndarray, ladder: _Ladder, lo: np.ndarray, doubled_rank: np.ndarray
+                 ) -> np.ndarray:
+    """Per row, the smallest distinct-value index >= lo whose weight at or below it exceeds the rank."""
+    hi = np.full(lo.size, ladder.values.size - 1, dtype=np.intp)
+    for _ in range(int(math.ceil(math.log2(max(ladder.values.size, 2)))) + 1):
+        mid = (lo + hi) // 2
+        above = _doubled_weight_below(c, prefix, ladder, mid) > doubled_rank
+        hi = np.where(above, mid, hi)
+        lo = np.where(above, lo, np.minimum(mid + 1, hi))
+    return hi
+
+
+def _hl_by_ladder(pairs: _SortedPairs, counts: np.ndarray) -> np.ndarray:
+    """Weighted medians by bisection over the distinct Walsh averages (block bootstrap, many blocks)."""
+    ladder = pairs.ladder()
+    out = np.zeros(counts.shape[0])
+    for start in range(0, counts.shape[0], _LADDER_CHUNK_ROWS):
+        c = counts[start:start + _LADDER_CHUNK_ROWS][:, ladder.block_cluster]
+        most = int(c.sum(axis=1).max())
+        # Doubled weights reach most * (most + 1): int32 while that fits (faster gathers), else int64.
+        c = c.astype(np.int32 if most * (most + 1) < np.iinfo(np.int32).max else np.int64)
+        prefix = np.zeros((c.shape[0], c.shape[1] + 1), dtype=c.dtype)
+        np.cumsum(c, axis=1, out=prefix[:, 1:])
+        total = prefix[:, -1].astype(np.int64)
+        lower, upper = _median_positions(total * (total + 1) // 2)
+        first = _first_above(c, prefix, ladder, np.zeros(c.shape[0], dtype=np.intp), 2 * lower)
+        second = first.copy()
+        # The upper middle shares the lower one's value unless that value's weight stops at or below its rank.
+        differ = np.flatnonzero(upper != lower)
+        if differ.size:
+            moves = differ[_doubled_weight_below(c[differ], prefix[differ], ladder, first[differ])
+                           <= 2 * upper[differ]]
+            if moves.size:
+                second[moves] = _first_above(c[moves], prefix[moves], ladder,
+                                             np.minimum(first[moves] + 1, ladder.values.size - 1), 2 * upper[moves])
+        out[start:start + c.shape[0]] = ladder.values[first] * 0.5 + ladder.values[second] * 0.5
+    return out
+
+
 def hl_from_counts(x: np.ndarray, cluster: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """HL of each resample given how often each cluster was drawn (rows of ``counts``); exposed for tests."""
     pairs = _SortedPairs(np.asarray(x, dtype=float), np.asarray(cluster))
@@ -133,16 +224,22 @@ def _hl_chunks(pairs: _SortedPairs, counts: np.ndarray) -> np.ndarray:
         if first.size < counts.shape[0]:
             return _hl_chunks(pairs, counts[first])[inverse.ravel()]
     num_categories = 2 * k + k * (k - 1) // 2
-    bisection_cost = num_categories * 2 * (math.log2(max(pairs.size, 2)) + 1)
-    use_categories = bisection_cost < 6 * pairs.size
-    if use_categories:
-        chunk = max(1, _CATEGORY_CHUNK_ELEMENTS // num_categories)
-    else:
-        chunk = max(1, _CUMSUM_CHUNK_ELEMENTS // pairs.size)
-    parts = []
-    for start in range(0, counts.shape[0], chunk):
-        block = counts[start:start + chunk]
-        parts.append(_hl_by_categories(pairs, block) if use_categories else _hl_by_cumsum(pairs, block))
+    steps = math.log2(max(pairs.size, 2)) + 1
+    bisection_cost = num_categories * 2 * steps
+    if bisection_cost < 6 * pairs.size:
+        return _in_chunks(_hl_by_categories, pairs, counts, max(1, _CATEGORY_CHUNK_ELEMENTS // num_categories))
+    blocks = int(pairs.cluster_sizes.sum())
+    # Per resample: the cumulative sum touches every pair, the ladder ~2 gathers per block and bisection step
+    # (measured ~2x a summed element each); building the ladder costs ~6 per (distinct average, block).
+    ladder_cost = counts.shape[0] * 2 * blocks * steps + 6 * pairs.size * blocks
+    if ladder_cost < counts.shape[0] * pairs.size and _Ladder.fits(pairs):
+        return _hl_by_ladder(pairs, counts)
+    return _in_chunks(_hl_by_cumsum, pairs, counts, max(1, _CUMSUM_CHUNK_ELEMENTS // pairs.size))
+
+
+def _in_chunks(method: Callable[[_SortedPairs, np.ndarray], np.ndarray], pairs: _SortedPairs, counts: np.ndarray,
+               chunk: int) -> np.ndarray:
+    parts = [method(pairs, counts[start:start + chunk]) for start in range(0, counts.shape[0], chunk)]
     return np.concatenate(parts) if parts else np.zeros(0)
 
 

@@ -59,3 +59,50 @@ def test_pvalue_counts_resamples_at_or_below_the_null() -> None:
     theta = np.array([0.01, 0.02, 0.03, 0.04])
     assert pvalue_at_most(theta, 0.025) == (1 + 2) / 5
     assert pvalue_at_most(theta, 0.0) == 1 / 5
+
+
+def _pairs(x: np.ndarray, cluster: np.ndarray):
+    from ablate.promote.stats import _SortedPairs
+
+    return _SortedPairs(np.asarray(x, dtype=float), np.asarray(cluster))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(-30, 30), min_size=1, max_size=16), st.integers(1, 16), st.integers(0, 2**31))
+def test_ladder_bisection_selects_what_the_cumulative_sum_selects(values: list[int], num_clusters: int,
+                                                                  seed: int) -> None:
+    from ablate.promote.stats import _hl_by_cumsum, _hl_by_ladder
+
+    rng = np.random.default_rng(seed)
+    x = np.asarray(values, dtype=float) / 10  # ties, and all-equal samples, are common here
+    k = min(num_clusters, x.size)
+    _, cluster = np.unique(rng.integers(0, k, size=x.size), return_inverse=True)
+    k = int(cluster.max()) + 1
+    counts = rng.multinomial(k, np.full(k, 1 / k), size=int(rng.integers(1, 300)))
+    ladder = _hl_by_ladder(_pairs(x, cluster), counts)
+    # Both pick the same Walsh average out of the same array: equal to the bit, not within a tolerance.
+    assert np.array_equal(ladder, _hl_by_cumsum(_pairs(x, cluster), counts))
+    np.testing.assert_allclose(ladder[:20], [_expanded_hl(x, cluster, row) for row in counts[:20]])
+
+
+def test_a_large_block_bootstrap_takes_the_ladder_and_gives_the_same_distribution() -> None:
+    from ablate.promote.stats import _hl_by_cumsum, _hl_chunks
+
+    rng = np.random.default_rng(7)
+    x = np.round(rng.normal(0.03, 0.02, 120), 4)  # rounded: ties between Walsh averages
+    counts = rng.multinomial(x.size, np.full(x.size, 1 / x.size), size=3000)
+    pairs = _pairs(x, np.arange(x.size))
+    got = _hl_chunks(pairs, counts)
+    assert pairs._ladder is not None, "120 blocks x 3,000 resamples should bisect, not sum every pair"
+    assert np.array_equal(got, _hl_by_cumsum(_pairs(x, np.arange(x.size)), counts))
+
+
+def test_ladder_weights_switch_to_int64_when_a_resample_is_huge() -> None:
+    from ablate.promote.stats import _hl_by_cumsum, _hl_by_ladder
+
+    # 50,001 draws: doubled weights pass 2**31, so int32 would wrap and pick a wrong average.
+    x, cluster = np.array([0.1, 0.5, 0.2]), np.arange(3)
+    counts = np.array([[50_000, 0, 1], [1, 50_000, 0], [0, 25_000, 25_001]])
+    got = _hl_by_ladder(_pairs(x, cluster), counts)
+    assert np.array_equal(got, _hl_by_cumsum(_pairs(x, cluster), counts))
+    assert got[0] == 0.1 and got[1] == 0.5
