@@ -90,7 +90,15 @@ class BlockNeed:
 
 def gpu_resources(lane: LaneConfig, resources: ResourcesConfig, cluster_gpus: float) -> ResourcesConfig:
     """What to ask for when the lane wants CUDA: refuse a GPU-less cluster before any trial starts, unless the
-    lane allows a CPU fallback, whose arms then run on CPU and carry HARDWARE_MISMATCH."""
+    lane allows a CPU fallback, whose arms then run on CPU and carry HARDWARE_MISMATCH.
+
+    ``device: auto`` on a cluster with GPUs runs on CUDA (``trainers.loop.resolve_device``), so each worker is given
+    a GPU of its own: Ray no longer hides the GPUs from a process that reserved none, and arms scheduled on CPUs
+    alone would all land on GPU 0 at once, each timing the others' kernels in its CUDA events."""
+    if lane.hardware.device is Device.auto:
+        if cluster_gpus >= 1 and resources.gpus_per_worker < 1:
+            return dataclasses.replace(resources, gpus_per_worker=1)
+        return resources
     if lane.hardware.device is not Device.cuda or cluster_gpus >= 1:
         return resources
     if not lane.hardware.cpu_fallback:

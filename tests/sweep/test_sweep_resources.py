@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from ablate.sweep.resources import DRIVER_CPU, DRIVER_GPU, BlockNeed, ResourceError, fit_node, plan_capacity
@@ -59,3 +61,25 @@ def test_concurrency_sums_nodes_and_respects_caps() -> None:
     # An explicit cap above today's nodes is honoured (pending trials hold nothing: the autoscaler's cue).
     above = plan_capacity(need, nodes, campaign="c", max_concurrent_blocks=10)
     assert above.max_concurrent == 10 and "autoscaler" in above.describe()
+
+
+def test_an_auto_lane_on_a_gpu_cluster_reserves_a_gpu_for_every_worker() -> None:
+    from pathlib import Path
+
+    from ablate.config.load import load_sweep
+    from ablate.config.schema import Device
+    from ablate.sweep.resources import block_need, gpu_resources
+
+    # smoke.yaml leaves device (auto) and gpus_per_worker (0) to their defaults: on a GPU node its arms run on CUDA,
+    # so they must hold a GPU each, or every concurrent block lands on GPU 0 and times its neighbours' kernels.
+    sweep, _ = load_sweep(Path(__file__).resolve().parents[2] / "search_spaces" / "smoke.yaml")
+    assert sweep.lane.hardware.device.value == "auto" and sweep.resources.gpus_per_worker == 0
+    on_gpus = gpu_resources(sweep.lane, sweep.resources, cluster_gpus=1.0)
+    assert on_gpus.gpus_per_worker == 1
+    assert block_need([], on_gpus).trial_resources().get("GPU") == 1.0
+    # Without GPUs the lane runs on CPU and asks for none; an explicit count and a CPU lane are left as they are.
+    assert gpu_resources(sweep.lane, sweep.resources, cluster_gpus=0.0).gpus_per_worker == 0
+    two = dataclasses.replace(sweep.resources, gpus_per_worker=2)
+    assert gpu_resources(sweep.lane, two, cluster_gpus=8.0).gpus_per_worker == 2
+    cpu_lane = dataclasses.replace(sweep.lane, hardware=dataclasses.replace(sweep.lane.hardware, device=Device.cpu))
+    assert gpu_resources(cpu_lane, sweep.resources, cluster_gpus=8.0).gpus_per_worker == 0
