@@ -39,8 +39,12 @@ SOFTWARE_PREFIXES: tuple[str, ...] = ("nvidia-",)
 to torch (``nvidia-cublas-cu12``, ``nvidia-cudnn-cu12``, ``nvidia-nccl-cu12``, cu13 variants, ...) can be
 upgraded on their own and decide GEMM, attention and collective speed."""
 ROOT = Path(__file__).resolve().parent.parent
-CODE_PACKAGES: tuple[str, ...] = ("kernels", "trainers")
-"""The project's own code that runs inside an arm (``code_fingerprint``)."""
+CODE_PACKAGES: tuple[str, ...] = ("kernels", "trainers", "ablate/config", "ablate/receipts", "ablate/redact.py",
+                                  "ablate/sweep/node_check.py")
+"""The project's own code that runs inside an arm (``code_fingerprint``): besides ``kernels/`` and ``trainers/``,
+what they import from ``ablate`` and what decides the arm's model, backends, environment or measured figures (preset
+patterns, the backend each feature value asks for, the environment an arm inherits, how steps are classified and
+projected). Left out, an edit there kept the fingerprint, so blocks run before and after it pooled as one lane."""
 _TORCH_STACK = ("torch.cuda", "torch.git", "cudnn", "nccl")
 
 
@@ -149,6 +153,9 @@ def _code_paths(root: Path, packages: tuple[str, ...]) -> list[str]:
         return sorted(set(tracked) | {p for p in untracked if p.endswith(".py")})
     paths = []
     for package in packages:
+        if (root / package).is_file():
+            paths.append(Path(package).as_posix())
+            continue
         for path in (root / package).rglob("*.py"):
             relative = path.relative_to(root)
             if "__pycache__" not in relative.parts:
@@ -157,14 +164,14 @@ def _code_paths(root: Path, packages: tuple[str, ...]) -> list[str]:
 
 
 def code_fingerprint(repo_root: Optional[Path] = None, packages: tuple[str, ...] = CODE_PACKAGES) -> str:
-    """Hash of the working-tree content of the project's code that runs in an arm (``kernels/``, ``trainers/``).
+    """Hash of the working-tree content of the project's code that runs in an arm (``CODE_PACKAGES``).
 
     Content, not HEAD: an uncommitted edit, or a new untracked module next to the others, changes it; a deleted
     tracked file is hashed as deleted. Cost: two ``git ls-files`` and reading ~30 files (~250 KB), a few ms.
     Raises ``ValueError`` when none of ``packages`` exists under ``repo_root`` (a wrong root, not a missing fact).
     """
     root = Path(repo_root or ROOT)
-    if not any((root / package).is_dir() for package in packages):
+    if not any((root / package).exists() for package in packages):
         raise ValueError(f"code_fingerprint: none of {list(packages)} is a directory under {root}")
     digest = hashlib.sha256()
     for relative in _code_paths(root, packages):

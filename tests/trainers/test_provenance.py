@@ -231,3 +231,27 @@ def test_cuda_library_wheels_are_recorded_and_every_version_changes_the_fingerpr
     for key in versions:
         changed = {**versions, key: f"{versions[key]}-other"}
         assert software_fingerprint(changed) != base, f"{key} is left out of the software fingerprint"
+
+
+def test_code_fingerprint_covers_the_ablate_modules_an_arm_runs(tmp_path: Path) -> None:
+    # A preset pattern, a feature's backend or the env an arm inherits decide what runs: an edit there is new code.
+    files = {"kernels/__init__.py": "", "trainers/loop.py": "STEPS = 4\n", "ablate/cli.py": "x = 1\n",
+             "ablate/config/pattern.py": "PRESETS = {'nam56r': 'AEMEAEMEAEMR*4'}\n",
+             "ablate/config/backends.py": "CPU = 'compiled'\n", "ablate/receipts/derive.py": "WARM = 2\n",
+             "ablate/redact.py": "PASS = ('OMP_*',)\n", "ablate/sweep/node_check.py": "OK = 1\n",
+             "ablate/sweep/run.py": "driver = 1\n", "ablate/promote/rule.py": "rule = 1\n"}
+    for use_git in (True, False):
+        root = _repo(tmp_path / f"git{use_git}", files) if use_git else tmp_path / "plain"
+        if not use_git:  # a ``ray job submit`` working dir: no .git, every *.py of the packages
+            for name, text in files.items():
+                (root / name).parent.mkdir(parents=True, exist_ok=True)
+                (root / name).write_text(text)
+        clean = code_fingerprint(root)
+        for name in ("ablate/config/pattern.py", "ablate/config/backends.py", "ablate/receipts/derive.py",
+                     "ablate/redact.py", "ablate/sweep/node_check.py"):
+            (root / name).write_text(files[name] + "# edited\n")
+            assert code_fingerprint(root) != clean, f"{name} runs in the arm (git: {use_git})"
+            (root / name).write_text(files[name])
+        for name in ("ablate/cli.py", "ablate/sweep/run.py", "ablate/promote/rule.py"):  # the driver's and reader's
+            (root / name).write_text(files[name] + "# edited\n")
+            assert code_fingerprint(root) == clean, f"{name} never runs in an arm (git: {use_git})"
