@@ -162,3 +162,15 @@ def test_the_issue_uri() -> None:
     assert redact_uri("git+https://github.com/org/repo@v1.2") == "git+https://github.com/org/repo@v1.2"
     untouched = "s3://bucket/key@v1 and sqlite:////tmp/mlflow.db and http://host:5000/api"
     assert redact_uri(untouched) == untouched
+
+
+def test_receipts_record_every_speed_setting_an_arm_inherits() -> None:
+    # Each of these reaches the arm (process_env) and changes its speed: a receipt that left them out hid why
+    # two nodes' blocks differ.
+    speed = {"DNNL_DEFAULT_FPMATH_MODE": "BF16", "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_WAIT_POLICY": "PASSIVE",
+             "GOMP_SPINCOUNT": "0", "MALLOC_ARENA_MAX": "2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+             "OPENBLAS_CORETYPE": "Haswell", "PYTHONMALLOC": "malloc"}
+    assert process_env({**speed, **RUNTIME}).items() >= speed.items()
+    env = capture_env({**speed, **RUNTIME, "LANG": "C.UTF-8"})
+    assert env.items() >= speed.items()
+    assert "PATH" not in env and "LANG" not in env and "HOME" not in env
