@@ -43,6 +43,10 @@ _SHARED_IDENTITY = ("sweep_id", "campaign", "lane_key", "feature", "kind", "host
 # ``identity.feature`` of a bundle block: the candidate arm runs every value of ``feature_value`` (a mapping
 # feature -> value, two or more registered speed features) together, against ``baseline_value`` (feature -> old
 # value); nothing else in the lane differs. Judged by ``ablate.promote.bundle``, never a promotion test itself.
+_OBSERVED_IDENTITY = ("software_fingerprint", "hardware_fingerprint")
+"""Fingerprints of what an arm's worker observed (its hardware is hashed into both): an arm whose worker died before
+reporting (a kill, a segfault, a timeout) has none, so these are compared through their parts instead (software
+versions here; code, host and lane above), and its failure stays in the block as a loss."""
 FAILURE_CODE = "ARM_FAILED"
 """The only code a failed arm is spared at the gate: it *is* the failure, which counts as a loss instead."""
 
@@ -121,6 +125,9 @@ class Block:
     device_class: str = ""
     schedule: str = "fixed"
     """``identity.schedule`` of both arms: until_decided blocks are judged by a sequential policy only."""
+    earlier_gated: tuple[ArmView, ...] = ()
+    """Candidate arms of earlier attempts (a retried block) that carry a gated code: each gates its test as the
+    standing candidate's would, although only the latest attempt's pair is measured."""
 
     @property
     def is_aa(self) -> bool:
@@ -260,15 +267,24 @@ def _lane_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return sorted(k for k in a.keys() | b.keys() if a.get(k, "<absent>") != b.get(k, "<absent>"))
 
 
+def _unobserved_failure(receipt: Receipt) -> bool:
+    return receipt.identity.status.value == "failed" and receipt.identity.hardware_fingerprint is None
+
+
 def _check_pair(base: Receipt, cand: Receipt, check_order: bool = True) -> Optional[str]:
     """Why the two arms are not one matched block, or None when they are."""
     bi, ci = base.identity, cand.identity
     roles = sorted((bi.arm.value, ci.arm.value))
     if roles not in (["baseline", "candidate"], ["aa", "aa"]):
         return f"arm roles {roles[0]} and {roles[1]} do not form a block (baseline+candidate or aa+aa)"
+    unobserved = _unobserved_failure(base) or _unobserved_failure(cand)
     for name in _SHARED_IDENTITY:
+        if unobserved and name in _OBSERVED_IDENTITY:
+            continue
         if getattr(bi, name) != getattr(ci, name):
             return f"arms differ in {name}: {getattr(bi, name)!r} vs {getattr(ci, name)!r}"
+    if unobserved and bi.software != ci.software:
+        return f"arms differ in software: {bi.software!r} vs {ci.software!r}"
     base_how, cand_how = (bi.process.how if bi.process else None), (ci.process.how if ci.process else None)
     if base_how != cand_how:
         # A forked arm's process starts with the fork server's pages mapped (peak RSS) and its imports already
@@ -514,17 +530,22 @@ def _make_block(block_id: str, receipts: list[Receipt], policy: Policy) -> Block
         return _refuse(f"{what} is disqualified ({codes}): the block cannot measure anything", receipts, block_id)
     if aa and (base_view.failed or cand_view.failed):
         return _refuse("an A/A arm failed: the block cannot calibrate the noise floor", receipts, block_id)
+    standing = {id(base), id(cand)}
+    earlier_gated = tuple(view for view in (_arm_view(r, policy) for r in receipts if id(r) not in standing
+                                            and r.identity.arm.value == "candidate") if view.gated_codes)
     ident = base.identity
+    # A baseline whose worker died unobserved has no fingerprint of its own: the block is its candidate's.
+    observed = cand.identity if _unobserved_failure(base) else ident
     return Block(
         block_id=block_id, round_id=ident.sweep_id, campaign=ident.campaign, lane_key=ident.lane_key,
-        software_fingerprint=ident.software_fingerprint, feature=ident.feature,
+        software_fingerprint=observed.software_fingerprint, feature=ident.feature,
         value=None if aa else cand.identity.feature_value, baseline_value=None if aa else ident.baseline_value,
         kind=ident.kind, host=ident.host, seed=base.requested.lane.get("seed"), baseline=base_view,
         candidate=cand_view, created_at=min(base_view.created_at, cand_view.created_at),
         lane=base.requested.lane, family_share=dict(base.family_share),
         layer_counts=dict(base.requested.layer_counts), earlier_failures=earlier_failed,
         horizon_steps=int(base.requested.lane.get("budget.horizon_steps") or 0),
-        tokens_per_step=base.requested.tokens_per_step, schedule=ident.schedule,
+        tokens_per_step=base.requested.tokens_per_step, schedule=ident.schedule, earlier_gated=earlier_gated,
         device_class=base_view.device_class if base_view.device_class else cand_view.device_class)
 
 

@@ -174,6 +174,84 @@ def test_failed_candidate_arms_count_as_losses(policy: Policy) -> None:
     assert {"failure_rate", "not_flaky"} & set(failing(v))
 
 
+def _died_unobserved(arm: Receipt) -> None:
+    """What trainers/receipt.py writes for an arm whose worker died before reporting (SIGKILL, OOM killer,
+    segfault, timeout): no result, so no observed hardware and no hardware in its evidence fingerprint."""
+    from trainers.provenance import evidence_fingerprint
+
+    arm.identity.status = Status.failed
+    arm.projection = None
+    arm.disqualifiers += [Disqualifier(code=Code.ARM_FAILED)]
+    arm.observed.hardware = {}
+    arm.identity.hardware_fingerprint = None
+    arm.identity.software_fingerprint = evidence_fingerprint(arm.identity.software, arm.identity.code_fingerprint,
+                                                             None)
+
+
+def test_a_candidate_whose_worker_died_unobserved_still_counts_as_a_failure_and_a_loss(policy: Policy) -> None:
+    # Hole: the dead arm's fingerprints (no hardware observed) differed from its baseline's, the block was refused
+    # as unmatched, and 4 crashed candidates of 18 turned HOLD into PROMOTE.
+    receipts = simulate(Sim(features=[moe(1.05)], blocks_per_host=3, **QUIET), 0)
+    for arm in candidates(receipts)[:4]:
+        _died_unobserved(arm)
+    result = run(receipts, policy)
+    v = verdict_of(result)
+    assert not result.refusals
+    assert v.failures["candidate"] == {"failed": 4, "arms": 18} and v.n_blocks == 18
+    assert v.verdict != PROMOTE and "failure_rate" in failing(v)
+
+
+def test_a_baseline_whose_worker_died_unobserved_keeps_its_block_on_the_candidates_fingerprint(
+        policy: Policy) -> None:
+    receipts = simulate(Sim(features=[moe(1.05)], blocks_per_host=3, **QUIET), 0)
+    base = [r for r in receipts if r.identity.arm.value == "baseline"][-1]  # the newest block: it names the lane's
+    _died_unobserved(base)                                                   # current fingerprint
+    v = verdict_of(run(receipts, policy))
+    assert v.failures["baseline"] == {"failed": 1, "arms": 18}  # counted; no yardstick, so 17 ratios
+    assert v.n_blocks == 17 and v.superseded["blocks"] == 0 and v.software_fingerprint == candidates(receipts)[0].identity.software_fingerprint
+
+
+def test_a_dead_arm_with_other_software_versions_is_still_refused(policy: Policy) -> None:
+    receipts = simulate(Sim(features=[moe(1.05)], blocks_per_host=3, **QUIET), 0)
+    arm = candidates(receipts)[0]
+    _died_unobserved(arm)
+    arm.identity.software = {**arm.identity.software, "torch": "0.0.1"}
+    result = run(receipts, policy)
+    assert any("differ in software" in r.reason and arm.identity.receipt_id in r.receipt_ids for r in result.refusals)
+
+
+def test_a_gated_candidate_of_an_earlier_attempt_still_gates_its_test(policy: Policy) -> None:
+    # Hole: the sweep reruns a block after a failed arm and only the latest attempt's pair was viewed, so an OOM on
+    # the first attempt's candidate (plus one baseline crash elsewhere, to even the failure rates) gave PROMOTE.
+    from datetime import datetime, timedelta
+
+    from promote_sim import make_receipt
+
+    receipts = simulate(Sim(features=[moe(1.05)], blocks_per_host=3, **QUIET), 0)
+    cand = candidates(receipts)[0]
+    base = next(r for r in receipts if r.identity.arm.value == "baseline" and r.identity.block_id ==
+                cand.identity.block_id)
+    for arm, status, tps, codes in ((base, "valid", 5000.0, ()),
+                                    (cand, "failed", None, ({"code": "OOM", "detail": "CUDA out of memory"},
+                                                            {"code": "ARM_FAILED"}))):
+        ident = arm.identity
+        receipts.append(make_receipt(
+            receipt_id=ident.receipt_id + "-attempt0", sweep_id=ident.sweep_id, block_id=ident.block_id,
+            arm=ident.arm.value, arm_index=ident.arm_index, order=ident.order, feature=ident.feature,
+            feature_value=ident.feature_value, baseline_value=ident.baseline_value, lane=arm.requested.lane,
+            host=ident.host, tps=tps, loss=5.0, lane_key=ident.lane_key, status=status, disqualifiers=codes,
+            created_at=datetime.fromisoformat(ident.created_at) - timedelta(minutes=1), attempt=0))
+        ident.attempt = 1
+    crashed = [r for r in receipts if r.identity.arm.value == "baseline"][7]
+    crashed.identity.status = Status.failed
+    crashed.projection = None
+    crashed.disqualifiers += [Disqualifier(code=Code.ARM_FAILED)]
+    v = verdict_of(run(receipts, policy))
+    assert v.verdict == REJECT and v.gated_disqualifiers == {"OOM": 1}
+    assert any("(attempt 0, retried)" in arm for arm in v.gated_arms), v.gated_arms
+    assert v.failures["candidate"] == {"failed": 1, "arms": 19}  # the failed attempt counts as well
+
+
 def test_an_oom_on_a_failed_candidate_gates_even_with_a_crashed_baseline_elsewhere(policy: Policy) -> None:
     # Hole: a failed candidate's OOM was spared as a "failure code", and one candidate OOM plus one baseline
     # crash in another block gave PROMOTE with "every clause holds".
