@@ -368,8 +368,11 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
     verdict.fisher_p = fisher_more_failures(f["candidate"]["failed"], f["candidate"]["arms"],
                                             f["baseline"]["failed"], f["baseline"]["arms"])
     verdict.disqualifiers = _disqualifiers(blocks)
-    gated_views = [(b, view) for b in blocks for view in (b.candidate, *b.earlier_gated) if view.gated_codes]
-    verdict.gated_disqualifiers = dict(sorted(Counter(c for _, view in gated_views for c in view.gated_codes).items()))
+    gated_views = [(b.block_id, view, "" if view is b.candidate else f" (attempt {view.attempt}, retried)")
+                   for b in blocks for view in (b.candidate, *b.earlier_gated) if view.gated_codes]
+    gated_views += [(block_id, view, " (block refused)") for block_id, view in test.refused_gates]
+    verdict.gated_disqualifiers = dict(sorted(Counter(c for _, view, _ in gated_views
+                                                      for c in view.gated_codes).items()))
     verdict.counter_violations = _counter_violations(blocks, policy)
     verdict.throughput = _throughput(blocks)
     verdict.device_class = Counter(b.device_class for b in blocks).most_common(1)[0][0] if blocks else ""
@@ -380,9 +383,8 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
     verdict.startup_flags = [f"{b.block_id}: {startup_flags[b.block_id]}" for b in blocks
                              if b.block_id in startup_flags]
     verdict.contended_blocks = [b.block_id for b in blocks if b.baseline.contended or b.candidate.contended]
-    verdict.gated_arms = [f"{b.block_id} candidate {view.receipt_id[:8]}"
-                          + (f" (attempt {view.attempt}, retried)" if view is not b.candidate else "") + ": "
-                          + "; ".join(view.gate_details or view.gated_codes) for b, view in gated_views]
+    verdict.gated_arms = [f"{block_id} candidate {view.receipt_id[:8]}{note}: "
+                          + "; ".join(view.gate_details or view.gated_codes) for block_id, view, note in gated_views]
     verdict.inert_reason = inert_reason(test) if test.kind == "speed" else None
     # A gated candidate arm measured something other than the feature; it is counted above, never as a ratio.
     usable = [b for b in blocks if not b.candidate.gated_codes]

@@ -144,7 +144,7 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     blocks, refusals = match_blocks(valid, policy)
     bundle_blocks = [b for b in blocks if b.feature == BUNDLE]  # judged by the bundle check, not as a test
     blocks = [b for b in blocks if b.feature != BUNDLE]
-    tests, calibrations, lanes = organise(blocks, policy)
+    tests, calibrations, lanes = organise(blocks, policy, refusals)
     flags = startup_outliers(blocks)
     # Each test is measured on its own (its bootstrap draws from a generator seeded by its key), so the tests are
     # split over the CPUs with results identical to one process's.

@@ -24,12 +24,12 @@ import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import numpy as np
 
 from ablate.config.features import FEATURES
-from ablate.promote.match import Block
+from ablate.promote.match import ArmView, Block, Refusal
 from ablate.promote.policy import Policy
 from ablate.promote.stats import abs_quantile, bootstrap_hl, hodges_lehmann, quantile
 
@@ -163,6 +163,8 @@ class TestEvidence:
     blocks: list[Block]
     superseded: list[Block] = field(default_factory=list)
     rounds: list[RoundInfo] = field(default_factory=list)
+    refused_gates: list[tuple[str, ArmView]] = field(default_factory=list)
+    """(block id, candidate arm) of refused blocks of this test whose candidate carries a gated code."""
 
     @property
     def key(self) -> str:
@@ -296,9 +298,10 @@ def _lane_states(blocks: list[Block], policy: Policy) -> dict[str, LaneState]:
     return states
 
 
-def organise(blocks: list[Block], policy: Policy) -> tuple[list[TestEvidence], dict[str, Calibration],
-                                                          dict[str, LaneState]]:
-    """Tests (sorted by feature, lane, value), per-lane calibration under the current fingerprint, lane states."""
+def organise(blocks: list[Block], policy: Policy, refusals: Iterable[Refusal] = ()
+             ) -> tuple[list[TestEvidence], dict[str, Calibration], dict[str, LaneState]]:
+    """Tests (sorted by feature, lane, value), per-lane calibration under the current fingerprint, lane states.
+    ``refusals``: the candidate gates they carry join their test's (same feature, value, lane, fingerprint)."""
     lanes = _lane_states(blocks, policy)
     aa_current: dict[str, list[Block]] = defaultdict(list)
     grouped: dict[tuple[str, str, str], list[Block]] = defaultdict(list)
@@ -317,8 +320,12 @@ def organise(blocks: list[Block], policy: Policy) -> tuple[list[TestEvidence], d
         kept = [b for b in members if b.software_fingerprint == current]
         old = [b for b in members if b.software_fingerprint != current]
         first = (kept or members)[0]
+        value = json.dumps(first.value, default=str)
+        gates = [(r.block_id, view) for r in refusals if r.gated_candidates and r.feature == feature and
+                 r.value == value and r.lane_key == lane_key and r.software_fingerprint == current
+                 for view in r.gated_candidates]
         tests.append(TestEvidence(
             feature=feature, value=first.value, baseline_value=first.baseline_value, kind=first.kind,
             lane_key=lane_key, software_fingerprint=current, blocks=kept, superseded=old,
-            rounds=_rounds(kept, policy, windows)))
+            rounds=_rounds(kept, policy, windows), refused_gates=gates))
     return tests, calibrations, lanes

@@ -196,6 +196,12 @@ class Refusal:
     feature: Optional[str]
     lane_key: Optional[str]
     round_id: Optional[str]
+    gated_candidates: tuple[ArmView, ...] = ()
+    """Candidate arms of a refused block that carry a gated code (its baseline was disqualified, its partner is
+    missing or aborted): the block measures nothing, but a candidate's fallback or OOM still gates its test."""
+    value: Optional[str] = None
+    """JSON of the candidate's feature value, and the fingerprint it ran under: which test those gates belong to."""
+    software_fingerprint: Optional[str] = None
 
 
 def execution_record(receipt: Receipt) -> dict[str, Any]:
@@ -486,12 +492,29 @@ def _select_attempt(receipts: list[Receipt]) -> tuple[dict[int, Receipt], dict[s
     return chosen, dict(earlier), cross, None
 
 
-def _refuse(reason: str, receipts: Iterable[Receipt], block_id: str) -> Refusal:
+def _refuse(reason: str, receipts: Iterable[Receipt], block_id: str, gates: Optional[Policy] = None) -> Refusal:
+    """``gates``: the policy, when the block's own candidate arms are trustworthy enough to gate their test."""
     receipts = list(receipts)
     first = receipts[0].identity if receipts else None
+    gated: tuple[ArmView, ...] = ()
+    value = fingerprint = None
+    if gates is not None:
+        candidates = [r for r in receipts if r.identity.arm.value == "candidate"]
+        # A code the baseline shares (low priority, a failed node check) is the host's, not the feature's.
+        shared = {code for r in receipts if r.identity.arm.value != "candidate"
+                  for code in _arm_view(r, gates).gated_codes}
+        views = [_arm_view(r, gates) for r in candidates]
+        gated = tuple(dataclasses.replace(view, gated_codes=tuple(c for c in view.gated_codes if c not in shared),
+                                          gate_details=tuple(d for d in view.gate_details
+                                                             if d.split(":", 1)[0] not in shared))
+                      for view in views if set(view.gated_codes) - shared)
+        if gated:
+            value = json.dumps(candidates[0].identity.feature_value, default=str)
+            fingerprint = candidates[0].identity.software_fingerprint
     return Refusal(reason=reason, receipt_ids=tuple(r.identity.receipt_id for r in receipts), block_id=block_id,
                    feature=first.feature if first else None, lane_key=first.lane_key if first else None,
-                   round_id=first.sweep_id if first else None)
+                   round_id=first.sweep_id if first else None, gated_candidates=gated, value=value,
+                   software_fingerprint=fingerprint)
 
 
 def _make_block(block_id: str, receipts: list[Receipt], policy: Policy) -> Block | Refusal:
@@ -501,7 +524,7 @@ def _make_block(block_id: str, receipts: list[Receipt], policy: Policy) -> Block
     if sorted(latest) != [0, 1]:
         present = ", ".join(f"{latest[i].identity.arm.value}#{i}" for i in sorted(latest))
         return _refuse(f"block has arm(s) {present} only: its partner arm is missing (never paired elsewhere)",
-                       receipts, block_id)
+                       receipts, block_id, gates=policy)
     first, second = latest[0], latest[1]
     if first.identity.arm.value == "candidate":
         base, cand = second, first
@@ -514,7 +537,7 @@ def _make_block(block_id: str, receipts: list[Receipt], policy: Policy) -> Block
     for view in (base_view, cand_view):
         if view.status == "aborted":
             return _refuse(f"{view.role} arm #{view.arm_index} was aborted: neither evidence nor a failure",
-                           receipts, block_id)
+                           receipts, block_id, gates=policy)
     aa = base_view.role == "aa"
     if not aa and not base_view.failed and not cand_view.failed and base_view.execution == cand_view.execution:
         # Observed inertness: the candidate ran exactly the code its own baseline ran, whatever the list predicted.
@@ -527,7 +550,8 @@ def _make_block(block_id: str, receipts: list[Receipt], policy: Policy) -> Block
     if base_view.gated_codes or (aa and cand_view.gated_codes):
         codes = ", ".join(sorted(set(base_view.gated_codes) | (set(cand_view.gated_codes) if aa else set())))
         what = "an A/A arm" if aa else "the baseline arm"
-        return _refuse(f"{what} is disqualified ({codes}): the block cannot measure anything", receipts, block_id)
+        return _refuse(f"{what} is disqualified ({codes}): the block cannot measure anything", receipts, block_id,
+                       gates=None if aa else policy)
     if aa and (base_view.failed or cand_view.failed):
         return _refuse("an A/A arm failed: the block cannot calibrate the noise floor", receipts, block_id)
     standing = {id(base), id(cand)}

@@ -252,6 +252,35 @@ def test_a_gated_candidate_of_an_earlier_attempt_still_gates_its_test(policy: Po
     assert v.failures["candidate"] == {"failed": 1, "arms": 19}  # the failed attempt counts as well
 
 
+def test_a_refused_blocks_candidate_still_gates_with_the_codes_its_baseline_does_not_share(policy: Policy) -> None:
+    # Hole: on a host where both arms ran at low priority the blocks were refused (baseline disqualified), and the
+    # candidate's own backend fallback there vanished with them: PROMOTE on the other three hosts.
+    receipts = simulate(Sim(features=[moe(1.05)], hosts=4, **QUIET), 0)
+    for r in receipts:
+        if r.identity.host == "node-3" and r.identity.feature:
+            r.identity.status = Status.disqualified
+            r.disqualifiers.append(Disqualifier(code=Code.LOW_PRIORITY, detail="niceness 15"))
+            if r.identity.arm.value == "candidate":
+                r.disqualifiers.append(Disqualifier(code=Code.BACKEND_FALLBACK, detail="grouped_mm -> loop"))
+    result = run(receipts, policy)
+    v = verdict_of(result)
+    assert len(result.refusals) == 4 and all("baseline arm is disqualified" in r.reason for r in result.refusals)
+    # LOW_PRIORITY is the host's (the baseline has it too): only the candidate's own fallback gates.
+    assert v.verdict == REJECT and v.gated_disqualifiers == {"BACKEND_FALLBACK": 4}
+    assert all("(block refused)" in arm for arm in v.gated_arms)
+
+
+def test_a_refused_block_whose_arms_share_every_code_gates_nothing(policy: Policy) -> None:
+    receipts = simulate(Sim(features=[moe(1.05)], hosts=4, **QUIET), 0)
+    for r in receipts:
+        if r.identity.host == "node-3" and r.identity.feature:
+            r.identity.status = Status.disqualified
+            r.disqualifiers.append(Disqualifier(code=Code.LOW_PRIORITY, detail="niceness 15"))
+    result = run(receipts, policy)
+    v = verdict_of(result)
+    assert len(result.refusals) == 4 and v.gated_disqualifiers == {} and v.verdict == PROMOTE
+
+
 def test_an_oom_on_a_failed_candidate_gates_even_with_a_crashed_baseline_elsewhere(policy: Policy) -> None:
     # Hole: a failed candidate's OOM was spared as a "failure code", and one candidate OOM plus one baseline
     # crash in another block gave PROMOTE with "every clause holds".
