@@ -13,9 +13,7 @@ repeats of each variant, and their ratio. APPENDS a record (date, git state, hos
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -29,6 +27,9 @@ sys.path.insert(0, str(REPO))
 
 from ablate.promote.stats import _CUMSUM_CHUNK_ELEMENTS, _hl_by_cumsum, _hl_by_ladder, _hl_chunks, _SortedPairs  # noqa: E402,E501
 from trainers.provenance import git_state  # noqa: E402
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import records  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "bootstrap.json"
 
@@ -84,14 +85,10 @@ def main() -> int:
                   f"(cumsum / auto {row['cumsum_over_auto']:.2f}x)", flush=True)
     record = {"benchmark": "bootstrap", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "git": git_state(REPO), "note": args.note,
-              "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_before": load_before,
-                       "load_after": os.getloadavg(),
-                       "threads": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}},
+              "host": records.host(load_before),
               "criterion": f"median of {args.repeats} interleaved runs per variant (one warm-up not kept); "
                            f"variants bit-identical", "sizes": rows}
-    history = json.loads(RESULTS.read_text())["runs"] if RESULTS.exists() else []
-    RESULTS.write_text(json.dumps({"runs": [*history, record]}, indent=1) + "\n")
-    print(f"appended to {RESULTS}")
+    records.append(RESULTS, record)
     return 0
 
 

@@ -12,9 +12,7 @@ is kept. Nothing here is a pass/fail target: the judge's looks add to the driver
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -30,6 +28,9 @@ from promote_sim import FeatureTruth, Sim, moe, simulate  # noqa: E402
 from ablate.promote.engine import promote  # noqa: E402
 from ablate.receipts.store import seal  # noqa: E402
 from trainers.provenance import git_state  # noqa: E402
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import records  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "judge.json"
 POLICY = REPO / "search_spaces" / "policies" / "single_node_sequential.yaml"
@@ -69,14 +70,10 @@ def main() -> int:
               f"{row['judge_median_s']:.3f} s ({row['judge_over_full']:.2f}x)", flush=True)
     record = {"benchmark": "judge", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "git": git_state(REPO), "note": args.note,
-              "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_before": load_before,
-                       "load_after": os.getloadavg(),
-                       "threads": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}},
+              "host": records.host(load_before),
               "criterion": f"median of {args.repeats} interleaved looks per variant (one warm-up pair not kept)",
               "policy": str(POLICY.relative_to(REPO)), "sizes": sizes}
-    history = json.loads(RESULTS.read_text())["runs"] if RESULTS.exists() else []
-    RESULTS.write_text(json.dumps({"runs": [*history, record]}, indent=1) + "\n")
-    print(f"appended to {RESULTS}")
+    records.append(RESULTS, record)
     return 0
 
 

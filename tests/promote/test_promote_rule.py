@@ -174,14 +174,19 @@ def test_failed_candidate_arms_count_as_losses(policy: Policy) -> None:
     assert {"failure_rate", "not_flaky"} & set(failing(v))
 
 
+def _failed(arm: Receipt, *codes: Disqualifier) -> None:
+    """What trainers/receipt.py records for a crashed arm: failed, no projection, its codes and ARM_FAILED."""
+    arm.identity.status = Status.failed
+    arm.projection = None
+    arm.disqualifiers += [*codes, Disqualifier(code=Code.ARM_FAILED)]
+
+
 def _died_unobserved(arm: Receipt) -> None:
     """What trainers/receipt.py writes for an arm whose worker died before reporting (SIGKILL, OOM killer,
     segfault, timeout): no result, so no observed hardware and no hardware in its evidence fingerprint."""
     from trainers.provenance import evidence_fingerprint
 
-    arm.identity.status = Status.failed
-    arm.projection = None
-    arm.disqualifiers += [Disqualifier(code=Code.ARM_FAILED)]
+    _failed(arm)
     arm.observed.hardware = {}
     arm.identity.hardware_fingerprint = None
     arm.identity.software_fingerprint = evidence_fingerprint(arm.identity.software, arm.identity.code_fingerprint,
@@ -242,27 +247,30 @@ def test_a_gated_candidate_of_an_earlier_attempt_still_gates_its_test(policy: Po
             host=ident.host, tps=tps, loss=5.0, lane_key=ident.lane_key, status=status, disqualifiers=codes,
             created_at=datetime.fromisoformat(ident.created_at) - timedelta(minutes=1), attempt=0))
         ident.attempt = 1
-    crashed = [r for r in receipts if r.identity.arm.value == "baseline"][7]
-    crashed.identity.status = Status.failed
-    crashed.projection = None
-    crashed.disqualifiers += [Disqualifier(code=Code.ARM_FAILED)]
+    _failed([r for r in receipts if r.identity.arm.value == "baseline"][7])
     v = verdict_of(run(receipts, policy))
     assert v.verdict == REJECT and v.gated_disqualifiers == {"OOM": 1}
     assert any("(attempt 0, retried)" in arm for arm in v.gated_arms), v.gated_arms
     assert v.failures["candidate"] == {"failed": 1, "arms": 19}  # the failed attempt counts as well
 
 
-def test_a_refused_blocks_candidate_still_gates_with_the_codes_its_baseline_does_not_share(policy: Policy) -> None:
-    # Hole: on a host where both arms ran at low priority the blocks were refused (baseline disqualified), and the
-    # candidate's own backend fallback there vanished with them: PROMOTE on the other three hosts.
+def _low_priority_on_node_3(candidate_fallback: bool) -> list[Receipt]:
+    """4 hosts; on node-3 both arms of every block ran at inherited low priority (and, if asked, the candidate's
+    grouped GEMM also fell back to a loop there)."""
     receipts = simulate(Sim(features=[moe(1.05)], hosts=4, **QUIET), 0)
     for r in receipts:
         if r.identity.host == "node-3" and r.identity.feature:
             r.identity.status = Status.disqualified
             r.disqualifiers.append(Disqualifier(code=Code.LOW_PRIORITY, detail="niceness 15"))
-            if r.identity.arm.value == "candidate":
+            if candidate_fallback and r.identity.arm.value == "candidate":
                 r.disqualifiers.append(Disqualifier(code=Code.BACKEND_FALLBACK, detail="grouped_mm -> loop"))
-    result = run(receipts, policy)
+    return receipts
+
+
+def test_a_refused_blocks_candidate_still_gates_with_the_codes_its_baseline_does_not_share(policy: Policy) -> None:
+    # Hole: on a host where both arms ran at low priority the blocks were refused (baseline disqualified), and the
+    # candidate's own backend fallback there vanished with them: PROMOTE on the other three hosts.
+    result = run(_low_priority_on_node_3(candidate_fallback=True), policy)
     v = verdict_of(result)
     assert len(result.refusals) == 4 and all("baseline arm is disqualified" in r.reason for r in result.refusals)
     # LOW_PRIORITY is the host's (the baseline has it too): only the candidate's own fallback gates.
@@ -271,12 +279,7 @@ def test_a_refused_blocks_candidate_still_gates_with_the_codes_its_baseline_does
 
 
 def test_a_refused_block_whose_arms_share_every_code_gates_nothing(policy: Policy) -> None:
-    receipts = simulate(Sim(features=[moe(1.05)], hosts=4, **QUIET), 0)
-    for r in receipts:
-        if r.identity.host == "node-3" and r.identity.feature:
-            r.identity.status = Status.disqualified
-            r.disqualifiers.append(Disqualifier(code=Code.LOW_PRIORITY, detail="niceness 15"))
-    result = run(receipts, policy)
+    result = run(_low_priority_on_node_3(candidate_fallback=False), policy)
     v = verdict_of(result)
     assert len(result.refusals) == 4 and v.gated_disqualifiers == {} and v.verdict == PROMOTE
 
@@ -286,14 +289,8 @@ def test_an_oom_on_a_failed_candidate_gates_even_with_a_crashed_baseline_elsewhe
     # crash in another block gave PROMOTE with "every clause holds".
     receipts = simulate(Sim(features=[moe(1.05)], blocks_per_host=3, **QUIET), 0)
     cand = candidates(receipts)[0]
-    cand.identity.status = Status.failed
-    cand.projection = None
-    cand.disqualifiers += [Disqualifier(code=Code.OOM, detail="CUDA out of memory"),
-                           Disqualifier(code=Code.ARM_FAILED)]
-    base = [r for r in receipts if r.identity.arm.value == "baseline"][7]
-    base.identity.status = Status.failed
-    base.projection = None
-    base.disqualifiers += [Disqualifier(code=Code.ARM_FAILED)]
+    _failed(cand, Disqualifier(code=Code.OOM, detail="CUDA out of memory"))
+    _failed([r for r in receipts if r.identity.arm.value == "baseline"][7])
     v = verdict_of(run(receipts, policy))
     assert v.verdict == REJECT and v.gated_disqualifiers == {"OOM": 1}
     assert cand.identity.receipt_id[:8] in v.reason and "OOM" in v.reason  # the report names the arm
