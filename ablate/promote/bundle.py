@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 import zlib
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
@@ -92,6 +92,17 @@ def check_bundles(verdicts: list[FeatureVerdict], bundle_blocks: list[Block], po
         current = {v.software_fingerprint for v in promoted}
         same = [b for b in bundle_blocks if b.lane_key == lane_key and _key(b.value) == _key(values)]
         stale = sum(b.software_fingerprint not in current for b in same)
+        # The values together are the only test of the combination: a candidate arm of it that fell back (or hit
+        # any other gated code, in any attempt) fails the set, as one such arm rejects a single test.
+        gated = Counter(code for b in same if b.software_fingerprint in current
+                        for view in (b.candidate, *b.earlier_gated) for code in view.gated_codes)
+        if gated:
+            check.status = FAILED
+            check.reason = ("bundle candidate arms disqualified: "
+                            + ", ".join(f"{code} x{count}" for code, count in sorted(gated.items()))
+                            + f" ({len(values)} values together); the set is not written")
+            checks.append(check)
+            continue
         rows = [(b, b.log_ratio(policy.failures.failed_log_ratio)) for b in same
                 if b.software_fingerprint in current and not b.candidate.gated_codes]
         rows = [(b, r) for b, r in rows if r is not None]

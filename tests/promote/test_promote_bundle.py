@@ -65,6 +65,22 @@ def test_wins_that_add_up_are_written_together(singles: list[Receipt], policy: P
     assert {f: data["features"][f]["value"] for f in NEW} == NEW
 
 
+def test_a_combination_that_falls_back_fails_the_set(singles: list[Receipt], policy: Policy,
+                                                     defaults_file: Path) -> None:
+    # Hole: bundle blocks whose candidate fell back were dropped from the rows without a word, and the other 8
+    # passed the set: both values were written although a third of the combined runs never ran them.
+    from ablate.receipts.schema import Code, Disqualifier, Status
+
+    bundle = simulate_bundle(NEW, OLD, 1.05 * 1.06, 4)
+    candidates = [r for r in bundle if r.identity.arm.value == "candidate"]
+    for arm in candidates[::3]:
+        arm.disqualifiers.append(Disqualifier(code=Code.BACKEND_FALLBACK, detail="combined: grouped GEMM fell back"))
+        arm.identity.status = Status.disqualified
+    result = run(singles + bundle, policy, defaults_file)
+    [check] = result.bundles
+    assert check.status == "failed" and "BACKEND_FALLBACK x4" in check.reason and result.changes == []
+
+
 def test_a_bundle_below_the_best_single_but_within_delta_passes(singles: list[Receipt], policy: Policy,
                                                                defaults_file: Path) -> None:
     # Overlapping wins (the bundle is no better than mamba alone) are still worth writing: nothing is lost.
