@@ -394,8 +394,10 @@ def outcome_of(target: Target, v: Optional[FeatureVerdict], policy: Policy, *, r
                       ci95=[None if x is None else round(float(x), 4) for x in (v.ci95 or (None, None))],
                       blocks=v.n_blocks, hosts=v.n_hosts)
         if outcome == CONFIRMED:
+            # The confirmed value still replaced what the first promotion replaced: the fresh record says so, or a
+            # later re-test that finds the win gone could not demote it (a global record without ``replaced``).
             evidence = {**evidence_record(v, report_id=report_id, campaign=campaign, date=date, policy=policy,
-                                          scope=target.scope), "revalidates": target.report}
+                                          scope=target.scope, replaced=target.replaced), "revalidates": target.report}
     return RevalidationOutcome(
         feature=target.feature, value=target.value, lane_key=target.lane_key,
         recorded_fingerprint=target.recorded_fingerprint, current_fingerprint=target.current_fingerprint,

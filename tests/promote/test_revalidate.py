@@ -55,14 +55,22 @@ def mark_jagged(tmp_path: Path, policy: Policy) -> Marked:
                                    0), key), policy_path=anywhere, defaults_path=defaults)
     assert first.verdicts[0].verdict == PROMOTE
     write_defaults(first, defaults)
-    later_lane = flat_lane(with_feature(lane, "moe_dispatch", "jagged"))  # its baseline now runs jagged
-    later = Sim(features=[FeatureTruth("mamba_scan", "chunked", "sequential", 1.0)], lane=later_lane,
-                horizon=horizon, fingerprints=["sw-2", "sw-2"], campaign="later", block_prefix="L-", **QUIET)
-    marked = promote(simulate(later, 4), policy_path=policy, defaults_path=defaults)
+    marked = later_campaign(defaults, lane, policy, software="sw-2", seed=4)
     assert [(r.feature, r.recorded_fingerprint, r.current_fingerprint) for r in marked.revalidations] == [
         ("moe_dispatch", "sw-1", "sw-2")]
-    write_defaults(marked, defaults)
     return Marked(defaults=defaults, campaign=campaign, lane_key=key, flat=flat, report=first.report_id)
+
+
+def later_campaign(defaults: Path, lane: object, policy: Policy, software: str, seed: int) -> object:
+    """Another feature's campaign on the lane (its baseline now runs jagged) under ``software``, written: it marks
+    jagged's newest record when the software changed."""
+    later = Sim(features=[FeatureTruth("mamba_scan", "chunked", "sequential", 1.0)],
+                lane=flat_lane(with_feature(lane, "moe_dispatch", "jagged")),
+                horizon=flat_lane(lane)["budget.horizon_steps"], fingerprints=[software, software],
+                campaign=f"later-{software}", block_prefix=f"L-{software}-", **QUIET)
+    marked = promote(simulate(later, seed), policy_path=policy, defaults_path=defaults)
+    write_defaults(marked, defaults)
+    return marked
 
 
 def drop_from_record(defaults: Path, key: str) -> None:
@@ -126,10 +134,10 @@ def retest(m: Marked, policy: Policy, tmp_path: Path, sim: Sim, seed: int = 7) -
     return result
 
 
-def retest_sim(m: Marked, truth: FeatureTruth, **knobs: object) -> Sim:
+def retest_sim(m: Marked, truth: FeatureTruth, software: str = "sw-2", **knobs: object) -> Sim:
     params = {**QUIET, **knobs}
-    return Sim(features=[truth], lane=m.flat, horizon=m.flat["budget.horizon_steps"], fingerprints=["sw-2", "sw-2"],
-               campaign="revalidate-moe", block_prefix="R-", **params)
+    return Sim(features=[truth], lane=m.flat, horizon=m.flat["budget.horizon_steps"], fingerprints=[software] * 2,
+               campaign=f"revalidate-moe-{software}", block_prefix=f"R-{software}-", **params)
 
 
 def test_a_retest_without_a_win_demotes_the_value_and_says_why(policy: Policy, tmp_path: Path) -> None:
@@ -167,6 +175,21 @@ def test_a_retest_with_a_clear_win_confirms_the_value_and_resolves_the_mark(poli
     assert fresh["lane_key"] == m.lane_key and fresh["previous"] == "padded" and "revalidate" not in fresh
     assert "### Revalidated (the value stays)" in result.markdown and "Demoted" not in result.markdown
     assert result.changes == []  # nothing in the defaults diff: the value stays
+
+
+def test_a_confirmed_global_value_is_still_demoted_when_a_later_retest_finds_the_win_gone(
+        policy: Policy, tmp_path: Path) -> None:
+    # Hole: the confirming record was written without ``replaced``, so after the next software change a re-test
+    # that found a 5% slowdown could only say "unconfirmed", and the slower value stayed the default for good.
+    m = mark_jagged(tmp_path, policy)
+    retest(m, policy, tmp_path, retest_sim(m, moe(1.05)))
+    fresh = load_defaults(m.defaults).raw["features"]["moe_dispatch"]["evidence"][-1]
+    assert (fresh["scope"], fresh["replaced"], fresh["software_fingerprint"]) == ("global", "padded", "sw-2")
+    marked = later_campaign(m.defaults, load_sweep(m.campaign)[0].lane, policy, software="sw-3", seed=9)
+    assert [(r.recorded_fingerprint, r.current_fingerprint) for r in marked.revalidations] == [("sw-2", "sw-3")]
+    result = retest(m, policy, tmp_path / "sw-3", retest_sim(m, moe(0.95), software="sw-3"), seed=11)
+    assert [(o.verdict, o.outcome) for o in result.revalidations] == [(REJECT, DEMOTED)]
+    assert load_defaults(m.defaults).values["moe_dispatch"] == "padded"
 
 
 def test_an_inconclusive_retest_keeps_the_value_and_the_mark(policy: Policy, tmp_path: Path) -> None:
