@@ -191,6 +191,10 @@ def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mappin
             not_global.append("rejected in another lane")
         if policy.scope.global_requires_all_lanes and {v.lane_key for v in promoted} != {v.lane_key for v in tests}:
             not_global.append("not every measured lane promoted it")
+        if policy.single_node:
+            # One host says nothing about the others (promotion-rule.md §5.9): the value is the measured lanes'.
+            not_global.append(f"policy {policy.name!r} is single-node: a promotion is scoped to the lanes measured "
+                              f"on its host")
         # With one lane measured "every lane" holds trivially: the device classes are what stop a 1-thread CPU
         # lane from deciding what GPU campaigns run.
         classes = {v.device_class for v in promoted}

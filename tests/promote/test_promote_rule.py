@@ -392,3 +392,13 @@ def test_the_report_names_the_lane_by_device_precision_threads_and_world_size(po
     result = run(simulate(Sim(features=[moe(1.05)], **QUIET), 0), policy)
     row = next(line for line in result.markdown.splitlines() if line.startswith("| `moe_dispatch`→`jagged`"))
     assert "cuda · fp32 · " in row and " world 1 · AEMR" in row
+
+
+def test_a_single_node_promotion_is_scoped_to_the_lanes_it_measured(single_node_policy: Policy) -> None:
+    # Hole: the single-node profile promised lane scope, but the writer never read it: one host and one lane
+    # flipped the global default for every lane.
+    result = run(simulate(Sim(features=[moe(1.05)], hosts=1, blocks_per_host=4, **QUIET), 0), single_node_policy)
+    assert verdict_of(result).verdict == PROMOTE
+    [change] = result.changes
+    assert change.scope == "lane" and change.new is None and list(change.overrides.values()) == ["jagged"]
+    assert any("single-node" in why for why in change.not_global)
