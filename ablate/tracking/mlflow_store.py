@@ -646,7 +646,11 @@ def load_receipts_from_mlflow(tracking_uri: Optional[str], experiment: str, swee
 def _read_receipts(client: TrackingClient, sweep_id: Optional[str], uri: str, receipts: dict[str, Receipt],
                    rejected: list[tuple[str, str]], links: dict[str, str], use_payload: bool = True,
                    ui_url: Optional[str] = None, run_labels: Optional[dict[str, dict[str, str]]] = None) -> None:
+    from mlflow.entities import ViewType
+
     runs = [run for _, run in sorted(client.arm_runs(sweep_id).items())]
+    rejected.extend(receipt_bundle.deleted_notes(receipt_bundle.deleted_arm_runs(client, sweep_id,
+                                                                                  ViewType.DELETED_ONLY), skip=set()))
     blocks = {run_id: run.info.run_name or run_id
               for run_id, run in (block_runs(client, sweep_id) if run_labels is not None else {}).items()}
     collect_outcomes(client, read_arm_runs(runs, uri, use_payload=use_payload), ui_base(uri, ui_url)[0], blocks,

@@ -264,8 +264,9 @@ def bundled_arm_runs(client: "TrackingClient", sweep_id: Optional[str], tracking
     if with_blocks:
         blocks = {run.info.run_id: run.info.run_name
                   for run in client.search([f"{_q(TAG + 'role')} = '{ROLE_BLOCK}'"] + scope + others)}
+    deleted = deleted_arm_runs(client, sweep_id, ViewType.DELETED_ONLY)
+    notes += deleted_notes(deleted, skip=set(bundles))
     if bundles:
-        deleted = _deleted_arm_runs(client, sweep_id, ViewType.DELETED_ONLY)
         for sweep, body in sorted(bundles.items()):
             blocks.update(body["blocks"])
             for entry in body["runs"]:
@@ -292,19 +293,30 @@ def bundled_arm_runs(client: "TrackingClient", sweep_id: Optional[str], tracking
     return runs, blocks, notes
 
 
-def _deleted_arm_runs(client: "TrackingClient", sweep_id: Optional[str], view: Any) -> set[str]:
+def deleted_arm_runs(client: "TrackingClient", sweep_id: Optional[str], view: Any) -> dict[str, dict[str, str]]:
+    """Run id -> tags of the experiment's arm runs (one sweep's) in ``view`` (deleted ones, for the readers)."""
     from ablate.tracking.mlflow_store import _q
 
     query = " and ".join([f"{_q(TAG + 'role')} = '{ROLE_ARM}'"] +
                          ([f"{_q(TAG + 'sweep_id')} = '{sweep_id}'"] if sweep_id else []))
-    found, token = set(), None
+    found, token = {}, None
     while True:
         page = client.client.search_runs([client.experiment_id], filter_string=query, run_view_type=view,
                                          max_results=1000, page_token=token)
-        found.update(run.info.run_id for run in page)
+        found.update((run.info.run_id, run.data.tags) for run in page)
         token = page.token
         if not token:
             return found
+
+
+def deleted_notes(deleted: Mapping[str, Mapping[str, str]], skip: set[str]) -> list[tuple[str, str]]:
+    """A reject line for each deleted arm run (those of the sweeps in ``skip`` are named by their bundle's reading):
+    a run search leaves deleted runs out, so without this line a deleted arm (a failure, a gated candidate) left
+    the evidence without a word."""
+    return [(f"run {run_id}", f"arm run of sweep {tags.get(TAG + 'sweep_id')!r} (receipt "
+                              f"{tags.get(TAG + 'receipt_id')}) is deleted in MLflow: its receipt is not read; restore "
+                              f"the run, or promote from the campaign's receipt files, to count it")
+            for run_id, tags in sorted(deleted.items()) if tags.get(TAG + "sweep_id") not in skip]
 
 
 def read_receipts(client: "TrackingClient", sweep_id: Optional[str], uri: str, receipts: dict[str, Any],

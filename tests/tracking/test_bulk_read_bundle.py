@@ -139,6 +139,23 @@ def test_running_sweep_missing_and_damaged_bundles_fall_back_to_the_runs(
     assert len(rejected) == 1 and "not a well-formed" in rejected[0][1]
 
 
+def test_a_deleted_arm_run_of_a_searched_sweep_is_reported_not_dropped(campaign: list[Receipt], tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # Hole: a sweep without a usable bundle (still RUNNING, never bundled) is searched, the search leaves deleted
+    # runs out, and a deleted gated candidate left the evidence without a line (REJECT became PROMOTE).
+    uri = fresh_mlflow_uri(tmp_path)
+    client, _ = _log(uri, campaign, bundle=False)
+    runs = {rid: run.info.run_id for rid, run in client.arm_runs().items()}
+    gone = next(r for r in campaign if r.identity.arm.value == "candidate").identity
+    client.client.delete_run(runs[gone.receipt_id])
+    for bundled in (True, False):
+        receipts, rejected, _, _ = _read(uri, bundled, monkeypatch)
+        assert len(receipts) == len(campaign) - 1
+        assert [origin for origin, _ in rejected] == [f"run {runs[gone.receipt_id]}"], (bundled, rejected)
+        assert "deleted in MLflow" in rejected[0][1] and gone.receipt_id in rejected[0][1]
+        assert repr(gone.sweep_id) in rejected[0][1]
+
+
 def test_deleted_runs_and_forged_entries_are_reported(campaign: list[Receipt], tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     uri = fresh_mlflow_uri(tmp_path)
