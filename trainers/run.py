@@ -68,11 +68,14 @@ def _tail(path: Path, limit: int = 3000) -> str:
         return ""
 
 
-def _private_caches(work: Path) -> dict[str, str]:
+def _private_caches(work: Path, restart: int = 0) -> dict[str, str]:
     """Compile caches of this arm alone, empty at its start: every arm pays its compile cold, as the first run of a
     job on a fresh node does. A cache shared on the node would bill the first arm's compile to it and hand the
-    next arms a warm start, so one-time costs would depend on the order blocks happened to run in."""
-    return {"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache"), "TRITON_CACHE_DIR": str(work / "triton-cache")}
+    next arms a warm start, so one-time costs would depend on the order blocks happened to run in. A relaunch after
+    a dead worker (``restart`` > 0) gets fresh ones too: the dead attempt's kernels would make its compile warm."""
+    suffix = f"-restart{restart}" if restart else ""
+    return {"TORCHINDUCTOR_CACHE_DIR": str(work / f"inductor-cache{suffix}"),
+            "TRITON_CACHE_DIR": str(work / f"triton-cache{suffix}")}
 
 
 def _arm_env(work: Path, **extra: str) -> dict[str, str]:
@@ -146,7 +149,7 @@ def _run_subprocess(spec: ArmSpec, work: Path, max_failures: int, timeout_s: Opt
         launch.restarts = index
         with log_path.open("w") as log:
             proc = _start_worker(_worker_argv(spec_path, result_path, spec.attempt + index), work, log, launch,
-                                 fork_server=fork_server)
+                                 fork_server=fork_server, **_private_caches(work, restart=index))
             code = _wait(proc, timeout_s)
         result = _worker_outcome(spec, launch, result_path, log_path, code, spec.attempt + index, timeout_s)
         if result is not None:

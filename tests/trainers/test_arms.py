@@ -238,6 +238,10 @@ def test_failed_arms_keep_their_cause_and_measurements(arms: dict[str, Receipt])
 def test_killed_worker_is_relaunched_and_the_receipt_says_so(arms: dict[str, Receipt]) -> None:
     receipt = arms["killed"]
     assert receipt.identity.status is Status.valid and receipt.identity.attempt == 1
+    # The relaunch compiled into caches of its own: the dead attempt's kernels would have made its compile warm.
+    assert receipt.env["TORCHINDUCTOR_CACHE_DIR"].endswith("/inductor-cache-restart1")
+    assert receipt.env["TRITON_CACHE_DIR"].endswith("/triton-cache-restart1")
+    assert arms["valid"].env["TORCHINDUCTOR_CACHE_DIR"].endswith("/inductor-cache")
     assert receipt.time.badput_s["restart"] > 0                    # the killed attempt's time, billed as restart
     assert len(receipt.steps.series) == 6
     assert abs(_time_sum(receipt) - receipt.time.wall_s) <= 0.01 * receipt.time.wall_s
