@@ -230,8 +230,9 @@ def _hl_chunks(pairs: _SortedPairs, counts: np.ndarray) -> np.ndarray:
         return _in_chunks(_hl_by_categories, pairs, counts, max(1, _CATEGORY_CHUNK_ELEMENTS // num_categories))
     blocks = int(pairs.cluster_sizes.sum())
     # Per resample: the cumulative sum touches every pair, the ladder ~2 gathers per block and bisection step
-    # (measured ~2x a summed element each); building the ladder costs ~6 per (distinct average, block).
-    ladder_cost = counts.shape[0] * 2 * blocks * steps + 6 * pairs.size * blocks
+    # (measured ~2x a summed element each); building the ladder costs about one summed element per (distinct
+    # average, block) (benchmarks/results/bootstrap.json: 28 ms for 250 blocks, where 400 cumulative sums took 208).
+    ladder_cost = counts.shape[0] * 2 * blocks * steps + pairs.size * blocks
     if ladder_cost < counts.shape[0] * pairs.size and _Ladder.fits(pairs):
         return _hl_by_ladder(pairs, counts)
     return _in_chunks(_hl_by_cumsum, pairs, counts, max(1, _CUMSUM_CHUNK_ELEMENTS // pairs.size))
