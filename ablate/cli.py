@@ -301,6 +301,10 @@ def receipts_show(
 def receipts_sync(
     sweep_dir: Path = typer.Argument(..., help="A sweep directory (its receipts/ and spool.jsonl are replayed)."),
     tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri"),
+    experiment: Optional[str] = typer.Option(
+        None, "--experiment", help="MLflow experiment of every receipt synced. Default: the one each sweep's "
+                                   "metadata beside the receipts names (sweeps/*.json), else 'ablate'. A fallback "
+                                   "spool or a bare receipts folder has no metadata: name the campaign's here."),
 ) -> None:
     """Bring MLflow to exactly the set of receipts on disk (idempotent by receipt id); every file that could not
     be read as a valid receipt is listed with the reason."""
@@ -314,7 +318,7 @@ def receipts_sync(
         _fail(escape(f"{sweep_dir}: no such sweep directory or receipt file"))
     uri = default_tracking_uri(tracking_uri)
     try:
-        result = sync(sweep_dir, uri)
+        result = sync(sweep_dir, uri, experiment=experiment)
     except TrackingStoreError as exc:
         _fail(escape(str(exc)), code=1)
     except Exception as exc:  # noqa: BLE001 - store unreachable: a one-line reason, never a traceback with the URI

@@ -300,18 +300,20 @@ class SweepSummary:
             f"MLflow:   {self.tracking_uri} experiment {self.experiment!r}, parent run {self.parent_run_id}",
         ]
         spools = self.spools or ({f"{self.sweep_dir}/{SPOOL_FILE}": None} if self.spooled else {})
+        # A fallback spool has no sweep metadata beside it: the replay command names the experiment itself.
+        into = f" --experiment {self.experiment}" if self.experiment != "ablate" else ""
         for spool, why in sorted(spools.items()):
             where = str(Path(spool).parent)
             lines.append(f"spooled:  {self.spooled} receipt(s) in {spool} ({self.offline_reason}"
                          f"{f'; not in {self.sweep_dir}: {why}' if why else ''}); replay with: "
-                         f"ablate receipts sync {where}")
+                         f"ablate receipts sync {where}{into}")
         if self.fallbacks:
             homes = sorted({str(Path(where).parent) for _, where, _ in self.fallbacks})
             reasons = sorted({why for _, _, why in self.fallbacks})
             lines.append(f"error:    {len(self.fallbacks)} receipt(s) could not be written to {self.sweep_dir}/receipts "
                          f"({'; '.join(reasons)}); they are in {', '.join(homes)}")
             for home in homes:
-                lines.append(f"next:     ablate receipts sync {Path(home).parent}   (MLflow), and once "
+                lines.append(f"next:     ablate receipts sync {Path(home).parent}{into}   (MLflow), and once "
                              f"{self.sweep_dir}/receipts takes writes again: mv {home}/*.json {self.sweep_dir}/receipts/")
         lines += [f"error:    receipt {rid} was not saved anywhere: {why}" for rid, why in self.unsaved]
         if self.caught_up:
@@ -324,7 +326,7 @@ class SweepSummary:
             lines.append(f"interrupted: {left} block(s) not finished; every receipt written so far is in MLflow or "
                          f"the spool. Continue with: {self.resume_command or 'ablate sweep <campaign> --resume'}")
             lines.append(f"          (an arm still running elsewhere writes its receipt to {self.sweep_dir}/receipts: "
-                         f"--resume, or ablate receipts sync {self.sweep_dir}, logs it)")
+                         f"--resume, or ablate receipts sync {self.sweep_dir}{into}, logs it)")
         lines += [f"error:    block {block}: {message}" for block, message in sorted(self.errors.items())]
         if self.left_out:
             lines.append(f"left out: {len(self.left_out)} planned block(s) whose test was decided "

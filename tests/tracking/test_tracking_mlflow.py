@@ -364,3 +364,30 @@ def test_run_links_open_the_ui_never_with_a_password() -> None:
     assert base == "http://127.0.0.1:5000"
     assert command == "mlflow ui --backend-store-uri 'sqlite:////tmp/my runs/mlflow.db'"
     assert run_link(base, "1", "abc") == "http://127.0.0.1:5000/#/experiments/1/runs/abc?workflowType=machine_learning"
+
+
+def test_a_spool_without_sweep_metadata_syncs_into_the_experiment_the_summary_names(receipts: list[Receipt],
+                                                                                   tmp_path: Path) -> None:
+    # Hole: a fallback spool has no sweeps/*.json beside it, so its sync went to experiment 'ablate' while the
+    # campaign's was another; promote read that one and the spooled arms were missing without a line.
+    from ablate.sweep.run import SweepSummary
+
+    spool_dir = tmp_path / "fallback" / "smoke"
+    for receipt in receipts:
+        append_spool(receipt, spool_dir)
+    summary = SweepSummary(sweep_id="track-1", campaign="smoke", sweep_dir=str(tmp_path / "smoke"), tune_path="",
+                           tracking_uri="sqlite:///x.db", experiment="exp", parent_run_id=None, resumed=False,
+                           executor="subprocess", max_concurrent=1, blocks_total=1, blocks_done=1, blocks_errored=0,
+                           arms_logged=2, arms_failed=0, arms_disqualified=0, spooled=2, offline_reason="offline",
+                           elapsed_s=1.0, spools={str(spool_dir / SPOOL_FILE): "disk full"})
+    command = next(line for line in summary.render().splitlines() if line.startswith("spooled:")).split(
+        "replay with: ")[1]
+    assert command == f"ablate receipts sync {spool_dir} --experiment exp"
+
+    uri = fresh_mlflow_uri(tmp_path)
+    out = subprocess.run([sys.executable, "-m", "ablate", *command.split()[1:], "--tracking-uri", uri],
+                         cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=240,
+                         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+                              "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert out.returncode == 0, out.stderr
+    assert len(TrackingClient(uri, "exp").arm_runs()) == len(receipts)
