@@ -17,7 +17,8 @@ a payload still has its ``receipt.json`` downloaded.
 
 When a bundle is not used (the sweep's runs are searched as before): the parent run carries no bundle tag, the
 artifact's SHA-256 differs from the tag written after it, the sweep is RUNNING (a live or resumed sweep adds runs
-the bundle does not list), or the artifact cannot be read or parsed. A bundle entry whose run has since been
+the bundle does not list), an arm run it left out as deleted is deleted no longer (restored, or purged), or the
+artifact cannot be read or parsed. A bundle entry whose run has since been
 deleted is dropped and reported among the rejects. Before arms are added to a finished sweep (a resumed sweep, a
 sync), its bundle is withdrawn (the SHA tag goes) and written again at the end, so a rewrite that fails leaves no
 stale bundle behind.
@@ -44,7 +45,7 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
 
 from ablate.tracking.bulk_read import read_arm_runs
 from ablate.tracking.mapping import ROLE_ARM, ROLE_BLOCK, ROLE_SWEEP, TAG
@@ -141,10 +142,12 @@ class Ledger:
                                           for run_id, name in self.blocks.items()]
 
 
-def bundle_bytes(sweep_id: str, arm_runs: list[Any], block_runs: list[Any]) -> bytes:
+def bundle_bytes(sweep_id: str, arm_runs: list[Any], block_runs: list[Any], deleted: Iterable[str] = ()) -> bytes:
+    """``deleted``: the sweep's arm runs deleted when it is written, which it leaves out; a reader that finds one of
+    them no longer deleted (restored) searches the sweep instead of trusting the bundle."""
     body = {"format": BUNDLE_FORMAT, "sweep_id": sweep_id,
             "runs": [_entry(run) for run in sorted(arm_runs, key=lambda r: r.info.run_id)],
-            "blocks": {run.info.run_id: run.info.run_name for run in block_runs}}
+            "blocks": {run.info.run_id: run.info.run_name for run in block_runs}, "deleted": sorted(deleted)}
     # mtime=0: the same runs give the same bytes, so the same SHA-256.
     return gzip.compress(json.dumps(body, sort_keys=True).encode("utf-8"), compresslevel=6, mtime=0)
 
@@ -165,7 +168,9 @@ def write_bundle(client: "TrackingClient", parent_run_id: str, sweep_id: str,
         if known is None:
             known = list(client.arm_runs(sweep_id).values()), list(block_runs(client, sweep_id).values())
         arms = known[0]
-        data = bundle_bytes(sweep_id, arms, known[1])
+        from mlflow.entities import ViewType
+
+        data = bundle_bytes(sweep_id, arms, known[1], deleted_arm_runs(client, sweep_id, ViewType.DELETED_ONLY))
         digest = hashlib.sha256(data).hexdigest()
         with tempfile.TemporaryDirectory(prefix="ablate-bundle-") as tmp:
             path = Path(tmp) / BUNDLE_ARTIFACT
@@ -205,8 +210,9 @@ def _load(parent: Any, tracking_uri: str, tmp: Path) -> tuple[Optional[dict[str,
 
 def _well_formed(body: dict[str, Any]) -> bool:
     # Checked before any entry is used: a re-signed but malformed bundle falls back to the runs, never crashes.
-    runs, blocks = body.get("runs"), body.get("blocks")
-    return isinstance(body.get("sweep_id"), str) and isinstance(runs, list) and isinstance(blocks, dict) and all(
+    runs, blocks, deleted = body.get("runs"), body.get("blocks"), body.get("deleted", [])
+    return isinstance(body.get("sweep_id"), str) and isinstance(runs, list) and isinstance(blocks, dict) and \
+        isinstance(deleted, list) and all(isinstance(run_id, str) for run_id in deleted) and all(
         isinstance(e, dict) and isinstance(e.get("run_id"), str) and isinstance(e.get("artifact_uri"), str)
         and isinstance(e.get("run_name"), (str, type(None))) and isinstance(e.get("tags"), dict)
         and all(isinstance(k, str) and isinstance(v, str) for k, v in e["tags"].items()) for e in runs)
@@ -239,6 +245,7 @@ def bundled_arm_runs(client: "TrackingClient", sweep_id: Optional[str], tracking
     parents = client.search([f"{_q(TAG + 'role')} = '{ROLE_SWEEP}'"] + scope)
     bundles: dict[str, dict[str, Any]] = {}
     notes: list[tuple[str, str]] = []
+    deleted = deleted_arm_runs(client, sweep_id, ViewType.DELETED_ONLY)
     per_sweep = Counter(parent.data.tags.get(TAG + "sweep_id", "") for parent in parents)
     with tempfile.TemporaryDirectory(prefix="ablate-bundles-") as tmp:
         for parent in parents:
@@ -246,6 +253,10 @@ def bundled_arm_runs(client: "TrackingClient", sweep_id: Optional[str], tracking
             if not sweep or per_sweep[sweep] > 1:
                 continue  # one bundle could not speak for another parent's runs: the sweep is searched
             body, why = _load(parent, tracking_uri, Path(tmp))
+            back = sorted(set(body.get("deleted", [])) - set(deleted)) if body is not None else []
+            if back:
+                body, why = None, (f"{len(back)} arm run(s) it left out as deleted are deleted no longer (restored, "
+                                   f"e.g. {back[0]})")
             if body is not None:
                 bundles[sweep] = body
             elif why is not None:
@@ -264,7 +275,6 @@ def bundled_arm_runs(client: "TrackingClient", sweep_id: Optional[str], tracking
     if with_blocks:
         blocks = {run.info.run_id: run.info.run_name
                   for run in client.search([f"{_q(TAG + 'role')} = '{ROLE_BLOCK}'"] + scope + others)}
-    deleted = deleted_arm_runs(client, sweep_id, ViewType.DELETED_ONLY)
     notes += deleted_notes(deleted, skip=set(bundles))
     if bundles:
         for sweep, body in sorted(bundles.items()):

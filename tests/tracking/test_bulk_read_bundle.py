@@ -156,6 +156,21 @@ def test_a_deleted_arm_run_of_a_searched_sweep_is_reported_not_dropped(campaign:
         assert repr(gone.sweep_id) in rejected[0][1]
 
 
+def test_a_run_restored_after_its_bundle_was_rewritten_is_read_again(campaign: list[Receipt], tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # Hole: a bundle rewritten while a run was deleted left it out, and once the run was restored the bundle (SHA
+    # intact, sweep finished) still stood for the sweep: the restored receipt was never read, without a line.
+    uri, first, client, sweep, parent = _first_sweep_logged(campaign, tmp_path)
+    run_id = client.arm_runs(sweep)[first[0].identity.receipt_id].info.run_id
+    client.client.delete_run(run_id)
+    assert write_bundle(client, parent, sweep) is not None  # e.g. a `receipts sync` of the sweep
+    client.client.restore_run(run_id)
+    receipts, rejected, _, _ = _read(uri, True, monkeypatch)
+    assert len(receipts) == len(first) and first[0].model_dump_json() in receipts
+    assert [origin for origin, _ in rejected] == [f"receipt bundle of sweep {sweep} (run {parent})"]
+    assert "deleted no longer" in rejected[0][1] and run_id in rejected[0][1]
+
+
 def test_deleted_runs_and_forged_entries_are_reported(campaign: list[Receipt], tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     uri = fresh_mlflow_uri(tmp_path)
