@@ -275,6 +275,19 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
         return Clause("quality_non_inferior", upper <= v.epsilon,
                       f"loss delta {v.loss_delta:+.4g}, upper bound {upper:+.4g} vs epsilon {v.epsilon:.4g}")
 
+    def loss_not_lower() -> Clause:
+        # A speed feature is meant to compute the same thing (promotion-rule.md §5.5.6): a loss clearly *lower*
+        # than its baseline's is as suspect as a higher one (a kernel that leaks future tokens or skips work), so
+        # it holds the test until someone looks, instead of passing the one-sided quality clause.
+        if v.loss_bounds is None or v.kind != "speed":
+            return Clause("loss_not_lower", True, "no loss interval to compare" if v.loss_bounds is None else
+                          f"{v.kind} test: a lower loss may be its point")
+        upper = v.loss_bounds[1]
+        return Clause("loss_not_lower", upper >= -v.epsilon,
+                      f"loss lower than the baseline's: upper bound {upper:+.4g} < -epsilon {-v.epsilon:.4g}; a "
+                      f"speed feature should not change what is computed (check it against its reference)"
+                      if upper < -v.epsilon else f"upper bound {upper:+.4g} >= -epsilon {-v.epsilon:.4g}")
+
     def not_suspicious() -> Clause:
         s = v.speedup or 1.0
         amdahl = v.amdahl
@@ -307,7 +320,7 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
 
     return [current_baseline, calibrated, failure_rate, amount, lower_bound if sprt is None else sprt_upper,
             win_fraction, host_medians,
-            leave_one_out, every_round, order, quality, not_suspicious]
+            leave_one_out, every_round, order, quality, loss_not_lower, not_suspicious]
 
 
 def decide(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, Any], num_tests: int = 1) -> FeatureVerdict:

@@ -402,3 +402,12 @@ def test_a_single_node_promotion_is_scoped_to_the_lanes_it_measured(single_node_
     [change] = result.changes
     assert change.scope == "lane" and change.new is None and list(change.overrides.values()) == ["jagged"]
     assert any("single-node" in why for why in change.not_global)
+
+
+def test_a_speed_feature_whose_loss_is_clearly_lower_is_held(policy: Policy) -> None:
+    # Hole: the quality gate was one-sided, so a fast kernel that computes something else (a causal leak, skipped
+    # work) and trains to a much lower loss promoted with "every clause holds".
+    v = verdict_of(run(simulate(Sim(features=[moe(1.05, loss_effect=-0.5)], **QUIET), 0), policy))
+    assert v.verdict == HOLD and "loss_not_lower" in failing(v) and "loss lower than the baseline's" in v.reason
+    same = verdict_of(run(simulate(Sim(features=[moe(1.05)], **QUIET), 0), policy))
+    assert same.verdict == PROMOTE and "loss_not_lower" not in failing(same)
