@@ -103,8 +103,7 @@ def check_bundles(verdicts: list[FeatureVerdict], bundle_blocks: list[Block], po
                             + f" ({len(values)} values together); the set is not written")
             checks.append(check)
             continue
-        rows = [(b, b.log_ratio(policy.failures.failed_log_ratio)) for b in same
-                if b.software_fingerprint in current and not b.candidate.gated_codes]
+        rows = [(b, b.log_ratio(policy.failures.failed_log_ratio)) for b in same if b.software_fingerprint in current]
         rows = [(b, r) for b, r in rows if r is not None]
         check.num_blocks = len(rows)
         shortfall = _shortfall([b for b, _ in rows], policy)

@@ -18,8 +18,8 @@ a payload still has its ``receipt.json`` downloaded.
 When a bundle is not used (the sweep's runs are searched as before): the parent run carries no bundle tag, the
 artifact's SHA-256 differs from the tag written after it, the sweep is RUNNING (a live or resumed sweep adds runs
 the bundle does not list), an arm run it left out as deleted is deleted no longer (restored, or purged), or the
-artifact cannot be read or parsed. A bundle entry whose run has since been
-deleted is dropped and reported among the rejects. Before arms are added to a finished sweep (a resumed sweep, a
+artifact cannot be read or parsed. A deleted arm run, listed by the bundle or left out of it, is reported among
+the rejects. Before arms are added to a finished sweep (a resumed sweep, a
 sync), its bundle is withdrawn (the SHA tag goes) and written again at the end, so a rewrite that fails leaves no
 stale bundle behind.
 
@@ -275,7 +275,10 @@ def bundled_arm_runs(client: "TrackingClient", sweep_id: Optional[str], tracking
     if with_blocks:
         blocks = {run.info.run_id: run.info.run_name
                   for run in client.search([f"{_q(TAG + 'role')} = '{ROLE_BLOCK}'"] + scope + others)}
-    notes += deleted_notes(deleted, skip=set(bundles))
+    # A deleted run a bundle lists is named by the loop below; one it left out (deleted before it was written)
+    # is named here like any searched sweep's.
+    listed = {entry["run_id"] for body in bundles.values() for entry in body["runs"]}
+    notes += deleted_notes(deleted, skip=listed)
     if bundles:
         for sweep, body in sorted(bundles.items()):
             blocks.update(body["blocks"])
@@ -320,13 +323,13 @@ def deleted_arm_runs(client: "TrackingClient", sweep_id: Optional[str], view: An
 
 
 def deleted_notes(deleted: Mapping[str, Mapping[str, str]], skip: set[str]) -> list[tuple[str, str]]:
-    """A reject line for each deleted arm run (those of the sweeps in ``skip`` are named by their bundle's reading):
+    """A reject line for each deleted arm run but the run ids in ``skip`` (named by their bundle's reading):
     a run search leaves deleted runs out, so without this line a deleted arm (a failure, a gated candidate) left
     the evidence without a word."""
     return [(f"run {run_id}", f"arm run of sweep {tags.get(TAG + 'sweep_id')!r} (receipt "
                               f"{tags.get(TAG + 'receipt_id')}) is deleted in MLflow: its receipt is not read; restore "
                               f"the run, or promote from the campaign's receipt files, to count it")
-            for run_id, tags in sorted(deleted.items()) if tags.get(TAG + "sweep_id") not in skip]
+            for run_id, tags in sorted(deleted.items()) if run_id not in skip]
 
 
 def read_receipts(client: "TrackingClient", sweep_id: Optional[str], uri: str, receipts: dict[str, Any],

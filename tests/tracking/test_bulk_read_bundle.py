@@ -164,6 +164,10 @@ def test_a_run_restored_after_its_bundle_was_rewritten_is_read_again(campaign: l
     run_id = client.arm_runs(sweep)[first[0].identity.receipt_id].info.run_id
     client.client.delete_run(run_id)
     assert write_bundle(client, parent, sweep) is not None  # e.g. a `receipts sync` of the sweep
+    # While deleted, the bundle (which left it out) is used, and the run is still named among the rejects.
+    receipts, rejected, _, _ = _read(uri, True, monkeypatch)
+    assert len(receipts) == len(first) - 1
+    assert [origin for origin, _ in rejected] == [f"run {run_id}"] and "deleted in MLflow" in rejected[0][1]
     client.client.restore_run(run_id)
     receipts, rejected, _, _ = _read(uri, True, monkeypatch)
     assert len(receipts) == len(first) and first[0].model_dump_json() in receipts
