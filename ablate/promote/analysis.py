@@ -167,6 +167,8 @@ class FeatureVerdict:
     """Rounds (sweep ids) whose blocks ``--until-decided`` scheduled: evidence only a sequential policy may judge."""
     gated_arms: list[str] = field(default_factory=list)
     """Every candidate arm carrying a gated code, named: block, receipt id and the code's detail."""
+    unread_arms: list[str] = field(default_factory=list)
+    """Arms of this test (or A/A arms of its lane) whose receipts could not be read, named with where they are."""
     work: Optional[Work] = field(default=None, repr=False, compare=False)
 
     @property
@@ -385,6 +387,7 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
     verdict.contended_blocks = [b.block_id for b in blocks if b.baseline.contended or b.candidate.contended]
     verdict.gated_arms = [f"{block_id} candidate {view.receipt_id[:8]}{note}: "
                           + "; ".join(view.gate_details or view.gated_codes) for block_id, view, note in gated_views]
+    verdict.unread_arms = [arm.describe() for arm in test.unread]
     verdict.inert_reason = inert_reason(test) if test.kind == "speed" else None
     # A gated candidate arm measured something other than the feature; it is counted above, never as a ratio.
     usable = [b for b in blocks if not b.candidate.gated_codes]

@@ -22,14 +22,15 @@ import math
 import zlib
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import numpy as np
 
 from ablate.promote.analysis import PROMOTE, FeatureVerdict
-from ablate.promote.match import Block
+from ablate.promote.match import BUNDLE, Block
 from ablate.promote.policy import Policy
 from ablate.promote.stats import bootstrap_hl, hodges_lehmann, quantile
+from ablate.receipts.rejection import UnreadArm
 
 PASSED, FAILED, NOT_MEASURED = "passed", "failed", "not_measured"
 
@@ -71,8 +72,11 @@ def _campaign_hint(values: dict[str, Any], policy: Policy) -> str:
             f"(each feature with that one value) and run a round")
 
 
-def check_bundles(verdicts: list[FeatureVerdict], bundle_blocks: list[Block], policy: Policy) -> list[BundleCheck]:
-    """One check per lane where two or more features promoted (see the module docstring)."""
+def check_bundles(verdicts: list[FeatureVerdict], bundle_blocks: list[Block], policy: Policy,
+                  unread: Iterable[UnreadArm] = ()) -> list[BundleCheck]:
+    """One check per lane where two or more features promoted (see the module docstring). ``unread``: arms whose
+    receipts could not be read; one from a bundle block of the lane fails its set."""
+    unread = list(unread)
     by_lane: dict[str, list[FeatureVerdict]] = defaultdict(list)
     for v in verdicts:
         if v.verdict == PROMOTE and v.kind == "speed":
@@ -96,6 +100,14 @@ def check_bundles(verdicts: list[FeatureVerdict], bundle_blocks: list[Block], po
         # any other gated code, in any attempt) fails the set, as one such arm rejects a single test.
         gated = Counter(code for b in same if b.software_fingerprint in current
                         for view in (b.candidate, *b.earlier_gated) for code in view.gated_codes)
+        missing = [arm for arm in unread if arm.feature == BUNDLE and arm.lane_key == lane_key
+                   and arm.software_fingerprint in current | {None}]
+        if missing:
+            check.status = FAILED
+            check.reason = (f"{len(missing)} bundle arm(s) could not be read ({missing[0].describe()}): the "
+                            f"combination cannot be judged without them; the set is not written")
+            checks.append(check)
+            continue
         if gated:
             check.status = FAILED
             check.reason = ("bundle candidate arms disqualified: "

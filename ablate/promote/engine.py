@@ -35,6 +35,7 @@ from ablate.promote.match import BUNDLE, Block, match_blocks
 from ablate.promote.policy import Policy, load_policy
 from ablate.promote.report import LaneSummary, PromotionResult
 from ablate.promote.rule import decide_all
+from ablate.receipts.rejection import from_identity, unread_arms
 from ablate.receipts.schema import InvalidReceipt, Receipt, validate_receipt
 
 ANALYSE_MIN_SHARE = 4
@@ -57,7 +58,7 @@ def _validated(receipts: Iterable[Receipt | Mapping[str, Any]]) -> tuple[list[Re
                 receipt = validate_receipt(dict(item))
             except InvalidReceipt as exc:
                 rid = (item.get("identity") or {}).get("receipt_id") if isinstance(item, Mapping) else None
-                rejected.append((str(rid or f"receipts[{index}]"), str(exc)))
+                rejected.append(from_identity(str(rid or f"receipts[{index}]"), str(exc), item))
                 continue
         copies[receipt.identity.receipt_id].append((index, receipt))
     valid: list[Receipt] = []
@@ -68,8 +69,9 @@ def _validated(receipts: Iterable[Receipt | Mapping[str, Any]]) -> tuple[list[Re
             valid.append(found[0][1])
             continue
         where = ", ".join(f"receipts[{i}]" for i, _ in found)
-        rejected += [(rid, f"conflicting copies of receipt {rid} ({where}) differ in content: every copy is "
-                           f"refused until the wrong one is removed") for _ in found]
+        rejected += [from_identity(rid, f"conflicting copies of receipt {rid} ({where}) differ in content: every copy "
+                                        f"is refused until the wrong one is removed", copy.model_dump(mode="json"))
+                     for _, copy in found]
     return valid, rejected
 
 
@@ -144,7 +146,11 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     blocks, refusals = match_blocks(valid, policy)
     bundle_blocks = [b for b in blocks if b.feature == BUNDLE]  # judged by the bundle check, not as a test
     blocks = [b for b in blocks if b.feature != BUNDLE]
-    tests, calibrations, lanes = organise(blocks, policy, refusals)
+    rejected = list(rejected) + invalid
+    # A damaged copy of a receipt that was read in another copy leaves no arm unread.
+    read = {r.identity.receipt_id for r in valid}
+    unread = [arm for arm in unread_arms(rejected) if arm.receipt_id not in read]
+    tests, calibrations, lanes = organise(blocks, policy, refusals, unread)
     flags = startup_outliers(blocks)
     # Each test is measured on its own (its bootstrap draws from a generator seeded by its key), so the tests are
     # split over the CPUs with results identical to one process's.
@@ -154,7 +160,7 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     campaigns = sorted({r.identity.campaign for r in valid})
     report_id = _report_id(campaigns, valid, policy)
     date = now.date().isoformat()
-    bundles = check_bundles(measured, bundle_blocks, policy)
+    bundles = check_bundles(measured, bundle_blocks, policy, unread)
     changes = plan_changes(measured, defaults, policy, report_id=report_id,
                            campaign="+".join(campaigns), date=date, held=held_keys(bundles, policy))
     lane_summaries = [LaneSummary(lane_key=k, software_fingerprint=s.current_fingerprint,
@@ -167,5 +173,5 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
         report_id=report_id, date=date, campaigns=campaigns, rounds=_rounds(blocks), policy=policy,
         git=_git(blocks), num_receipts=len(valid), verdicts=measured, holm_family=family, lanes=lane_summaries,
         changes=changes, revalidations=find_revalidations(defaults.raw, lanes), refusals=refusals,
-        rejected=list(rejected) + invalid, defaults_path=str(defaults_path), run_links=dict(run_links or {}),
+        rejected=rejected, defaults_path=str(defaults_path), run_links=dict(run_links or {}),
         not_run=_unique_not_run(not_run), bundles=bundles)

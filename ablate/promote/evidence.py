@@ -32,6 +32,7 @@ from ablate.config.features import FEATURES
 from ablate.promote.match import ArmView, Block, Refusal
 from ablate.promote.policy import Policy
 from ablate.promote.stats import abs_quantile, bootstrap_hl, hodges_lehmann, quantile
+from ablate.receipts.rejection import UnreadArm
 
 STARTUP_FLAG_MADS = 4.0
 """A block whose arms' start-up log ratio lies beyond median + this many MADs of the lane's is flagged."""
@@ -165,6 +166,8 @@ class TestEvidence:
     rounds: list[RoundInfo] = field(default_factory=list)
     refused_gates: list[tuple[str, ArmView]] = field(default_factory=list)
     """(block id, candidate arm) of refused blocks of this test whose candidate carries a gated code."""
+    unread: list[UnreadArm] = field(default_factory=list)
+    """Arms of this test (or A/A arms of its lane) under its fingerprint whose receipts could not be read."""
 
     @property
     def key(self) -> str:
@@ -298,10 +301,14 @@ def _lane_states(blocks: list[Block], policy: Policy) -> dict[str, LaneState]:
     return states
 
 
-def organise(blocks: list[Block], policy: Policy, refusals: Iterable[Refusal] = ()
+def organise(blocks: list[Block], policy: Policy, refusals: Iterable[Refusal] = (),
+             unread: Iterable[UnreadArm] = ()
              ) -> tuple[list[TestEvidence], dict[str, Calibration], dict[str, LaneState]]:
     """Tests (sorted by feature, lane, value), per-lane calibration under the current fingerprint, lane states.
-    ``refusals``: the candidate gates they carry join their test's (same feature, value, lane, fingerprint)."""
+    ``refusals``: the candidate gates they carry join their test's (same feature, value, lane, fingerprint).
+    ``unread``: arms whose receipts could not be read join every test they may have been evidence for (their
+    value is not compared: a damaged receipt's value is not trusted to route it)."""
+    unread = list(unread)
     lanes = _lane_states(blocks, policy)
     aa_current: dict[str, list[Block]] = defaultdict(list)
     grouped: dict[tuple[str, str, str], list[Block]] = defaultdict(list)
@@ -327,5 +334,6 @@ def organise(blocks: list[Block], policy: Policy, refusals: Iterable[Refusal] = 
         tests.append(TestEvidence(
             feature=feature, value=first.value, baseline_value=first.baseline_value, kind=first.kind,
             lane_key=lane_key, software_fingerprint=current, blocks=kept, superseded=old,
-            rounds=_rounds(kept, policy, windows), refused_gates=gates))
+            rounds=_rounds(kept, policy, windows), refused_gates=gates,
+            unread=[arm for arm in unread if arm.concerns(feature, lane_key, current)]))
     return tests, calibrations, lanes

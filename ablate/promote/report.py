@@ -167,7 +167,9 @@ class PromotionResult:
                 "delta": lane.calibration.delta(self.policy)}} for lane in self.lanes],
             "revalidations": [asdict(r) for r in self.revalidations],
             "refusals": [asdict(r) for r in self.refusals],
-            "rejected_receipts": [{"origin": o, "reason": r} for o, r in self.rejected],
+            "rejected_receipts": [{"origin": rj[0], "reason": rj[1]}
+                                  | ({"unread_arm": asdict(rj.unread)} if getattr(rj, "unread", None) else {})
+                                  for rj in self.rejected],
             "run_links": self.run_links, "plots": self.plots, "sprt_plots": self.sprt_plots, "plot_locations": self.plot_locations,
             "not_run": self.not_run, "bundles": [b.to_dict() for b in self.bundles],
             "links": links_json(self),
@@ -610,7 +612,8 @@ def _lane_detail(result: PromotionResult, lane: LaneSummary) -> list[str]:
             lines.append("- **suspicious win**: needs a confirming round and a look at the kernel traces")
         if v.amdahl.get("note"):
             lines.append(f"- Amdahl: {_t(v.amdahl['note'])}")
-        for what, items in (("gated candidate arms", v.gated_arms),
+        for what, items in (("arms that could not be read (the test holds until they are)", v.unread_arms),
+                            ("gated candidate arms", v.gated_arms),
                             ("blocks whose arms' start-up differ beyond the lane's usual spread", v.startup_flags),
                             ("blocks measured under foreign CPU load (HOST_CONTENDED)", v.contended_blocks)):
             if items:

@@ -160,6 +160,16 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
     work = v.work
     assert work is not None
 
+    def every_arm_read() -> Clause:
+        # An arm whose receipt is unreadable may be the failure or the gated candidate that decides this test; the
+        # arms that remain cannot say it was not (ablate.receipts.rejection).
+        unread = v.unread_arms
+        named = "; ".join(unread[:2]) + (f"; and {len(unread) - 2} more" if len(unread) > 2 else "")
+        return Clause("every_arm_read", not unread,
+                      f"{len(unread)} arm(s) of this test or its lane's A/A blocks could not be read ({named}): "
+                      f"restore, sync or repair them (see the rejected lines), then promote again" if unread else
+                      "every arm of this test and its lane's A/A blocks was read")
+
     def current_baseline() -> Clause:
         # The lane's own default: a lane override (keyed by lane shape) beats the global value, or a lane that
         # already runs its promoted override would be told it measured against the wrong baseline. A plain
@@ -318,8 +328,8 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
                    f"needs a confirming round ({len(counted)} of {needed} rounds) and a look at kernel traces"))
         return Clause("not_suspicious", confirmed, detail)
 
-    return [current_baseline, calibrated, failure_rate, amount, lower_bound if sprt is None else sprt_upper,
-            win_fraction, host_medians,
+    return [every_arm_read, current_baseline, calibrated, failure_rate, amount,
+            lower_bound if sprt is None else sprt_upper, win_fraction, host_medians,
             leave_one_out, every_round, order, quality, loss_not_lower, not_suspicious]
 
 

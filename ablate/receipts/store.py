@@ -48,6 +48,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator, NamedTuple, Optional, Union
 
+from ablate.receipts.rejection import from_identity
 from ablate.receipts.schema import InvalidReceipt, Receipt, validate_receipt
 
 log = logging.getLogger(__name__)
@@ -282,9 +283,11 @@ def arm_scratch(receipt_dir: str | Path, receipt_id: str) -> Path:
 
 
 class Unreadable(NamedTuple):
-    """A candidate receipt that could not even be parsed; ``reason`` says why."""
+    """A candidate receipt that could not be used as one; ``reason`` says why, ``raw`` is its parsed JSON when it
+    had any (a receipt the sweep driver refused), from which its arm's test can still be told."""
 
     reason: str
+    raw: Any = None
 
 
 class Scratch(NamedTuple):
@@ -378,13 +381,14 @@ def _stray_reason(path: Path) -> str:
     return "not a receipt file: receipts/ holds only <receipt_id>.json files"
 
 
-def _rejected_reason(path: Path) -> str:
+def _driver_refused(path: Path) -> Unreadable:
     raw = _read_bytes(path)
     parsed = raw if isinstance(raw, Unreadable) else _decode(raw)
     why = parsed.reason if isinstance(parsed, Unreadable) else _invalid_reason(parsed)
     if why is None:
         why = "it validates now; move it into receipts/ as <receipt_id>.json to count it"
-    return f"refused by the sweep driver when the arm reported it (kept for forensics): {why}"
+    return Unreadable(f"refused by the sweep driver when the arm reported it (kept for forensics): {why}",
+                      None if isinstance(parsed, Unreadable) else parsed)
 
 
 def iter_raw(source: str | Path) -> Iterator[tuple[str, Raw]]:
@@ -398,7 +402,7 @@ def iter_raw(source: str | Path) -> Iterator[tuple[str, Raw]]:
             elif kind == "json":
                 yield from iter_raw(path)
             elif kind == "rejected":
-                yield str(path), Unreadable(_rejected_reason(path))
+                yield str(path), _driver_refused(path)
             elif kind == "scratch":
                 yield str(path), Scratch(path.name)
             elif kind.startswith("unlistable:"):
@@ -467,12 +471,12 @@ def load_receipts_from(sources: Iterable[str | Path]) -> tuple[list[Receipt], li
                 scratch.append((origin, raw.receipt_id))
                 continue
             if isinstance(raw, Unreadable):
-                rejected.append((origin, raw.reason))
+                rejected.append(from_identity(origin, raw.reason, raw.raw))
                 continue
             try:
                 receipt = _validate(raw)
             except InvalidReceipt as exc:
-                rejected.append((origin, str(exc)))
+                rejected.append(from_identity(origin, str(exc), raw))
                 continue
             # Compared without the digest (each copy's own was checked): a sealed copy and an unsealed one from
             # before digests existed, of the same content, are the same receipt.
@@ -490,8 +494,8 @@ def load_receipts_from(sources: Iterable[str | Path]) -> tuple[list[Receipt], li
                 f"{o}" + (" (identical to this copy)" if c == content else
                           f" (differs in {', '.join(_differing_paths(content, c))})")
                 for o, c in others)
-            rejected.append((origin, f"conflicting copies of receipt {receipt_id}: also in {described}; "
-                                     f"no copy is used until the wrong one is removed"))
+            rejected.append(from_identity(origin, f"conflicting copies of receipt {receipt_id}: also in {described}; "
+                                                  f"no copy is used until the wrong one is removed", content))
     # Scratch whose receipt exists is only a leftover of the clean-up; without one, an arm has no receipt.
     rejected += [(origin, f"scratch of arm {receipt_id}, which has no receipt: it is still running, or it was "
                           f"killed before writing one (an interrupted sweep; --resume reruns its block)")

@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from ablate.receipts.rejection import from_run_tags
 from ablate.receipts.schema import Receipt, Status
 from ablate.receipts.store import (SPOOL_FILE, append_spool_or_fallback, load_receipts,
                                    receipt_digest, seal, short)
@@ -665,7 +666,7 @@ def collect_outcomes(client: TrackingClient, outcomes: Iterable[Any], ui: str, b
     for outcome in outcomes:
         run_id = outcome.run.info.run_id
         if outcome.receipt is None:
-            rejected.append((f"run {run_id}", outcome.reason or "unreadable"))
+            rejected.append(from_run_tags(f"run {run_id}", outcome.reason or "unreadable", outcome.run.data.tags, TAG))
             continue
         rid = outcome.receipt.identity.receipt_id
         receipts.setdefault(rid, outcome.receipt)

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
 
+from ablate.receipts.rejection import from_run_tags
 from ablate.tracking.bulk_read import read_arm_runs
 from ablate.tracking.mapping import ROLE_ARM, ROLE_BLOCK, ROLE_SWEEP, TAG
 
@@ -284,18 +285,19 @@ def bundled_arm_runs(client: "TrackingClient", sweep_id: Optional[str], tracking
             blocks.update(body["blocks"])
             for entry in body["runs"]:
                 run = _stand_in(entry)
+                tags = run.data.tags
                 if run.info.run_id in deleted:
-                    notes.append((f"run {run.info.run_id}", f"deleted after sweep {sweep}'s receipt bundle was "
-                                                            f"written; not read from the bundle"))
+                    notes.append(from_run_tags(f"run {run.info.run_id}", f"deleted after sweep {sweep}'s receipt "
+                                               f"bundle was written; not read from the bundle", tags, TAG))
                     continue
-                if run.data.tags.get(TAG + "sweep_id") != sweep:
-                    notes.append((f"run {run.info.run_id}", f"sweep {sweep}'s receipt bundle lists it under sweep "
-                                                            f"{run.data.tags.get(TAG + 'sweep_id')!r}; not used"))
+                if tags.get(TAG + "sweep_id") != sweep:
+                    notes.append(from_run_tags(f"run {run.info.run_id}", f"sweep {sweep}'s receipt bundle lists it "
+                                               f"under sweep {tags.get(TAG + 'sweep_id')!r}; not used", tags, TAG))
                     continue
-                rid = run.data.tags.get(TAG + "receipt_id")
+                rid = tags.get(TAG + "receipt_id")
                 if rid is None:
-                    notes.append((f"run {run.info.run_id}", f"sweep {sweep}'s receipt bundle lists it without an "
-                                                            f"{TAG}receipt_id tag"))
+                    notes.append(from_run_tags(f"run {run.info.run_id}", f"sweep {sweep}'s receipt bundle lists it "
+                                               f"without an {TAG}receipt_id tag", tags, TAG))
                     continue
                 if rid in runs and runs[rid].info.run_id != run.info.run_id:
                     notes.append((f"run {run.info.run_id}", f"sweep {sweep}'s receipt bundle lists receipt {rid}, "
@@ -326,9 +328,10 @@ def deleted_notes(deleted: Mapping[str, Mapping[str, str]], skip: set[str]) -> l
     """A reject line for each deleted arm run but the run ids in ``skip`` (named by their bundle's reading):
     a run search leaves deleted runs out, so without this line a deleted arm (a failure, a gated candidate) left
     the evidence without a word."""
-    return [(f"run {run_id}", f"arm run of sweep {tags.get(TAG + 'sweep_id')!r} (receipt "
-                              f"{tags.get(TAG + 'receipt_id')}) is deleted in MLflow: its receipt is not read; restore "
-                              f"the run, or promote from the campaign's receipt files, to count it")
+    return [from_run_tags(f"run {run_id}", f"arm run of sweep {tags.get(TAG + 'sweep_id')!r} (receipt "
+                                           f"{tags.get(TAG + 'receipt_id')}) is deleted in MLflow: its receipt is not "
+                                           f"read; restore the run, or promote from the campaign's receipt files, to "
+                                           f"count it", tags, TAG)
             for run_id, tags in sorted(deleted.items()) if run_id not in skip]
 
 

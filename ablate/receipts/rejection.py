@@ -1,0 +1,92 @@
+"""A reject line that still knows which test its arm belonged to.
+
+Why: a receipt that cannot be used (damaged, refused by the sweep driver, a conflicting copy, an MLflow run deleted
+or left half-written) used to be a line in the report and nothing more; its test was decided on the arms that
+remained. Removing a candidate's failed or gated arm that way turns a REJECT into a PROMOTE. What survives of the
+arm (the receipt's ``identity`` block, or its MLflow run's tags) names its lane and feature, so the promotion rule
+can HOLD that test until the arm is readable again (``ablate.promote.rule``, clause ``every_arm_read``).
+
+A ``Rejection`` is the ``(origin, reason)`` pair every reader returns, with the ``UnreadArm`` it could attribute
+(or None): code that unpacks the pair keeps working.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+AA_FEATURE = "A/A"
+"""How an A/A arm's run tags name its feature (``ablate.tracking.mapping.receipt_tags``)."""
+
+
+@dataclass(frozen=True)
+class UnreadArm:
+    """The test an unusable arm belonged to, as far as what survives of it says."""
+
+    origin: str
+    lane_key: str
+    feature: Optional[str]
+    """None: an A/A arm (it calibrates every test of its lane)."""
+    software_fingerprint: Optional[str]
+    """None when unknown: the arm then counts for the lane's current fingerprint."""
+    receipt_id: str = ""
+
+    def concerns(self, feature: str, lane_key: str, fingerprint: str) -> bool:
+        """Whether this arm was evidence for (or calibration of) that test under that fingerprint."""
+        return (self.lane_key == lane_key and (self.feature is None or self.feature == feature)
+                and self.software_fingerprint in (None, fingerprint))
+
+    def describe(self) -> str:
+        what = "A/A arm" if self.feature is None else "arm"
+        return f"{what} {self.receipt_id[:8] or '?'} ({self.origin})"
+
+
+class Rejection(tuple):
+    """``(origin, reason)``, with ``unread``: the arm's test when it could be told, else None."""
+
+    unread: Optional[UnreadArm]
+
+    def __new__(cls, origin: str, reason: str, unread: Optional[UnreadArm] = None) -> "Rejection":
+        self = super().__new__(cls, (origin, reason))
+        self.unread = unread
+        return self
+
+    def __getnewargs__(self) -> tuple[Any, ...]:
+        return (self[0], self[1], self.unread)
+
+
+def _text(value: Any) -> Optional[str]:
+    return value if isinstance(value, str) and value else None
+
+
+def from_identity(origin: str, reason: str, raw: Any) -> Rejection:
+    """The reject line for a receipt's JSON that did not validate, attributed from its ``identity`` when that
+    still names a lane (anything else about it may be what is wrong)."""
+    identity = raw.get("identity") if isinstance(raw, Mapping) else None
+    lane_key = _text(identity.get("lane_key")) if isinstance(identity, Mapping) else None
+    if lane_key is None:
+        return Rejection(origin, reason)
+    assert isinstance(identity, Mapping)
+    feature = identity.get("feature")
+    return Rejection(origin, reason, UnreadArm(
+        origin=origin, lane_key=lane_key, feature=feature if isinstance(feature, str) and feature else None,
+        software_fingerprint=_text(identity.get("software_fingerprint")),
+        receipt_id=_text(identity.get("receipt_id")) or ""))
+
+
+def from_run_tags(origin: str, reason: str, tags: Mapping[str, str], prefix: str) -> Rejection:
+    """The reject line for an arm run whose receipt cannot be read, attributed from the run's tags (``prefix``:
+    ablate's tag namespace) when they name a lane."""
+    lane_key = _text(tags.get(prefix + "lane_key"))
+    if lane_key is None:
+        return Rejection(origin, reason)
+    feature = _text(tags.get(prefix + "feature"))
+    return Rejection(origin, reason, UnreadArm(
+        origin=origin, lane_key=lane_key, feature=None if feature in (None, AA_FEATURE) else feature,
+        software_fingerprint=_text(tags.get(prefix + "software_fingerprint")),
+        receipt_id=_text(tags.get(prefix + "receipt_id")) or ""))
+
+
+def unread_arms(rejected: Any) -> list[UnreadArm]:
+    """The attributed arms among reject lines (plain pairs carry none)."""
+    return [r.unread for r in rejected if isinstance(r, Rejection) and r.unread is not None]

@@ -1,0 +1,127 @@
+"""An arm whose receipt cannot be read holds its test (clause ``every_arm_read``): deleting or damaging a
+candidate's losing or failed receipt must never turn its test into a PROMOTE."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+from conftest import DEFAULTS
+from promote_sim import FeatureTruth, Sim, moe, simulate
+
+from ablate.promote import Policy, promote
+from ablate.promote.report import PromotionResult
+from ablate.receipts.rejection import Rejection, UnreadArm, from_run_tags
+from ablate.receipts.store import load_receipts, write_receipt
+from ablate.tracking.mapping import TAG
+from ablate.tracking.receipt_bundle import deleted_notes
+
+QUIET = {"noise": 0.003, "aa_per_host": 2}
+FEATURES = [moe(1.10), FeatureTruth("mamba_scan", "chunked", "sequential", 1.10)]
+
+
+@pytest.fixture(scope="module")
+def receipts() -> list:
+    return simulate(Sim(features=FEATURES, **QUIET), 0)
+
+
+def _written(receipts: list, directory: Path) -> dict[str, Path]:
+    return {r.identity.receipt_id: write_receipt(r, directory) for r in receipts}
+
+
+def _damage(path: Path) -> None:
+    raw = json.loads(path.read_text())
+    raw["time"]["wall_s"] += 0.5  # the digest no longer matches: the file is refused, its identity still readable
+    path.write_text(json.dumps(raw))
+
+
+def _verdicts(directory: Path, policy: Policy) -> tuple[PromotionResult, dict[str, object]]:
+    loaded, rejected = load_receipts(directory)
+    result = promote(loaded, policy_path=policy, defaults_path=DEFAULTS, rejected=rejected)
+    return result, {v.feature: v for v in result.verdicts}
+
+
+def _failing(verdict: object) -> list[str]:
+    return [c.name for c in verdict.clauses if not c.passed]  # type: ignore[attr-defined]
+
+
+def test_control_every_test_promotes(receipts: list, policy: Policy, tmp_path: Path) -> None:
+    _written(receipts, tmp_path)
+    _, by_feature = _verdicts(tmp_path, policy)
+    assert {f: v.verdict for f, v in by_feature.items()} == {"moe_dispatch": "PROMOTE", "mamba_scan": "PROMOTE"}
+
+
+def test_a_damaged_candidate_receipt_holds_its_test_only(receipts: list, policy: Policy, tmp_path: Path) -> None:
+    paths = _written(receipts, tmp_path)
+    victim = next(r for r in receipts if r.identity.feature == "moe_dispatch" and r.identity.arm.value == "candidate")
+    _damage(paths[victim.identity.receipt_id])
+    result, by_feature = _verdicts(tmp_path, policy)
+    moe_v, mamba_v = by_feature["moe_dispatch"], by_feature["mamba_scan"]
+    assert moe_v.verdict == "HOLD" and _failing(moe_v) == ["every_arm_read"]
+    assert victim.identity.receipt_id[:8] in moe_v.reason and "could not be read" in moe_v.reason
+    assert mamba_v.verdict == "PROMOTE", "an arm of another feature's test holds nothing here"
+    assert not result.changes or all(c.feature != "moe_dispatch" for c in result.changes)
+    assert any(row.get("unread_arm", {}).get("feature") == "moe_dispatch"
+               for row in result.to_dict()["rejected_receipts"])
+    assert "arms that could not be read" in result.markdown
+
+
+def test_a_damaged_aa_receipt_holds_every_test_of_its_lane(receipts: list, policy: Policy, tmp_path: Path) -> None:
+    paths = _written(receipts, tmp_path)
+    victim = next(r for r in receipts if r.identity.feature is None)
+    _damage(paths[victim.identity.receipt_id])
+    _, by_feature = _verdicts(tmp_path, policy)
+    assert all(v.verdict == "HOLD" and "every_arm_read" in _failing(v) for v in by_feature.values())
+
+
+def test_a_driver_refused_candidate_receipt_holds_its_test(receipts: list, policy: Policy, tmp_path: Path) -> None:
+    campaign = tmp_path / "campaign"
+    paths = _written(receipts, campaign / "receipts")
+    victim = next(r for r in receipts if r.identity.feature == "mamba_scan" and r.identity.arm.value == "candidate")
+    refused = campaign / "rejected" / f"{victim.identity.block_id}-1-attempt0.json.txt"
+    refused.parent.mkdir()
+    paths[victim.identity.receipt_id].rename(refused)
+    _damage(refused)
+    _, by_feature = _verdicts(campaign, policy)
+    assert by_feature["mamba_scan"].verdict == "HOLD" and _failing(by_feature["mamba_scan"]) == ["every_arm_read"]
+    assert by_feature["moe_dispatch"].verdict == "PROMOTE"
+
+
+def test_a_damaged_second_copy_of_a_read_receipt_holds_nothing(receipts: list, policy: Policy,
+                                                              tmp_path: Path) -> None:
+    paths = _written(receipts, tmp_path / "a")
+    victim = next(r for r in receipts if r.identity.feature == "moe_dispatch" and r.identity.arm.value == "candidate")
+    copy = tmp_path / "b" / paths[victim.identity.receipt_id].name
+    copy.parent.mkdir()
+    copy.write_text(paths[victim.identity.receipt_id].read_text())
+    _damage(copy)
+    loaded, rejected = load_receipts(tmp_path)
+    assert [r.unread.receipt_id for r in rejected if isinstance(r, Rejection) and r.unread] == \
+        [victim.identity.receipt_id]
+    result = promote(loaded, policy_path=policy, defaults_path=DEFAULTS, rejected=rejected)
+    assert {v.feature: v.verdict for v in result.verdicts} == {"moe_dispatch": "PROMOTE", "mamba_scan": "PROMOTE"}
+
+
+def test_unread_arms_from_other_fingerprints_or_lanes_hold_nothing() -> None:
+    arm = UnreadArm(origin="x", lane_key="lane-a", feature="moe_dispatch", software_fingerprint="fp1", receipt_id="r")
+    assert arm.concerns("moe_dispatch", "lane-a", "fp1")
+    assert not arm.concerns("moe_dispatch", "lane-a", "fp2"), "superseded evidence is not this test's"
+    assert not arm.concerns("moe_dispatch", "lane-b", "fp1")
+    assert not arm.concerns("mamba_scan", "lane-a", "fp1")
+    aa = UnreadArm(origin="x", lane_key="lane-a", feature=None, software_fingerprint=None)
+    assert aa.concerns("mamba_scan", "lane-a", "any"), "an A/A arm of unknown fingerprint calibrates every test"
+
+
+def test_deleted_mlflow_arm_runs_are_attributed_from_their_tags() -> None:
+    tags = {TAG + "sweep_id": "s1", TAG + "receipt_id": "rid-1", TAG + "lane_key": "lane-a",
+            TAG + "feature": "A/A", TAG + "software_fingerprint": "fp1"}
+    (line,) = deleted_notes({"run-1": tags}, skip=set())
+    origin, reason = line
+    assert origin == "run run-1" and "deleted in MLflow" in reason
+    assert line.unread == UnreadArm(origin="run run-1", lane_key="lane-a", feature=None, software_fingerprint="fp1",
+                                    receipt_id="rid-1")
+    assert pickle.loads(pickle.dumps(line)).unread == line.unread, "reject lines cross fork_map's pickling"
+    bare = from_run_tags("run run-2", "why", {TAG + "receipt_id": "rid-2"}, TAG)
+    assert bare == ("run run-2", "why") and bare.unread is None, "no lane tag: a plain line, nothing held"
