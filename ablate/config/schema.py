@@ -390,7 +390,8 @@ class SweepConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     node_check: NodeCheckConfig = field(default_factory=NodeCheckConfig)
     max_failures: int = 1
-    """Tune-level retries of a block; Train-level worker restarts use the same number."""
+    """Tune-level retries of a block, each a new attempt of both arms (a failed arm keeps its receipt and counts
+    against its role). Arms are not relaunched inside a block (``ablate.sweep.run._run_arm_options``)."""
     seed: int = 0
     """Seeds the per-block arm order."""
 

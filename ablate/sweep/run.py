@@ -351,10 +351,12 @@ class SweepSummary:
 
 def _run_arm_options(sweep: SweepConfig, layout: Layout, sweep_id: str) -> dict[str, Any]:
     """``trainers.run_arm`` keyword arguments: Train workers take exactly the campaign's per-worker resources
-    (what resources.py accounted for), are pinned to the trial's node (the default), restart as often as the
-    campaign allows, and keep their Train state on the sweep's (shared) storage."""
+    (what resources.py accounted for), are pinned to the trial's node (the default), and keep their Train state on
+    the sweep's (shared) storage. An arm is never relaunched inside its block (``max_failures`` 0): a relaunch
+    numbers its receipt one attempt past its partner's, so the block would not pair and the crash would count
+    nowhere; a dead arm keeps its failed receipt and Tune retries the whole block as the next attempt."""
     cpus, gpus = sweep.resources.cpus_per_worker, sweep.resources.gpus_per_worker
-    return {"max_failures": sweep.max_failures, "use_gpu": gpus > 0,
+    return {"max_failures": 0, "use_gpu": gpus > 0,
             "resources_per_worker": {"CPU": float(cpus), **({"GPU": float(gpus)} if gpus else {})},
             "storage_path": f"{layout.storage}/_train/{layout.campaign}/{sweep_id}"}
 

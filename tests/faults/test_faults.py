@@ -3,7 +3,7 @@
 The fault suite, one scenario per test, each a real Ray sweep (or a real `mlflow server` process):
 1. an arm raises mid-run                      -> test_failed_nan_and_oom_arms_leave_receipts_and_the_sweep_goes_on
 2. loss becomes NaN                           -> same sweep (its own block)
-3. a Train worker is SIGKILLed                -> test_killed_train_worker_is_retried_and_logged_once
+3. a Train worker is SIGKILLed                -> test_killed_train_worker_fails_its_arm_and_the_block_is_*
 4. the sweep driver is killed, then --resume  -> tests/sweep/test_sweep_ray.py::test_resume_after_the_driver_is_killed
 5. the MLflow server stops and comes back     -> test_tracking_server_outage_spools_and_sync_restores_exactly
 6. out of memory                              -> same sweep as 1 (its own block)
@@ -32,6 +32,7 @@ from sweeps_common import (REPO, by_block, closed_port, fresh_mlflow_uri, start_
                            tiny_smoke)
 
 from ablate.promote import promote
+from ablate.promote.match import match_blocks
 from ablate.promote.policy import load_policy
 from ablate.receipts.schema import Code, Status
 from ablate.receipts.store import load_receipts
@@ -99,7 +100,8 @@ def test_failed_nan_and_oom_arms_leave_receipts_and_the_sweep_goes_on(ray_addres
     assert verdict.win_fraction is None or verdict.win_fraction * verdict.n_blocks <= clean_wins + 1e-9
 
 
-def test_killed_train_worker_is_retried_and_logged_once(ray_address: str, tmp_path: Path) -> None:
+def test_killed_train_worker_fails_its_arm_and_the_block_is_retried_as_a_pair(ray_address: str,
+                                                                              tmp_path: Path) -> None:
     campaign = tiny_smoke(tmp_path / "campaign", name="killed", steps=4, lane={"engine": {"workers": 2}},
                           features={"bucket_cap_mb": [0.05]}, blocks=1, aa_blocks=0, max_failures=1)
     uri = fresh_mlflow_uri(tmp_path)
@@ -107,16 +109,24 @@ def test_killed_train_worker_is_retried_and_logged_once(ray_address: str, tmp_pa
                         inject={"b000": {"kill_at_step": 2}})
     receipts, rejected = load_receipts(Path(summary.sweep_dir) / "receipts")
     assert rejected == [] and summary.executor == "ray_train"
-    by_arm = defaultdict(list)
+    by_attempt = defaultdict(dict)
     for receipt in receipts:
-        by_arm[receipt.identity.arm_index].append(receipt)
-    assert sorted(by_arm) == [0, 1] and all(len(arms) == 1 for arms in by_arm.values()), \
-        "exactly one receipt per arm"
-    first = [r for r in receipts if r.identity.order == 0][0]
-    assert first.identity.attempt >= 1, "the killed worker group was restarted and the receipt says so"
-    assert first.identity.status is Status.valid and first.identity.executor == "ray_train", [d.detail for d in first.disqualifiers]
+        by_attempt[receipt.identity.attempt][receipt.identity.arm_index] = receipt
+    # Attempt 0: the killed arm keeps its failed receipt beside its partner's; attempt 1 (Tune's retry of the
+    # block) reruns both. A relaunch inside the arm would have numbered it attempt 1 beside a partner at 0.
+    assert sorted(by_attempt) == [0, 1] and all(sorted(arms) == [0, 1] for arms in by_attempt.values())
+    killed = next(r for r in by_attempt[0].values() if r.identity.order == 0)
+    assert killed.identity.status is Status.failed and killed.identity.executor == "ray_train"
+    assert all(r.identity.status is Status.valid for r in by_attempt[1].values())
     runs = _arm_runs(uri, summary.sweep_id)
     assert sorted(runs) == sorted(r.identity.receipt_id for r in receipts), "exactly one MLflow run per arm"
+    # The retried block pairs, and the dead arm counts against its role.
+    policy = load_policy(REPO / "search_spaces/policies/single_node.yaml")
+    blocks, refusals = match_blocks(receipts, policy)
+    assert refusals == [] and len(blocks) == 1
+    assert blocks[0].baseline.attempt == blocks[0].candidate.attempt == 1
+    role = killed.identity.arm.value
+    assert blocks[0].earlier_failures.get(role) == 1
 
 
 # --- a real MLflow tracking server that goes away and comes back ---
