@@ -5,7 +5,7 @@ On CPU it runs only under ``TRITON_INTERPRET=1`` (set before this module is impo
 tests exercise it. The ops are opaque to Dynamo but carry fake (meta) implementations, so a block using them still
 compiles with ``fullgraph=True``; autograd is registered with a second Triton kernel for the backward.
 
-Math, per row of width D (matches ``kernels.norm.add_rmsnorm_ref``):
+Math, per row of width D (matches ``kernels.norm.add_rmsnorm_ref``; y and s in x and r's promoted dtype):
   s = round(x + r);  rstd = 1 / sqrt(mean(s^2) + eps);  n = s * rstd;  y = n * w
   backward: dn = dy * w;  ds = rstd * (dn - n * mean(dn * n)) + ds_out;  dx = dr = ds;  dw = sum_rows(dy * n)
 The weight gradient is reduced in two stages (per-program partial sums, then one torch sum) so it is deterministic,
@@ -74,7 +74,11 @@ def _as_rows(t: Tensor) -> Tensor:
 def add_rmsnorm_fwd(x: Tensor, r: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     x_MD, r_MD = _as_rows(x), _as_rows(r)
     num_rows, width = x_MD.shape
-    y_MD, s_MD = torch.empty_like(x_MD), torch.empty_like(x_MD)
+    # The sum in the promoted dtype, as the reference's ``x + r``: under bf16 autocast a bf16 block output meets the
+    # fp32 residual stream, and storing the sum in x's dtype would round the stream to bf16 (a speed-up bought with
+    # precision, not fusion).
+    out = torch.promote_types(x.dtype, r.dtype)
+    y_MD, s_MD = torch.empty_like(x_MD, dtype=out), torch.empty_like(x_MD, dtype=out)
     rstd_M = torch.empty(num_rows, dtype=torch.float32, device=x.device)
     _add_rmsnorm_fwd_kernel[(num_rows,)](x_MD, r_MD, w.contiguous(), y_MD, s_MD, rstd_M, x_MD.stride(0), width, eps,
                                          BLOCK_D=triton.next_power_of_2(width))
@@ -83,7 +87,9 @@ def add_rmsnorm_fwd(x: Tensor, r: Tensor, w: Tensor, eps: float) -> tuple[Tensor
 
 @add_rmsnorm_fwd.register_fake
 def _(x: Tensor, r: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    return torch.empty_like(x), torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=torch.float32)
+    out = torch.promote_types(x.dtype, r.dtype)
+    return (torch.empty_like(x, dtype=out), torch.empty_like(x, dtype=out),
+            x.new_empty(x.shape[:-1], dtype=torch.float32))
 
 
 @torch.library.custom_op("ablate_kernels::add_rmsnorm_bwd", mutates_args=())
@@ -107,8 +113,9 @@ def _(dy: Tensor, ds_out: Tensor, s: Tensor, rstd: Tensor, w: Tensor) -> tuple[T
 
 
 def _setup(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor, float], output: tuple[Tensor, Tensor, Tensor]) -> None:
-    _, _, w, _ = inputs
+    x, r, w, _ = inputs
     _, s, rstd = output
+    ctx.input_dtypes = (x.dtype, r.dtype)
     ctx.save_for_backward(s, rstd, w)
 
 
@@ -119,7 +126,8 @@ def _backward(ctx: Any, dy: Optional[Tensor], ds_out: Optional[Tensor],
     dy = torch.zeros_like(s) if dy is None else dy
     ds_out = torch.zeros_like(s) if ds_out is None else ds_out
     dx, dw = add_rmsnorm_bwd(dy, ds_out, s, rstd, w)
-    return dx, dx, dw, None
+    x_dtype, r_dtype = ctx.input_dtypes
+    return dx.to(x_dtype), dx.to(r_dtype), dw, None
 
 
 add_rmsnorm_fwd.register_autograd(_backward, setup_context=_setup)

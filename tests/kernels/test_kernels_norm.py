@@ -63,18 +63,22 @@ _TRITON_CHECK = textwrap.dedent("""
     from kernels.norm import add_rmsnorm_ref
     from kernels.triton_add_rmsnorm import add_rmsnorm_triton
     results = []
-    for dtype in (torch.float32, torch.bfloat16):
+    # (x, residual, weight): the last is the model's own call under bf16 autocast (a bf16 block output added to
+    # the fp32 residual stream, an fp32 norm weight): the stream must stay fp32, as the reference keeps it.
+    f32, bf16 = torch.float32, torch.bfloat16
+    for dtypes in ((f32, f32, f32), (bf16, bf16, bf16), (bf16, f32, f32)):
         for shape in ((5, 24), (2, 3, 40)):
             gen = torch.Generator().manual_seed(len(shape))
-            x, r = (torch.randn(shape, generator=gen).to(dtype).requires_grad_(True) for _ in range(2))
-            w = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(dtype).requires_grad_(True)
-            gy, gs = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+            x, r = (torch.randn(shape, generator=gen).to(dt).requires_grad_(True) for dt in dtypes[:2])
+            w = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(dtypes[2]).requires_grad_(True)
+            gy, gs = (torch.randn(shape, generator=gen).to(torch.promote_types(*dtypes[:2])) for _ in range(2))
             outs = []
             for fn in (add_rmsnorm_triton, add_rmsnorm_ref):
                 y, s = fn(x, r, w, 1e-5)
                 outs.append((y, s) + torch.autograd.grad((y * gy).sum() + (s * gs).sum(), [x, r, w]))
             errs = [((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(*outs)]
-            results.append({{"dtype": str(dtype), "shape": list(shape), "errors": errs,
+            results.append({{"dtypes": [str(dt) for dt in dtypes], "shape": list(shape), "errors": errs,
+                             "out_dtype": str(outs[1][1].dtype),
                              "dtypes_ok": all(a.dtype == b.dtype for a, b in zip(*outs))}})
     print(json.dumps(results))
 """)
@@ -87,8 +91,8 @@ def test_triton_kernel_matches_reference_under_interpreter() -> None:
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 4
+    assert len(results) == 6
     for case in results:
-        tol = TOL[torch.float32] if case["dtype"] == "torch.float32" else TOL[torch.bfloat16]
+        tol = TOL[torch.float32] if case["out_dtype"] == "torch.float32" else TOL[torch.bfloat16]
         assert case["dtypes_ok"], case
         assert max(case["errors"]) <= tol, case
