@@ -67,7 +67,7 @@ def _moe(size: str, device: torch.device, dtype: torch.dtype, timing: bool = Fal
     capacity_factor = 2.0 if timing else float(experts)
     return Example("moe", size, f"T={tokens} E={experts} k={top_k} D={d_model} F={d_expert} cf={capacity_factor:g}",
                    [x, topv_leaf, w13, w2], lambda fn: (fn(x, topi, topv_leaf, w13, w2, capacity_factor)[0],),
-                   {"dims": (d_model, d_expert, 2 * d_expert)})
+                   {"dims": (d_model, d_expert, 2 * d_expert), "precision": "bf16"})
 
 
 def _ssd(size: str, device: torch.device, dtype: torch.dtype, timing: bool = False) -> Example:

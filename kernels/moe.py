@@ -314,8 +314,13 @@ def _eligible_grouped_mm(cap: Capability, ctx: Mapping[str, Any]) -> tuple[bool,
         where = f"cuda sm{cap.cuda_capability[0]}{cap.cuda_capability[1]}" if cap.cuda_capability else cap.device_type
         return False, (f"CUTLASS grouped_mm fast path needs CUDA SM90/SM100 with bf16, have {where}; elsewhere "
                        "torch._grouped_mm is a per-group mm loop")
+    if ctx.get("precision") != "bf16":
+        # Its GEMMs always take bf16 operands: in an fp32 lane the candidate would buy its speed with precision the
+        # baseline keeps (a wrong win), so it runs jagged in the lane's own dtype instead, and says so.
+        return False, (f"grouped_mm casts expert GEMM operands to bf16; this lane's precision is "
+                       f"{ctx.get('precision', 'fp32')}: bf16 lanes only")
     ok, why = _aligned(ctx)
-    return (ok, why) if not ok else (True, "CUTLASS bf16 grouped GEMM (SM90/SM100), operands cast to bf16")
+    return (ok, why) if not ok else (True, "CUTLASS bf16 grouped GEMM (SM90/SM100) in a bf16 lane")
 
 
 def _eligible_jagged(cap: Capability, ctx: Mapping[str, Any]) -> tuple[bool, str]:

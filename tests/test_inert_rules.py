@@ -17,7 +17,7 @@ from ablate.config.load import load_lane
 from ablate.config.schema import LaneConfig
 
 
-def lane(**sections: dict[str, Any]) -> LaneConfig:
+def lane(**sections: Any) -> LaneConfig:
     return load_lane(sections)
 
 
@@ -221,7 +221,6 @@ def test_a_value_that_falls_back_to_the_baseline_backend_on_cpu_is_inert(name: s
 
 @pytest.mark.parametrize(("name", "candidate", "baseline", "device"), [
     ("moe_dispatch", "grouped_mm", "padded", "cpu"),     # falls back to jagged, which is not padded
-    ("moe_dispatch", "grouped_mm", "jagged", "auto"),    # on CUDA SM90/100 grouped_mm really runs
     ("mamba_scan", "mamba_ssm", "sequential", "cpu"),
     ("mamba_scan", "mamba_ssm", "chunked", "cuda"),
     ("mamba_scan", "chunked", "sequential", "cpu"),
@@ -231,9 +230,31 @@ def test_a_value_that_runs_other_code_or_depends_on_the_node_is_not_inert(name: 
     assert inert(name, lane(features={name: candidate}, hardware={"device": device}), baseline) is None
 
 
+def test_grouped_mm_runs_only_in_bf16_lanes() -> None:
+    from kernels.capability import Capability
+    from kernels.dispatch import get_op
+
+    # On CUDA SM90/100 in a bf16 lane grouped_mm really runs: whether the node has one is the node's business.
+    assert inert("moe_dispatch", lane(precision="bf16", features={"moe_dispatch": "grouped_mm"},
+                                      hardware={"device": "auto"}), "jagged") is None
+    # In an fp32 lane its bf16 GEMMs would trade precision for speed: it falls back to jagged, so against jagged it
+    # is refused before any arm runs.
+    reason = inert("moe_dispatch", lane(features={"moe_dispatch": "grouped_mm"}, hardware={"device": "auto"}),
+                   "jagged")
+    assert reason is not None and "bf16" in reason and "'jagged' backend" in reason
+    best = Capability(device_type="cuda", torch_version="2.13", cuda_available=True, cuda_capability=(9, 0),
+                      triton_importable=True, mamba_ssm_importable=True, grouped_mm_available=True,
+                      grouped_mm_fast_path=True, cpp_compiler=True)
+    impl = get_op("moe").impls["grouped_mm"]
+    assert impl.eligible(best, {"dims": (64, 128, 256), "precision": "bf16"})[0]
+    for ctx in ({"dims": (64, 128, 256), "precision": "fp32"}, {"dims": (64, 128, 256)}):
+        eligible, why = impl.eligible(best, ctx)
+        assert not eligible and "bf16" in why and impl.fallback == "jagged"
+
+
 @pytest.mark.parametrize(("name", "candidate", "baseline", "model", "ctx"), [
     # d_expert 36: grouped GEMM needs multiples of 8, so even an SM90 GPU falls back to jagged.
-    ("moe_dispatch", "grouped_mm", "jagged", {"d_expert": 36}, {"dims": (64, 36, 72)}),
+    ("moe_dispatch", "grouped_mm", "jagged", {"d_expert": 36}, {"dims": (64, 36, 72), "precision": "bf16"}),
     # conv channels 2 * 64 + 2 * 18 = 164: mamba_ssm needs a multiple of 8 even on CUDA.
     ("mamba_scan", "mamba_ssm", "chunked", {"ssm_d_state": 18}, {"conv_channels": 164}),
 ])
@@ -242,7 +263,7 @@ def test_a_value_whose_kernel_can_never_run_on_this_shape_is_inert_on_any_device
     from kernels.capability import Capability
     from kernels.dispatch import get_op
 
-    reason = inert(name, lane(model=model, features={name: candidate}, hardware={"device": "auto"}), baseline)
+    reason = inert(name, lane(model=model, precision="bf16", features={name: candidate}, hardware={"device": "auto"}), baseline)
     assert reason is not None and "multiple" in reason
     # The fact behind it: on the best-equipped CUDA node the candidate's own backend is still not eligible.
     best = Capability(device_type="cuda", torch_version="2.13", cuda_available=True, cuda_capability=(9, 0),

@@ -167,7 +167,8 @@ def _deepspeed_stage(setting: str) -> InertRule:
 
 # --- kernels: where the dispatcher's fallback chain makes two values run one backend ---
 # kernels/moe.py: grouped_mm is eligible only on the CUTLASS fast path (CUDA SM90/SM100, kernels/capability.py:
-#   never on a cpu device) with d_model, d_expert and 2 * d_expert multiples of 8; otherwise it falls back to
+#   never on a cpu device), in a bf16 lane (its GEMMs take bf16 operands), with d_model, d_expert and 2 * d_expert
+#   multiples of 8; otherwise it falls back to
 #   jagged, so it runs exactly what jagged runs (jagged itself may fall on to jagged_loop: the same for both).
 # kernels/ssd.py: mamba_ssm is eligible only on CUDA with conv channels (ssm_expand * d_model + 2 * ssm_d_state) a
 #   multiple of 8; otherwise it falls back to chunked, which always runs.
@@ -181,6 +182,8 @@ def _falls_back(name: str, value: Any, lane: LaneConfig) -> Optional[tuple[str, 
         dims = (cfg.d_model, cfg.d_expert, 2 * cfg.d_expert)
         if cpu_only:
             return "jagged", "grouped_mm has no CPU fast path"
+        if lane.precision.value != "bf16":
+            return "jagged", f"grouped_mm computes in bf16, this lane in {lane.precision.value}"
         if any(d % 8 for d in dims):
             return "jagged", f"grouped GEMM needs dims {dims} to be multiples of 8"
     if name == "mamba_scan" and value == "mamba_ssm":

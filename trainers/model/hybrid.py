@@ -53,21 +53,25 @@ class LMOutput:
     """Routed (token, expert) rows over all E layers this step: T * top_k * Le; the denominator of the drop rate."""
 
 
-def _resolve_kernels(cfg: ModelConfig, features: FeatureConfig, dispatcher: Dispatcher) -> dict[str, Resolved]:
+def _resolve_kernels(cfg: ModelConfig, features: FeatureConfig, dispatcher: Dispatcher,
+                     precision: str) -> dict[str, Resolved]:
     """One resolution per op used by this pattern; each carries its requested/observed/why record."""
     requested = requested_backends(cfg, features, dispatcher.capability.cuda_available)
-    context = {"moe": {"dims": (cfg.d_model, cfg.d_expert, 2 * cfg.d_expert)},
+    context = {"moe": {"dims": (cfg.d_model, cfg.d_expert, 2 * cfg.d_expert), "precision": precision},
                "ssd": {"conv_channels": cfg.ssm_expand * cfg.d_model + 2 * cfg.ssm_d_state}}
     return {op: dispatcher.resolve(op, backend, **context.get(op, {})) for op, (_, backend) in requested.items()}
 
 
 class HybridLM(nn.Module):
-    def __init__(self, model_cfg: ModelConfig, features: FeatureConfig, dispatcher: Optional[Dispatcher] = None):
+    def __init__(self, model_cfg: ModelConfig, features: FeatureConfig, dispatcher: Optional[Dispatcher] = None,
+                 precision: str = "fp32"):
+        """``precision``: the lane's (``fp32`` or ``bf16`` autocast); a kernel that computes in another dtype than
+        the lane's is not eligible."""
         super().__init__()
         self.cfg, self.features = model_cfg, features
         self.letters = parse_pattern(model_cfg.pattern)
         dispatcher = dispatcher if dispatcher is not None else Dispatcher(torch.device("cpu"))
-        resolved = _resolve_kernels(model_cfg, features, dispatcher)
+        resolved = _resolve_kernels(model_cfg, features, dispatcher, precision)
         self._records = [resolved[op].record for op in sorted(resolved)]
         fns = {op: r.fn for op, r in resolved.items()}
         norm = fns["add_rmsnorm"]
