@@ -154,7 +154,8 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     flags = startup_outliers(blocks)
     # Each test is measured on its own (its bootstrap draws from a generator seeded by its key), so the tests are
     # split over the CPUs with results identical to one process's.
-    measured = fork_map(lambda test: analyse(test, calibrations[test.lane_key], policy, flags, curve=curves), tests,
+    measured = fork_map(lambda test: analyse(test, test.calibration or calibrations[test.lane_key], policy, flags,
+                                             curve=curves), tests,
                         min_share=ANALYSE_MIN_SHARE)
     family = decide_all(measured, policy, defaults)  # the Defaults: rule reads each lane's own default
     campaigns = sorted({r.identity.campaign for r in valid})

@@ -168,6 +168,8 @@ class TestEvidence:
     """(block id, candidate arm) of refused blocks of this test whose candidate carries a gated code."""
     unread: list[UnreadArm] = field(default_factory=list)
     """Arms of this test (or A/A arms of its lane) under its fingerprint whose receipts could not be read."""
+    calibration: Optional[Calibration] = None
+    """From the lane's A/A blocks of this test's own rounds (``organise``)."""
 
     @property
     def key(self) -> str:
@@ -227,6 +229,13 @@ def _rounds(blocks: list[Block], policy: Policy, windows: Optional[dict[str, Swe
                                 counted=len(members) >= policy.evidence.min_blocks_per_round,
                                 members=tuple(sweeps), note=note))
     return rounds
+
+
+def _measurable(blocks: list[Block], policy: Policy) -> list[Block]:
+    """The blocks that give their test a ratio (analysis's rows): a round is counted on these only, or blocks whose
+    baseline failed (no ratio) would make a one-block round a confirming one (found in review)."""
+    return [b for b in blocks
+            if not b.candidate.gated_codes and b.log_ratio(policy.failures.failed_log_ratio) is not None]
 
 
 def _calibrate(lane_key: str, fingerprint: str, blocks: list[Block], policy: Policy) -> Calibration:
@@ -320,6 +329,20 @@ def organise(blocks: list[Block], policy: Policy, refusals: Iterable[Refusal] = 
         grouped[(str(block.feature), json.dumps(block.value, default=str), block.lane_key)].append(block)
     calibrations = {lane_key: _calibrate(lane_key, state.current_fingerprint, aa_current.get(lane_key, []), policy)
                     for lane_key, state in lanes.items()}
+    # A test's noise floor and bias bound come from the A/A blocks that ran beside its own blocks (same sweeps):
+    # a bias its rounds show must not be washed out by quiet A/A blocks of another campaign or week in the lane,
+    # which would shrink delta and promote a feature that is not faster (found in review). Tests of one lane
+    # over the same rounds share one calibration.
+    own: dict[tuple[str, frozenset[str]], Calibration] = {}
+
+    def calibration_of(lane_key: str, rounds: frozenset[str]) -> Calibration:
+        if (lane_key, rounds) not in own:
+            state = lanes[lane_key]
+            beside = [b for b in aa_current.get(lane_key, []) if b.round_id in rounds]
+            own[(lane_key, rounds)] = (calibrations[lane_key] if len(beside) == len(aa_current.get(lane_key, []))
+                                       else _calibrate(lane_key, state.current_fingerprint, beside, policy))
+        return own[(lane_key, rounds)]
+
     windows = sweep_windows(blocks)
     tests = []
     for (feature, _, lane_key), members in sorted(grouped.items()):
@@ -334,6 +357,7 @@ def organise(blocks: list[Block], policy: Policy, refusals: Iterable[Refusal] = 
         tests.append(TestEvidence(
             feature=feature, value=first.value, baseline_value=first.baseline_value, kind=first.kind,
             lane_key=lane_key, software_fingerprint=current, blocks=kept, superseded=old,
-            rounds=_rounds(kept, policy, windows), refused_gates=gates,
-            unread=[arm for arm in unread if arm.concerns(feature, lane_key, current)]))
+            rounds=_rounds(_measurable(kept, policy), policy, windows), refused_gates=gates,
+            unread=[arm for arm in unread if arm.concerns(feature, lane_key, current)],
+            calibration=calibration_of(lane_key, frozenset(b.round_id for b in kept))))
     return tests, calibrations, lanes

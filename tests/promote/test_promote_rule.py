@@ -411,3 +411,19 @@ def test_a_speed_feature_whose_loss_is_clearly_lower_is_held(policy: Policy) -> 
     assert v.verdict == HOLD and "loss_not_lower" in failing(v) and "loss lower than the baseline's" in v.reason
     same = verdict_of(run(simulate(Sim(features=[moe(1.05)], **QUIET), 0), policy))
     assert same.verdict == PROMOTE and "loss_not_lower" not in failing(same)
+
+
+def test_a_round_is_counted_on_blocks_that_give_a_ratio_only(single_node_policy: Policy) -> None:
+    # Round 2 keeps one block with a ratio and three whose baseline failed (no ratio): it has 4 blocks, but one
+    # measurement, and must not be the confirming round min_rounds asks for.
+    receipts = simulate(Sim(features=[moe(1.05)], hosts=1, blocks_per_host=4, **QUIET), 0)
+    feature_blocks = sorted({(r.identity.sweep_id, r.identity.block_id) for r in receipts
+                             if r.identity.feature == "moe_dispatch"})
+    second = [block for sweep, block in feature_blocks if sweep == "sim-r2"]
+    assert len(second) == 4
+    for arm in receipts:
+        if arm.identity.block_id in second[1:] and arm.identity.arm.value == "baseline":
+            _failed(arm)
+    (v,) = [v for v in run(receipts, single_node_policy).verdicts if v.feature == "moe_dispatch"]
+    assert v.verdict == HOLD and v.n_rounds == 1 and "1 counted round(s) < 2" in v.reason
+    assert [(r.round_id, r.blocks, r.counted) for r in v.rounds] == [("sim-r1", 4, True), ("sim-r2", 1, False)]

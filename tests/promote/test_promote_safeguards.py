@@ -37,6 +37,22 @@ def test_a_lane_whose_aa_blocks_show_a_systematic_bias_does_not_promote_a_null(
     assert promotions(sim, range(10), policy) >= 8  # mutant: delta without the A/A role
 
 
+def test_quiet_aa_blocks_of_another_campaign_do_not_dilute_a_tests_own_bias_bound(single_node_policy: Policy) -> None:
+    # A null feature under a 2% second-slot bias that its own rounds' A/A blocks show; 40 quiet A/A blocks of the
+    # same lane from another campaign (another week) pooled into one calibration shrank delta below the bias and
+    # promoted the null in 10 of 10 seeds. Each test is calibrated from the A/A blocks beside its own blocks.
+    quiet = simulate(Sim(features=[], hosts=1, rounds=2, aa_per_host=20, noise=0.003, campaign="aaextra"), 999)
+    sim = Sim(features=[moe(1.0)], noise=0.003, slot_bias=0.02, hosts=1, blocks_per_host=4, rounds=2, aa_per_host=2)
+    for seed in range(3):
+        own = simulate(sim, seed)
+        (alone,) = promote(own, policy_path=single_node_policy, defaults_path=DEFAULTS, curves=False).verdicts
+        result = promote(own + quiet, policy_path=single_node_policy, defaults_path=DEFAULTS, curves=False)
+        (pooled,) = result.verdicts
+        assert alone.verdict == pooled.verdict == "HOLD", (seed, pooled.reason)
+        assert pooled.aa_blocks == alone.aa_blocks == 4 and pooled.delta == alone.delta
+        # The lane's own summary still shows every A/A block it holds.
+        assert result.lanes[0].calibration.num_blocks == 44
+
 def test_host_correlated_effects_need_the_host_clustered_bootstrap(policy: Policy,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     # Two features, one of them +5% on two hosts and +0.3% on the third (every host median still wins, and no
