@@ -47,6 +47,24 @@ def _faster_steps(data: dict[str, Any]) -> None:
     data["steps"]["cadence_s"] = [c * 0.9 for c in data["steps"]["cadence_s"]]
 
 
+def _cadence_below_compute(data: dict[str, Any]) -> None:
+    # Halve the steady cadences and make every figure validation re-derives agree: idle re-derived, the time it
+    # lost put into teardown (not re-derived), the projection recomputed. Only the cadence's own parts betray it.
+    from ablate.receipts import derive
+
+    st = data["steps"]
+    st["cadence_s"] = [c * 0.5 if label == "steady" else c for c, label in zip(st["cadence_s"], st["labels"])]
+    steps = [derive.Step(phase=p, label=lb, step_s=s, data_s=d, cadence_s=c, tokens=t, phase_s=ph)
+             for p, lb, s, d, c, t, ph in zip(st["phases"], st["labels"], st["step_s"], st["data_s"],
+                                              st["cadence_s"], st["tokens"], st["phase_s"])]
+    idle = derive.loop_parts(steps, st["data_is_badput"]).idle_s
+    badput = data["time"]["badput_s"]
+    badput["teardown"] += badput["idle"] - idle
+    badput["idle"] = idle
+    data["projection"] = derive.project(badput["setup"], steps, int(data["requested"]["lane"]["budget.horizon_steps"]),
+                                        data["requested"]["tokens_per_step"]).to_dict()
+
+
 def _relabel(data: dict[str, Any]) -> None:
     data["steps"]["labels"][0] = "steady"  # the explicit warmup step passed off as a steady one
 
@@ -74,6 +92,8 @@ FORGERIES = {
     "steady tokens/s raised": (_scale("throughput.steady_tokens_per_s", 1.1), "throughput.steady_tokens_per_s"),
     "goodput moved out of unattributed": (_move_time, "goodput"),
     "step cadences shortened": (_faster_steps, "projection"),
+    "steady cadences below their own compute, every derived figure agreeing": (_cadence_below_compute,
+                                                                                "steps.cadence_s is shorter"),
     "warmup step relabelled steady": (_relabel, "steps.labels"),
     "unexplained wall time": (_unexplained, "unattributed"),
     "no tokens": (_no_tokens, "tokens_per_step"),

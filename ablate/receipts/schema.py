@@ -438,6 +438,10 @@ def time_accounting_errors(time: TimeAccounting, finished: bool = True) -> list[
     return errors
 
 
+CADENCE_TOLERANCE_S = 1e-6
+"""Rounding between a cadence and the parts it holds, each a difference of the same clock's readings."""
+
+
 def _mismatch(name: str, stored: Optional[float], derived: Optional[float]) -> Optional[str]:
     if derive.close_enough(stored, derived):
         return None
@@ -461,6 +465,14 @@ def derived_figure_errors(receipt: "Receipt") -> list[str]:
     if any(p not in derive.PHASES for p in st.phases):
         return [f"steps.phases: allowed values {list(derive.PHASES)}"]
     errors: list[str] = []
+    # A step's cadence holds its own compute (and, where data loading is badput, its data wait): the trainer's
+    # clocks make it so, and a cadence shorter than that is the projection's recurring time edited on its own.
+    short = [i for i, (c, s, d) in enumerate(zip(st.cadence_s, st.step_s, st.data_s))
+             if c < s + (d if st.data_is_badput else 0.0) - CADENCE_TOLERANCE_S]
+    if short:
+        parts = "step_s + data_s" if st.data_is_badput else "step_s"
+        errors.append(f"steps.cadence_s is shorter than the step's own time ({parts}) at {len(short)} step(s), "
+                      f"first at index {short[0]}")
     labels = derive.classify(st.phases, st.compile_events, st.sampled, receipt.observed.compile.warmup_resolved)
     if labels != st.labels:
         errors.append("steps.labels do not follow from phases, compile events, sampling and the warmup decision")
