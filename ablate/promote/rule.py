@@ -153,8 +153,14 @@ def _loho_lower(v: FeatureVerdict, policy: Policy) -> Optional[float]:
     return min(lowers)
 
 
+def family_min_blocks(policy: Policy, num_tests: int) -> int:
+    """The fewest blocks whose best case (every block wins: one-sided p = 1/2^n) is below the smallest Holm level
+    of ``num_tests`` tests (promotion-rule.md §5.5.2): 5 for one test at alpha 0.05, 8 for ten, 9 for 21."""
+    return math.floor(math.log2(max(1, num_tests) / policy.family_alpha)) + 1
+
+
 def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, Any],
-                     sprt: Optional[SequentialState] = None) -> list[Callable[[], Clause]]:
+                     sprt: Optional[SequentialState] = None, num_tests: int = 1) -> list[Callable[[], Clause]]:
     ev, cons = policy.evidence, policy.consistency
     log_threshold = math.log1p(v.delta)
     work = v.work
@@ -202,6 +208,12 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
         problems = []
         if v.n_blocks < ev.min_blocks and sprt is None:  # the SPRT's own min_blocks and bounds replace it
             problems.append(f"{v.n_blocks} blocks < {ev.min_blocks}")
+        least = family_min_blocks(policy, num_tests)
+        if sprt is None and ev.min_blocks <= v.n_blocks < least:
+            # A bootstrap bound can clear the Holm level on fewer blocks than any rank test could: the fixed
+            # min_blocks covers about ten tests, a larger family needs more.
+            problems.append(f"{v.n_blocks} blocks < {least}, the fewest whose best case (1/2^n) is below the Holm "
+                            f"level of {num_tests} tests at family alpha {policy.family_alpha:g}")
         if v.n_hosts < ev.min_hosts:
             problems.append(f"{v.n_hosts} host(s) < {ev.min_hosts}")
         if v.n_seeds < ev.min_seeds:
@@ -368,7 +380,7 @@ def decide(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, Any], num_t
     if v.n_blocks == 0:
         v.verdict, v.reason = HOLD, "no usable block: every baseline arm failed"
         return v
-    for make in _promote_clauses(v, policy, defaults, sprt):
+    for make in _promote_clauses(v, policy, defaults, sprt, num_tests):
         clause = make()
         v.clauses.append(clause)
         if not clause.passed:

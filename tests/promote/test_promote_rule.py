@@ -427,3 +427,17 @@ def test_a_round_is_counted_on_blocks_that_give_a_ratio_only(single_node_policy:
     (v,) = [v for v in run(receipts, single_node_policy).verdicts if v.feature == "moe_dispatch"]
     assert v.verdict == HOLD and v.n_rounds == 1 and "1 counted round(s) < 2" in v.reason
     assert [(r.round_id, r.blocks, r.counted) for r in v.rounds] == [("sim-r1", 4, True), ("sim-r2", 1, False)]
+
+
+def test_a_family_too_large_for_the_blocks_best_case_holds(single_node_policy: Policy) -> None:
+    # 8 blocks that all win give at best p = 1/2^8 = 0.0039: enough for the Holm level of up to ten tests at 0.05,
+    # not for a family level of 0.002 (the smallest Holm level of 25 tests), whatever the bootstrap bound says.
+    from ablate.promote.rule import family_min_blocks
+
+    assert [family_min_blocks(single_node_policy, m) for m in (1, 2, 10, 21)] == [5, 6, 8, 9]
+    receipts = simulate(Sim(features=[moe(1.10)], hosts=1, blocks_per_host=4, **QUIET), 0)
+    (plain,) = [v for v in run(receipts, single_node_policy).verdicts if v.feature == "moe_dispatch"]
+    assert plain.verdict == PROMOTE and plain.n_blocks == 8
+    strict = with_overrides(single_node_policy, {"family_alpha": 0.002})
+    (v,) = [v for v in run(receipts, strict).verdicts if v.feature == "moe_dispatch"]
+    assert v.verdict == HOLD and "8 blocks < 9" in v.reason, v.reason
