@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ablate.config.backends import fell_back
 from ablate.config.features import FEATURES
 from ablate.config.load import flatten, lane_to_dict
 from ablate.receipts.derive import project
@@ -128,7 +129,9 @@ def _disqualifiers(spec: ArmSpec, result: Optional[WorkerResult], launch: Launch
             add(Code.OOM, error.get("message", "")[:500], step)
         add(Code.ARM_FAILED, f"{error.get('type')}: {error.get('message', '')[:500]}", step)
     if result is not None:
-        fallbacks = [b for b in result.backends if b.get("observed") != b.get("requested")]
+        posture = lane.compile.posture.value
+        fallbacks = [b for b in result.backends
+                     if fell_back(str(b.get("op")), str(b.get("requested")), str(b.get("observed")), posture)]
         if fallbacks:
             add(Code.BACKEND_FALLBACK, "; ".join(f"{b['op']}: requested {b['requested']}, ran {b['observed']} "
                                                  f"({b.get('reason', '')})" for b in fallbacks))

@@ -22,3 +22,20 @@ def requested_backends(cfg: ModelConfig, features: FeatureConfig, cuda: bool) ->
         if letter in letters:
             out[op] = (feature, getattr(features, feature).value)
     return out
+
+
+TRACED_AS: dict[tuple[str, str], str] = {("add_rmsnorm", "compiled"): "eager"}
+"""(op, backend) -> the backend it is recorded as inside a compiled region (``kernels``' ``Impl.traced_as``), here
+without torch for the receipt writer and ``promote``; tests/kernels hold it equal to the registry."""
+
+COMPILING_POSTURES = ("regional", "whole")
+
+
+def fell_back(op: str, requested: str, observed: str, posture: str) -> bool:
+    """Whether a backend record is a fallback. Under a compiling posture a backend with a traced form is recorded as
+    that form (the compiled region fuses the same reference itself): the call site runs what it asked for in the
+    only form a compiled region has, so a compile candidate in a lane that keeps fused_residual on is not an arm
+    whose kernel fell back."""
+    if requested == observed:
+        return False
+    return not (posture in COMPILING_POSTURES and TRACED_AS.get((op, requested)) == observed)

@@ -30,6 +30,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
+from ablate.config.backends import fell_back
 from ablate.config.features import BUNDLE, FEATURES
 from ablate.config.load import with_feature
 from ablate.config.schema import ConfigError, LaneConfig
@@ -228,8 +229,9 @@ def _arm_view(receipt: Receipt, policy: Policy) -> ArmView:
                if d.code.value in gated]
     # Requested is not observed: a backend that fell back is never evidence for the value that asked for it,
     # whether or not the receipt carries the disqualifier.
+    posture = str(receipt.requested.lane.get("compile.posture", "eager"))
     fallbacks = [f"{b.op}: requested {b.requested}, ran {b.observed}" for b in receipt.observed.backends
-                 if b.requested != b.observed]
+                 if fell_back(b.op, b.requested, b.observed, posture)]
     if fallbacks:
         gated.add("BACKEND_FALLBACK")
         details.append("BACKEND_FALLBACK: " + "; ".join(fallbacks))

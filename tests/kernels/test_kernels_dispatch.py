@@ -168,3 +168,17 @@ def test_importing_kernels_does_not_import_triton() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_the_torch_free_traced_table_is_the_registry_s() -> None:
+    # The receipt writer and promote read ablate.config.backends.TRACED_AS without importing torch.
+    from ablate.config.backends import TRACED_AS, fell_back
+    from kernels.dispatch import get_op
+
+    registry = {(op, name): impl.traced_as[0] for op in registered_ops()
+                for name, impl in get_op(op).impls.items() if impl.traced_as is not None}
+    assert TRACED_AS == registry and registry
+    (op, backend), traced = next(iter(registry.items()))
+    assert not fell_back(op, backend, traced, "regional") and not fell_back(op, backend, traced, "whole")
+    assert fell_back(op, backend, traced, "eager"), "without a compiled region it is a real fallback"
+    assert fell_back("moe", "grouped_mm", "jagged", "regional")

@@ -103,3 +103,26 @@ def test_a_toggle_whose_arms_ran_the_same_code_is_caught_from_observation(tmp_pa
     gated = blocks[0].candidate.gated_codes
     assert "INERT_TOGGLE" in gated and "BACKEND_FALLBACK" in gated
     assert any("observed" in d for d in blocks[0].candidate.gate_details)
+
+
+def test_a_compile_candidate_in_a_lane_that_keeps_fused_residual_on_is_no_fallback(tmp_path: Path) -> None:
+    # Under a compiling posture the dispatcher records the fused add + RMSNorm as its traced form (the compiled
+    # region fuses the same reference itself): a compile candidate's own kernels fell back on nothing, so it must
+    # not carry BACKEND_FALLBACK (it did, and compile could never be promoted in such a lane).
+    budget = {"steps": 3, "family_sample_steps": 1, "min_steady_steps": 1}
+    base_lane = tiny_lane(features={"fused_residual": "on"}, compile={"posture": "eager"}, budget=budget)
+    cand_lane = tiny_lane(features={"fused_residual": "on"}, compile={"posture": "regional"}, budget=budget)
+    scheduled = time.time()
+    common = dict(feature="compile", baseline_value="eager", kind="speed", block_id="b-compile",
+                  lane_key="lane-compile", scheduled_at=scheduled)
+    base = dataclasses.replace(make_spec(base_lane, tmp_path, scheduled_at=scheduled, block_id="b-compile"),
+                               arm="baseline", arm_index=0, order=0, feature_value="eager", **common)
+    cand = dataclasses.replace(make_spec(cand_lane, tmp_path, scheduled_at=scheduled, block_id="b-compile"),
+                               arm="candidate", arm_index=1, order=1, feature_value="regional", **common)
+    receipts = run_pair((base, cand))
+    norm = {r.identity.arm.value: next(b for b in r.observed.backends if b.op == "add_rmsnorm") for r in receipts}
+    assert (norm["candidate"].requested, norm["candidate"].observed) == ("compiled", "eager")
+    assert all(Code.BACKEND_FALLBACK.value not in r.codes() for r in receipts), [r.codes() for r in receipts]
+    blocks, refusals = match_blocks(list(receipts), load_policy(REPO / "search_spaces" / "policies" /
+                                                                "single_node.yaml"))
+    assert not refusals and "BACKEND_FALLBACK" not in blocks[0].candidate.gated_codes
