@@ -21,6 +21,7 @@ Shape suffix legend: B batch, L sequence, H heads, P head dim, N state dim, Q ch
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any, Callable, Mapping, Optional
 
@@ -237,8 +238,14 @@ class _ChunkedSSD(torch.autograd.Function):
         return g_x, g_dt, g_A, g_B_BCQN.view(batch, -1, d_state), g_C_BCQN.view(batch, -1, d_state), None
 
 
+def _result_dtype(*inputs: Tensor) -> torch.dtype:
+    """The dtype ``ssd_sequential_ref`` returns for these inputs (its elementwise ops promote): every backend returns
+    it, so the M block after the op (D-skip, gated norm) runs in one dtype whichever backend a lane's arm uses."""
+    return functools.reduce(torch.promote_types, (t.dtype for t in inputs))
+
+
 def ssd_chunked(x_BLHP: Tensor, dt_BLH: Tensor, A_H: Tensor, B_BLN: Tensor, C_BLN: Tensor, chunk: int) -> Tensor:
-    """Chunked SSD; computes in float32 (float64 for float64 inputs) and returns x's dtype.
+    """Chunked SSD; computes in float32 (float64 for float64 inputs) and returns the reference's (promoted) dtype.
 
     Mixed or bf16 inputs are upcast, as mamba_ssm's kernels accumulate in fp32; autocast is off inside the forward
     and the hand-written backward, so both see the same dtypes. Once differentiable (no double backward).
@@ -250,7 +257,7 @@ def ssd_chunked(x_BLHP: Tensor, dt_BLH: Tensor, A_H: Tensor, B_BLN: Tensor, C_BL
     compute = torch.float64 if any(t.dtype == torch.float64 for t in inputs) else torch.float32
     with torch.autocast(x_BLHP.device.type, enabled=False):
         y_BLHP = _ChunkedSSD.apply(*(t.to(compute).contiguous() for t in inputs), chunk)
-    return y_BLHP.to(x_BLHP.dtype)
+    return y_BLHP.to(_result_dtype(*inputs))
 
 
 _mamba_chunk_scan_combined: Optional[Callable[..., Tensor]] = None
@@ -259,7 +266,8 @@ _mamba_chunk_scan_combined: Optional[Callable[..., Tensor]] = None
 def ssd_mamba_ssm(x_BLHP: Tensor, dt_BLH: Tensor, A_H: Tensor, B_BLN: Tensor, C_BLN: Tensor, chunk: int) -> Tensor:
     """mamba_ssm takes raw x and dt and discretises inside; B/C carry an explicit group dim (ngroups=1)."""
     assert _mamba_chunk_scan_combined is not None, "resolve the 'mamba_ssm' backend through the dispatcher first"
-    return _mamba_chunk_scan_combined(x_BLHP, dt_BLH, A_H, B_BLN.unsqueeze(2), C_BLN.unsqueeze(2), chunk_size=chunk)
+    y_BLHP = _mamba_chunk_scan_combined(x_BLHP, dt_BLH, A_H, B_BLN.unsqueeze(2), C_BLN.unsqueeze(2), chunk_size=chunk)
+    return y_BLHP.to(_result_dtype(x_BLHP, dt_BLH, A_H, B_BLN, C_BLN))
 
 
 def _load_mamba_ssm() -> Callable[..., Tensor]:
