@@ -247,7 +247,9 @@ def test_grid_leaves_a_promoted_value_out_of_every_context(spaces: Path) -> None
 
 
 def test_the_baseline_arm_runs_the_lanes_override(tmp_path: Path) -> None:
-    campaign = _campaign(tmp_path, "features: {mamba_scan: [chunked], moe_dispatch: [grouped_mm]}\n")
+    # bf16: grouped_mm runs only in bf16 lanes (in an fp32 one it is jagged, refused against a jagged baseline).
+    campaign = _campaign(tmp_path, "lane: {precision: bf16}\nfeatures: {mamba_scan: [chunked], "
+                                   "moe_dispatch: [grouped_mm]}\n")
     # One CPU lane promoted jagged: not global (policy scope.global_device_classes), an override for its shape.
     _promote(tmp_path / "defaults.yaml", "moe_dispatch", "jagged", {"cpu": _flat_lane(campaign)}, report="r1")
     sweep, defaults = load_sweep(campaign)
