@@ -68,6 +68,25 @@ def cpu_slot(count: int) -> Iterator[Optional[list[int]]]:
         yield held if len(held) == count else None
 
 
+_inherited_cpus: Optional[int] = None
+"""How many CPUs this process could run on before ``pin`` narrowed it to its pair's slot (None: never pinned)."""
+
+
+def pin(cpus: set[int]) -> None:
+    """Run this process on its pair's CPUs from now on, remembering the allotment it inherited: that allotment is
+    the node's (what a hardware fingerprint compares), the slot is one block's placement (``cpu_slot`` gives a
+    pinned slot or none by what else holds the node's CPUs at that moment)."""
+    global _inherited_cpus
+    before = len(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, cpus)
+    if _inherited_cpus is None:
+        _inherited_cpus = before
+
+
+def inherited_cpus() -> Optional[int]:
+    return _inherited_cpus
+
+
 class TurnGate:
     """The worker's side: ask for a turn, run, give it back. Without a coordinator every turn is granted at once."""
 
@@ -100,7 +119,7 @@ class TurnGate:
         if self.cpus is not None and self.turns == 0:
             # Start-up ran on any CPU (it is never compared); every turn runs on the pair's own CPUs.
             try:
-                os.sched_setaffinity(0, self.cpus)
+                pin(self.cpus)
             except OSError:
                 self.cpus = None
         try:

@@ -238,11 +238,19 @@ def _cpu_model() -> Optional[str]:
 def _cpu_facts() -> dict[str, Any]:
     import torch
 
+    from trainers.pairing import inherited_cpus
+
     try:
         affinity: Optional[int] = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         affinity = None
-    return {"kind": "cpu", "cpu_model": _cpu_model(), "logical_cpus": os.cpu_count(), "cpus_in_affinity": affinity,
+    # The allotment the arm inherited, not its interleaved pair's slot: whether a block got a pinned slot depends on
+    # what else held the node's CPUs then, and a fingerprint that saw it split one sweep's blocks into two
+    # "hardware" fingerprints, superseding the older half (its failures with it).
+    inherited = inherited_cpus()
+    return {"kind": "cpu", "cpu_model": _cpu_model(), "logical_cpus": os.cpu_count(),
+            "cpus_in_affinity": inherited if inherited is not None else affinity,
+            "pinned_cpus": affinity if inherited is not None else None,
             "torch_threads": torch.get_num_threads(), "machine": platform.machine()}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import os
 import shutil
 import statistics
@@ -255,3 +256,28 @@ def test_code_fingerprint_covers_the_ablate_modules_an_arm_runs(tmp_path: Path) 
         for name in ("ablate/cli.py", "ablate/sweep/run.py", "ablate/promote/rule.py"):  # the driver's and reader's
             (root / name).write_text(files[name] + "# edited\n")
             assert code_fingerprint(root) == clean, f"{name} never runs in an arm (git: {use_git})"
+
+
+def test_a_pair_pinned_to_its_slot_keeps_the_nodes_cpu_fingerprint() -> None:
+    # Whether an interleaved block gets a pinned CPU slot depends on what else holds the node's CPUs at that moment;
+    # the fingerprint must not see it, or one sweep's blocks split into two "hardware" fingerprints and the older
+    # half is superseded (its failures with it: seen under a loaded host). Run in a child: it narrows its affinity.
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import json, os
+        from trainers import pairing
+        from trainers.provenance import _cpu_facts, hardware_fingerprint
+        free = _cpu_facts()
+        pairing.pin({sorted(os.sched_getaffinity(0))[0]})
+        pinned = _cpu_facts()
+        print(json.dumps([free, pinned, hardware_fingerprint(free) == hardware_fingerprint(pinned)]))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    free, pinned, same = json.loads(out.stdout.strip().splitlines()[-1])
+    assert pinned["cpus_in_affinity"] == free["cpus_in_affinity"] and pinned["pinned_cpus"] == 1
+    assert free["pinned_cpus"] is None and same
