@@ -105,24 +105,54 @@ def test_a_toggle_whose_arms_ran_the_same_code_is_caught_from_observation(tmp_pa
     assert any("observed" in d for d in blocks[0].candidate.gate_details)
 
 
-def test_a_compile_candidate_in_a_lane_that_keeps_fused_residual_on_is_no_fallback(tmp_path: Path) -> None:
+
+def test_a_compile_candidate_in_a_lane_that_keeps_fused_residual_on_is_no_fallback() -> None:
     # Under a compiling posture the dispatcher records the fused add + RMSNorm as its traced form (the compiled
-    # region fuses the same reference itself): a compile candidate's own kernels fell back on nothing, so it must
-    # not carry BACKEND_FALLBACK (it did, and compile could never be promoted in such a lane).
-    budget = {"steps": 3, "family_sample_steps": 1, "min_steady_steps": 1}
-    base_lane = tiny_lane(features={"fused_residual": "on"}, compile={"posture": "eager"}, budget=budget)
-    cand_lane = tiny_lane(features={"fused_residual": "on"}, compile={"posture": "regional"}, budget=budget)
-    scheduled = time.time()
-    common = dict(feature="compile", baseline_value="eager", kind="speed", block_id="b-compile",
-                  lane_key="lane-compile", scheduled_at=scheduled)
-    base = dataclasses.replace(make_spec(base_lane, tmp_path, scheduled_at=scheduled, block_id="b-compile"),
-                               arm="baseline", arm_index=0, order=0, feature_value="eager", **common)
-    cand = dataclasses.replace(make_spec(cand_lane, tmp_path, scheduled_at=scheduled, block_id="b-compile"),
-                               arm="candidate", arm_index=1, order=1, feature_value="regional", **common)
-    receipts = run_pair((base, cand))
-    norm = {r.identity.arm.value: next(b for b in r.observed.backends if b.op == "add_rmsnorm") for r in receipts}
-    assert (norm["candidate"].requested, norm["candidate"].observed) == ("compiled", "eager")
-    assert all(Code.BACKEND_FALLBACK.value not in r.codes() for r in receipts), [r.codes() for r in receipts]
-    blocks, refusals = match_blocks(list(receipts), load_policy(REPO / "search_spaces" / "policies" /
-                                                                "single_node.yaml"))
-    assert not refusals and "BACKEND_FALLBACK" not in blocks[0].candidate.gated_codes
+    # region fuses the same reference itself): a compile candidate's own kernels fell back on nothing, so neither the
+    # receipt writer nor promote may call it BACKEND_FALLBACK (they did, and compile could never be promoted in such
+    # a lane). A real fallback in the same table (grouped_mm on CPU) still is one.
+    import torch
+
+    from ablate.config.schema import CompilePosture, MoEDispatch, OnOff
+    from ablate.promote.match import _arm_view
+    from ablate.receipts.schema import CompileRecord
+    from kernels.dispatch import Dispatcher
+    from trainers.goodput import account_time
+    from trainers.model import HybridLM
+    from trainers.receipt import _disqualifiers
+
+    def codes(posture: str, moe: str) -> list[str]:
+        lane = tiny_lane(features={"fused_residual": "on"}, compile={"posture": posture})
+        lane.features.moe_dispatch = MoEDispatch(moe)
+        assert lane.features.fused_residual is OnOff.on and lane.compile.posture is CompilePosture(posture)
+        table = HybridLM(lane.model, lane.features, Dispatcher(torch.device("cpu"), compile_posture=posture)
+                         ).backend_table()
+        spec = dataclasses.replace(make_spec(lane, Path("/nonexistent")), arm="candidate", feature="compile",
+                                   feature_value=posture, baseline_value="eager")
+        result = WorkerResult(rank=0, world_size=1, attempt=0, executor="subprocess", pid=0, host="h", node_id=None,
+                              fn_start=0.0, backends=table, device="cpu")
+        record = CompileRecord(posture_requested=posture, posture_observed=posture, warmup_requested="auto",
+                               warmup_resolved="explicit", warmup_reason="", graph_breaks=0,
+                               recompiles_in_steady_state=0)
+        found = _disqualifiers(spec, result, LaunchInfo("subprocess", 0.0, 2.0), account_time(2.0, 0.0, 1.0, 1.0, None),
+                               record, steady=100, tokens_per_step=lane.batch.micro_batch * lane.batch.seq_len)
+        norm = next(row for row in table if row["op"] == "add_rmsnorm")
+        if posture == "regional":
+            assert (norm["requested"], norm["observed"]) == ("compiled", "eager")
+        return [d.code.value for d in found]
+
+    assert "BACKEND_FALLBACK" not in codes("regional", "jagged") + codes("whole", "jagged") + codes("eager", "jagged")
+    assert "BACKEND_FALLBACK" in codes("regional", "grouped_mm")
+    # Promote reads the receipt's backend rows the same way.
+    sys.path.insert(0, str(REPO / "tests" / "promote"))
+    from promote_sim import T0, base_lane, make_receipt
+
+    policy = load_policy(REPO / "search_spaces" / "policies" / "single_node.yaml")
+    for posture, gated in (("regional", False), ("eager", True)):
+        receipt = make_receipt(receipt_id=f"r-{posture}", sweep_id="s", block_id="b", arm="candidate", arm_index=1,
+                               order=0, feature="compile", feature_value=posture, baseline_value="eager",
+                               lane=base_lane(**{"compile.posture": posture, "features.fused_residual": "on"}),
+                               host="h", tps=5000.0, loss=5.0, created_at=T0)
+        row = next(b for b in receipt.observed.backends if b.op == "add_rmsnorm")
+        row.requested, row.observed = "compiled", "eager"
+        assert ("BACKEND_FALLBACK" in _arm_view(receipt, policy).gated_codes) is gated, posture
