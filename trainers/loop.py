@@ -289,7 +289,7 @@ def run_worker(spec: ArmSpec, ctx: WorkerContext, finalize: Optional[Callable[[W
         # The dispatcher must know whether ops will run inside a compiled graph: there a fused backend may be
         # its reference, and the receipt must say what really ran (observed inertness compares these records).
         st.dispatcher = Dispatcher(device, strict=False, compile_posture=lane.compile.posture.value)
-        model = HybridLM(lane.model, lane.features, st.dispatcher, precision=lane.precision.value)
+        model = HybridLM(lane.model, lane.features, st.dispatcher, precision=lane.precision)
         if node_doc is not None:
             result.node_check["wrong"] = failed_backends(node_doc, device.type, st.dispatcher.table())
         result.layer_counts = dict(model.layer_counts())

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ablate.config.backends import requested_backends
-from ablate.config.schema import FeatureConfig, ModelConfig, OnOff
+from ablate.config.schema import FeatureConfig, ModelConfig, OnOff, Precision
 from kernels.dispatch import Dispatcher, Resolved
 from trainers.model.blocks import Mamba2Block, MLABlock, MoEBlock, RecurrentBlock, ResidualNorm
 from ablate.config.pattern import FAMILIES, family_counts, parse_pattern
@@ -54,17 +54,17 @@ class LMOutput:
 
 
 def _resolve_kernels(cfg: ModelConfig, features: FeatureConfig, dispatcher: Dispatcher,
-                     precision: str) -> dict[str, Resolved]:
+                     precision: Precision) -> dict[str, Resolved]:
     """One resolution per op used by this pattern; each carries its requested/observed/why record."""
     requested = requested_backends(cfg, features, dispatcher.capability.cuda_available)
-    context = {"moe": {"dims": (cfg.d_model, cfg.d_expert, 2 * cfg.d_expert), "precision": precision},
+    context = {"moe": {"dims": (cfg.d_model, cfg.d_expert, 2 * cfg.d_expert), "precision": precision.value},
                "ssd": {"conv_channels": cfg.ssm_expand * cfg.d_model + 2 * cfg.ssm_d_state}}
     return {op: dispatcher.resolve(op, backend, **context.get(op, {})) for op, (_, backend) in requested.items()}
 
 
 class HybridLM(nn.Module):
     def __init__(self, model_cfg: ModelConfig, features: FeatureConfig, dispatcher: Optional[Dispatcher] = None,
-                 precision: str = "fp32"):
+                 precision: Precision = Precision.fp32):
         """``precision``: the lane's (``fp32`` or ``bf16`` autocast); a kernel that computes in another dtype than
         the lane's is not eligible."""
         super().__init__()
