@@ -83,6 +83,11 @@ class Work:
     candidate_failed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     created_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=object))
     aa_var_log: Optional[float] = None
+    then: list[tuple[float, float]] = field(default_factory=list)
+    """Sequential policies: per block, (bias bound log, A/A variance floor) of the calibration from the test's
+    sweeps up to that block's (``TestEvidence.calibration_then``); empty for the fixed rule."""
+    then_rank: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=int))
+    """Per block, the index into ``then`` of its sweep (sweeps in start order)."""
 
 
 @dataclass
@@ -473,9 +478,12 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
     verdict.energy = energy_ratio(usable)
     first = np.asarray([b.candidate_first for b, _ in rows], dtype=bool)
     merged = {sweep: r.round_id for r in test.rounds for sweep in (r.members or (r.round_id,))}
+    rank = {sweep: j for j, (sweep, _) in enumerate(test.calibration_then)}
     verdict.work = Work(log_ratios=d, hosts=hosts, candidate_first=first, theta=theta,
                         round_ids=np.asarray([merged.get(b.round_id, b.round_id) for b, _ in rows], dtype=object),
                         candidate_failed=np.asarray([b.candidate.failed for b, _ in rows], dtype=bool),
                         created_at=np.asarray([b.created_at for b, _ in rows], dtype=object),
-                        aa_var_log=calibration.aa_var_log)
+                        aa_var_log=calibration.aa_var_log,
+                        then=[(cal.bias_bound_log or 0.0, cal.aa_var_log or 0.0) for _, cal in test.calibration_then],
+                        then_rank=np.asarray([rank.get(b.round_id, -1) for b, _ in rows], dtype=int))
     return verdict

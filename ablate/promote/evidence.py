@@ -170,6 +170,10 @@ class TestEvidence:
     """Arms of this test (or A/A arms of its lane) under its fingerprint whose receipts could not be read."""
     calibration: Optional[Calibration] = None
     """From the lane's A/A blocks of this test's own rounds (``organise``)."""
+    calibration_then: list[tuple[str, Calibration]] = field(default_factory=list)
+    """Sequential policies only: (sweep id, calibration from the A/A blocks of this test's sweeps that started no
+    later than it), sweeps in start order; the last is ``calibration``. The SPRT judges each look with the one it
+    had, so a later round cannot reopen a decision (``ablate.promote.sequential``)."""
 
     @property
     def key(self) -> str:
@@ -343,6 +347,12 @@ def organise(blocks: list[Block], policy: Policy, refusals: Iterable[Refusal] = 
                                        else _calibrate(lane_key, state.current_fingerprint, beside, policy))
         return own[(lane_key, rounds)]
 
+    def calibration_then(lane_key: str, sweeps: set[str]) -> list[tuple[str, Calibration]]:
+        if not policy.sequential.enabled:
+            return []
+        ordered = sorted(sweeps, key=lambda s: (windows[s].start, s))
+        return [(sweep, calibration_of(lane_key, frozenset(ordered[:j + 1]))) for j, sweep in enumerate(ordered)]
+
     windows = sweep_windows(blocks)
     tests = []
     for (feature, _, lane_key), members in sorted(grouped.items()):
@@ -359,5 +369,6 @@ def organise(blocks: list[Block], policy: Policy, refusals: Iterable[Refusal] = 
             lane_key=lane_key, software_fingerprint=current, blocks=kept, superseded=old,
             rounds=_rounds(_measurable(kept, policy), policy, windows), refused_gates=gates,
             unread=[arm for arm in unread if arm.concerns(feature, lane_key, current)],
-            calibration=calibration_of(lane_key, frozenset(b.round_id for b in kept))))
+            calibration=calibration_of(lane_key, frozenset(b.round_id for b in kept)),
+            calibration_then=calibration_then(lane_key, {b.round_id for b in kept})))
     return tests, calibrations, lanes

@@ -57,9 +57,13 @@ def sprt_of(v: FeatureVerdict, policy: Policy, num_tests: int = 1) -> Sequential
     assert work is not None
     order = np.argsort(work.created_at.astype(str), kind="stable") if work.created_at.size else np.arange(0)
     bounds = SprtBounds.of(policy, None if v.bias_bound is None else math.log1p(v.bias_bound), num_tests)
+    then = None
+    if work.then and work.then_rank.size == work.log_ratios.size and (work.then_rank >= 0).all():
+        # A look's calibration covers every sweep that started up to the latest one it has seen.
+        then = [work.then[j] for j in np.maximum.accumulate(work.then_rank[order])]
     return sequential_state(work.log_ratios[order], work.hosts[order], work.round_ids[order].tolist(),
                             bounds=bounds, policy=policy, var_floor=work.aa_var_log or 0.0,
-                            failed=work.candidate_failed[order])
+                            failed=work.candidate_failed[order], then=then)
 
 
 def _reject_clauses(v: FeatureVerdict, policy: Policy,

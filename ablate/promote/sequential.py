@@ -45,12 +45,18 @@ beyond the cap are not looked at, so rerunning until significant cannot turn it 
 the software fingerprint changes, which restarts the lane's evidence). The upper bound only decides once
 ``evidence.min_rounds`` counted rounds are in (a round is a separate sweep in time); before that the test
 continues.
+
+A decision stands. The looks are replayed from the receipts on every ``promote``, so what a look sees must not
+change after it: each look is also judged with the A/A calibration of the sweeps up to it (``then``; a rejection
+either calibration reaches counts, the upper bound needs both), and the lower bound keeps the undivided alpha
+(Bonferroni guards false promotions; a bound that moved with the number of tests would reopen a rejection when
+a later round adds one).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -71,6 +77,9 @@ class SprtBounds:
     beta: float
     bias: float = 0.0
     """The lane's A/A bias bound (log): added to both hypotheses for the upper decision, taken off for the lower."""
+    family_alpha: Optional[float] = None
+    """The policy's alpha before Bonferroni: the lower bound's. Splitting alpha guards false promotions only, and a
+    lower bound that moved with the family size would reopen a rejection once a later round adds a test."""
 
     @property
     def upper(self) -> float:
@@ -78,13 +87,14 @@ class SprtBounds:
 
     @property
     def lower(self) -> float:
-        return math.log(self.beta / (1.0 - self.alpha))
+        return math.log(self.beta / (1.0 - (self.alpha if self.family_alpha is None else self.family_alpha)))
 
     @classmethod
     def of(cls, policy: Policy, bias_bound_log: Optional[float] = None, num_tests: int = 1) -> "SprtBounds":
         seq = policy.sequential
         return cls(theta0=math.log1p(seq.delta0), theta1=math.log1p(seq.delta1),
-                   alpha=seq.alpha / max(1, num_tests), beta=seq.beta, bias=abs(bias_bound_log or 0.0))
+                   alpha=seq.alpha / max(1, num_tests), beta=seq.beta, bias=abs(bias_bound_log or 0.0),
+                   family_alpha=seq.alpha)
 
 
 @dataclass
@@ -159,11 +169,18 @@ def llr(d: np.ndarray, hosts: np.ndarray, bounds: SprtBounds, var_floor: float =
 
 def sequential_state(log_ratios: Sequence[float], hosts: Sequence[Any], rounds: Sequence[Any], *,
                      bounds: SprtBounds, policy: Policy, var_floor: float = 0.0,
-                     failed: Optional[Sequence[bool]] = None) -> SequentialState:
+                     failed: Optional[Sequence[bool]] = None,
+                     then: Optional[Sequence[tuple[float, float]]] = None) -> SequentialState:
     """Where the SPRT stands on these blocks, given in time order (pure: same input, same state).
 
     ``rounds`` labels each block's round (counted rounds: a label reaches ``evidence.min_blocks_per_round``
     blocks); ``failed`` marks blocks whose candidate arm failed (left out of the LLR, counted towards the cap).
+
+    ``then``: per block, the (bias bound log, A/A variance floor) of the A/A calibration its look had (the
+    rounds up to it), where ``bounds.bias`` and ``var_floor`` are today's. A look decides on both: a rejection
+    either calibration reaches stands, and the upper bound needs both. Today's alone would let A/A blocks of a
+    later round move a rejection of round 1 back into play, and the test could then cross the upper bound
+    (found in review): a test that stopped is judged as it stopped, whatever is added after it.
     """
     seq, ev = policy.sequential, policy.evidence
     d_all = np.asarray(log_ratios, dtype=float)
@@ -190,15 +207,25 @@ def sequential_state(log_ratios: Sequence[float], hosts: Sequence[Any], rounds: 
             state.llr_lower_trace.append(None)
             continue
         value, low, state.variance = llr(d_all[use], h_all[use], bounds, var_floor)
+        low_bounds, low_when = bounds, ""
+        if then is not None and tuple(then[i]) != (bounds.bias, var_floor):
+            then_bounds = replace(bounds, bias=abs(then[i][0]))
+            value_then, low_then, facts_then = llr(d_all[use], h_all[use], then_bounds, then[i][1])
+            value = min(value, value_then)
+            if low_then < low:  # its variance facts go with it: the rule's close-call check reads them
+                low, low_bounds, low_when = low_then, then_bounds, " as it stood at that look"
+                state.variance = facts_then
         state.llr, state.llr_lower = value, low
         state.llr_trace.append(value)
         state.llr_lower_trace.append(low)
         if low <= bounds.lower:
             state.decision = LOWER
             state.stop_reason = (f"lower bound crossed at block {look}: LLR {low:.2f} <= {bounds.lower:.2f}, the "
-                                 f"blocks favour a speed-up of at most {math.expm1(bounds.theta0 - bounds.bias):+.2%} "
-                                 f"over one of {math.expm1(bounds.theta1 - bounds.bias):+.2%} (both lowered by the A/A "
-                                 f"bias bound {math.expm1(bounds.bias):.2%}, so a slot bias cannot reject a real win)")
+                                 f"blocks favour a speed-up of at most "
+                                 f"{math.expm1(low_bounds.theta0 - low_bounds.bias):+.2%} over one of "
+                                 f"{math.expm1(low_bounds.theta1 - low_bounds.bias):+.2%} (both lowered by the A/A bias "
+                                 f"bound {math.expm1(low_bounds.bias):.2%}{low_when}, so a slot bias cannot reject a "
+                                 f"real win)")
             return state
         counted = sum(1 for n in per_round.values() if n >= ev.min_blocks_per_round)
         if value >= bounds.upper:

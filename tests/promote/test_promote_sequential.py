@@ -49,8 +49,10 @@ def moe_verdict(result: PromotionResult) -> FeatureVerdict:
 def test_wald_bounds_come_from_alpha_and_beta(seq_policy: Policy) -> None:
     bounds = SprtBounds.of(seq_policy)
     assert bounds.upper == pytest.approx(math.log(0.95 / 0.05)) and bounds.lower == pytest.approx(math.log(0.05 / 0.95))
-    # Several speed tests share the sequential alpha (Bonferroni), so the upper bound rises.
+    # Several speed tests share the sequential alpha (Bonferroni), so the upper bound rises; the lower bound does
+    # not move, or a test added in a later round would reopen a rejection near its bound.
     assert SprtBounds.of(seq_policy, num_tests=5).upper == pytest.approx(math.log(0.95 / 0.01))
+    assert SprtBounds.of(seq_policy, num_tests=5).lower == bounds.lower
 
 
 def test_a_clear_win_crosses_the_upper_bound_once_two_rounds_count(seq_policy: Policy) -> None:
@@ -210,3 +212,47 @@ def test_until_decided_evidence_is_held_by_the_fixed_rule_and_judged_by_the_sequ
     # Arms that disagree on how their block was scheduled are not one comparison.
     mixed = run(_scheduled(simulate(Sim(features=[moe(1.3)], **QUIET), 0), "until_decided", only_arm=1), policy)
     assert not mixed.verdicts and any("schedule" in r.reason for r in mixed.refusals)
+
+
+def _days_later(receipts: list, days: int) -> list:
+    from datetime import datetime, timedelta
+
+    from ablate.receipts.store import seal
+
+    out = []
+    for r in receipts:
+        at = (datetime.fromisoformat(r.identity.created_at) + timedelta(days=days)).isoformat()
+        out.append(seal(r.model_copy(update={"identity": r.identity.model_copy(update={"created_at": at})})))
+    return out
+
+
+def test_a_look_is_judged_with_the_calibration_it_had(seq_policy: Policy) -> None:
+    """Noisier A/A blocks in later rounds raise today's variance floor and bias bound; judged with those alone, a
+    round-1 rejection disappears and the test runs on to the upper bound. Each look keeps its own calibration."""
+    rng = np.random.default_rng(0)
+    d = list(rng.normal(0.0, 0.004, 4)) + list(0.12 + rng.normal(0, 0.01, 12))
+    today = math.log(1.04), 0.05 ** 2
+    then = [(0.002, 0.003 ** 2)] * 4 + [today] * 12
+    bounds = SprtBounds.of(seq_policy, today[0])
+    reopened = state(d, seq_policy, bias=today[0], var_floor=today[1])
+    assert reopened.decision == UPPER  # today's calibration alone: the old behaviour
+    kept = state(d, seq_policy, bias=today[0], var_floor=today[1], then=then)
+    assert kept.decision == LOWER and kept.blocks == 4 and "as it stood at that look" in kept.stop_reason
+    assert kept.variance["aa_floor_sd"] == pytest.approx(0.003)  # the close-call check reads the deciding facts
+    # Calibrations that agree change nothing.
+    same = state(d, seq_policy, bias=today[0], var_floor=today[1], then=[today] * len(d))
+    assert (same.decision, same.blocks, same.llr_trace) == (reopened.decision, reopened.blocks, reopened.llr_trace)
+    assert bounds.lower == kept.lower
+
+
+def test_a_rejection_stands_when_later_rounds_bring_noisier_aa_blocks(seq_policy: Policy) -> None:
+    """End to end through promote: a quiet round-1 rejection, then three rounds with noisy A/A blocks and a win.
+    On the old code the later calibration reopened the test and its SPRT crossed the upper bound."""
+    first = simulate(Sim(features=[moe(1.0)], rounds=1, aa_per_host=2, noise=0.002, campaign="first"), 3)
+    v1 = moe_verdict(run(first, seq_policy))
+    assert v1.verdict == REJECT and v1.sequential["decision"] == LOWER, v1.reason
+    late = _days_later(simulate(Sim(features=[moe(1.12)], rounds=3, aa_per_host=2, noise=0.03, campaign="late"),
+                                4), 3)
+    v = moe_verdict(run(first + late, seq_policy))
+    assert v.sequential["decision"] == LOWER and v.sequential["blocks"] == v1.sequential["blocks"], v.reason
+    assert v.verdict == REJECT and "as it stood at that look" in v.reason
