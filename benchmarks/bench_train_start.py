@@ -8,7 +8,9 @@ One local Ray runtime (``ablate.sweep.resources.local_ray_init_kwargs``, as a sw
 interleaved (before, after, before, after, ...) so host load drifts over both alike. Variants:
 - ``before``: Ray's ``TorchTrainer`` as Train builds it, no ``trainers.run.TRAIN_ENV_DEFAULTS`` (the job runtime
   env still sets the controller poll to 0.5 s and worker niceness 0, as in every sweep);
-- ``after``: what ``run_arm`` does now (the defaults plus the trainer without the unused Ray Data callback).
+- ``torch_config``: the defaults plus the trainer without the unused Ray Data callback, with Ray's ``TorchConfig``
+  (what ``run_arm`` did before ``trainers.train_backend``: the controller unpickles it and imports torch);
+- ``after``: what ``run_arm`` does now (``torch_config`` with ``trainers.train_backend.ArmTorchConfig``).
 
 Stages per arm (seconds; ``time.time()`` on one host): ``to_fit`` scheduled -> ``fit()`` called; ``controller``
 fit() -> the controller's first log line (actor process start, imports); ``workers_created`` controller -> Train's
@@ -63,20 +65,29 @@ def _controller_lines(run_name: str) -> list[tuple[float, str]]:
     return sorted(lines)
 
 
-def _variant(name: str) -> tuple[dict[str, str], Callable[[], type]]:
+def _ray_torch_config(use_gpu: bool) -> Any:
+    from ray.train.torch import TorchConfig
+
+    return TorchConfig(backend="nccl" if use_gpu else "gloo")
+
+
+def _variant(name: str) -> tuple[dict[str, str], Callable[[], type], Callable[[bool], Any]]:
     from ray.train.torch import TorchTrainer
 
     if name == "before":
-        return {}, lambda: TorchTrainer
+        return {}, lambda: TorchTrainer, _ray_torch_config
+    if name == "torch_config":
+        return dict(run_module.TRAIN_ENV_DEFAULTS), run_module._trainer_class, _ray_torch_config
     if name == "after":
-        return dict(run_module.TRAIN_ENV_DEFAULTS), run_module._trainer_class
-    raise ValueError(f"unknown variant {name!r}; valid: before, after")
+        return dict(run_module.TRAIN_ENV_DEFAULTS), run_module._trainer_class, run_module._backend_config
+    raise ValueError(f"unknown variant {name!r}; valid: before, torch_config, after")
 
 
 def one_arm(lane: Any, receipts: Path, name: str, node_id: str) -> dict[str, Any]:
-    defaults, trainer_class = _variant(name)
-    saved = (run_module.TRAIN_ENV_DEFAULTS, run_module._trainer_class)
-    run_module.TRAIN_ENV_DEFAULTS, run_module._trainer_class = defaults, trainer_class  # type: ignore[assignment]
+    defaults, trainer_class, backend_config = _variant(name)
+    saved = (run_module.TRAIN_ENV_DEFAULTS, run_module._trainer_class, run_module._backend_config)
+    (run_module.TRAIN_ENV_DEFAULTS, run_module._trainer_class,  # type: ignore[assignment]
+     run_module._backend_config) = defaults, trainer_class, backend_config
     stamps: dict[str, Any] = {}
     fit_arm = run_module._fit_arm
 
@@ -96,7 +107,8 @@ def one_arm(lane: Any, receipts: Path, name: str, node_id: str) -> dict[str, Any
                                            None, None, None)
         ended = time.time()
     finally:
-        run_module.TRAIN_ENV_DEFAULTS, run_module._trainer_class = saved  # type: ignore[assignment]
+        (run_module.TRAIN_ENV_DEFAULTS, run_module._trainer_class,  # type: ignore[assignment]
+         run_module._backend_config) = saved
         run_module._fit_arm = fit_arm  # type: ignore[assignment]
     row: dict[str, Any] = {"variant": name, "load_1min": round(load, 2), "failure": launch.failure,
                            "train_env": stamps.get("env")}
@@ -128,7 +140,7 @@ def one_arm(lane: Any, receipts: Path, name: str, node_id: str) -> dict[str, Any
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--variants", default="before,after")
+    parser.add_argument("--variants", default="torch_config,after")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "train_start.json")
     parser.add_argument("--note", default="")
     args = parser.parse_args(argv)

@@ -309,17 +309,25 @@ def _run_ray_train(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchI
     return result
 
 
+def _backend_config(use_gpu: bool) -> Any:
+    """The workers' torch process group (NCCL on GPU, gloo on CPU), set up by Ray's own torch code on the workers
+    while Train's controller stays free of torch (``trainers.train_backend``): ``TorchTrainer`` takes it in the
+    place of its ``TorchConfig``, whose ``backend`` it only reads."""
+    from trainers.train_backend import ArmTorchConfig
+
+    return ArmTorchConfig(backend="nccl" if use_gpu else "gloo")
+
+
 def _fit_arm(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchInfo, use_gpu: bool,
              scaling: dict[str, Any], env_vars: dict[str, str], storage_path: Optional[str]) -> Optional[WorkerResult]:
     """Build and fit the arm's trainer; the result rank 0 attached to the final checkpoint, or None."""
     import ray.train
-    from ray.train.torch import TorchConfig
 
     trainer = _trainer_class()(
         _train_loop_per_worker,
         train_loop_config={"spec": spec.to_json(), "work_dir": str(work)},
         scaling_config=ray.train.ScalingConfig(**scaling),
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        torch_config=_backend_config(use_gpu),
         # A fresh run name per call: a reused name would make Train resume a stale run and hand back its checkpoint.
         run_config=ray.train.RunConfig(name=f"arm-{spec.receipt_id}-{uuid.uuid4().hex[:8]}",
                                        storage_path=storage_path or str(work / "ray"),

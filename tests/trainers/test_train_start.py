@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from trainers.run import TRAIN_ENV_DEFAULTS, _train_env, _trainer_class
+from trainers.run import TRAIN_ENV_DEFAULTS, _backend_config, _train_env, _trainer_class
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,19 +44,41 @@ def _probe_loop_factory() -> Callable[[dict[str, Any]], None]:
         seen = {"attribute": getattr(run_module, "_probe_arm", None), "module": "ablate_probe_marker" in sys.modules}
         run_module._probe_arm = config["arm"]  # type: ignore[attr-defined]
         sys.modules["ablate_probe_marker"] = run_module
-        rank = ray.train.get_context().get_world_rank()
+        ctx = ray.train.get_context()
+        rank = ctx.get_world_rank()
+        # What Ray's torch set-up leaves on a worker, whoever drove it (the distributed env of torchrun).
+        torch_env = {name: os.environ.get(name) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                                              "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")}
         record = {"pid": os.getpid(), "seen": seen, "world": dist.get_world_size() if dist.is_initialized() else 0,
+                  "dist_rank": dist.get_rank() if dist.is_initialized() else None,
+                  "backend": dist.get_backend() if dist.is_initialized() else None, "torch_env": torch_env,
+                  "local_rank": ctx.get_local_rank(),
                   "env": {name: os.environ.get(name) for name in config["env_names"]}}
         Path(config["out"], f"{config['arm']}-{rank}.json").write_text(json.dumps(record))
+        ray.train.report({"rank": rank})  # the controller's callback records what its process imported
 
     return probe
+
+
+def _controller_probe(out: Path, arm: str) -> Any:
+    """A Train user callback, which runs in the controller: records its pid and whether torch was imported there."""
+    import ray.train
+
+    class ControllerProbe(ray.train.UserCallback):
+        def after_report(self, run_context: Any, metrics: Any, checkpoint: Any) -> None:
+            import os
+            import sys
+
+            Path(out, f"{arm}-controller.json").write_text(json.dumps({"pid": os.getpid(),
+                                                                        "torch": "torch" in sys.modules}))
+
+    return ControllerProbe()
 
 
 @pytest.fixture(scope="module")
 def two_arms(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, list[dict[str, Any]]], Any]]:
     ray = pytest.importorskip("ray")
     import ray.train
-    from ray.train.torch import TorchConfig
 
     out = tmp_path_factory.mktemp("train_start")
     env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
@@ -69,11 +91,13 @@ def two_arms(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[st
                     _probe_loop_factory(),
                     train_loop_config={"arm": arm, "out": str(out), "env_names": list(TRAIN_ENV_DEFAULTS)},
                     scaling_config=ray.train.ScalingConfig(num_workers=2, use_gpu=False),
-                    torch_config=TorchConfig(backend="gloo"),
+                    torch_config=_backend_config(False),
                     run_config=ray.train.RunConfig(name=f"probe-{arm}", storage_path=str(out / "ray"),
-                                                   worker_runtime_env={"env_vars": dict(train_env)}))
+                                                   worker_runtime_env={"env_vars": dict(train_env)},
+                                                   callbacks=[_controller_probe(out, arm)]))
                 trainer.fit()
             arms[arm] = [json.loads((out / f"{arm}-{rank}.json").read_text()) for rank in range(2)]
+            arms[arm + "-controller"] = [json.loads((out / f"{arm}-controller.json").read_text())]
         yield arms, ray
     finally:
         ray.shutdown()
@@ -85,7 +109,25 @@ def test_consecutive_two_worker_arms_never_share_a_process(two_arms: tuple[dict[
     first, second = ({record["pid"] for record in arms[arm]} for arm in ("first", "second"))
     assert len(first) == 2 and len(second) == 2 and first.isdisjoint(second)
     assert os.getpid() not in first | second
-    assert all(record["world"] == 2 for arm in arms.values() for record in arm)  # gloo group of the two ranks
+    assert all(record["world"] == 2 for arm in ("first", "second") for record in arms[arm])  # the gloo group
+
+
+def test_the_process_group_is_rays_and_the_controller_never_imports_torch(
+        two_arms: tuple[dict[str, list[dict[str, Any]]], Any]) -> None:
+    """``trainers.train_backend`` drives Ray's own torch set-up from the workers: every rank joins one gloo group at
+    its Train rank with torchrun's variables set as ``TorchConfig`` sets them, while the controller (5 s of CPU
+    per arm when it unpickled ``TorchConfig``) never loads torch."""
+    arms, _ = two_arms
+    for arm in ("first", "second"):
+        ranks = sorted(arms[arm], key=lambda record: record["dist_rank"])
+        assert [r["dist_rank"] for r in ranks] == [0, 1] and {r["backend"] for r in ranks} == {"gloo"}
+        for rank, record in enumerate(ranks):
+            env = record["torch_env"]
+            assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == (str(rank), "2", str(record["local_rank"]))
+            assert env["MASTER_ADDR"] and env["MASTER_PORT"] == ranks[0]["torch_env"]["MASTER_PORT"]
+        controller = arms[arm + "-controller"][0]
+        assert controller["torch"] is False, controller
+        assert controller["pid"] not in {r["pid"] for r in ranks} | {os.getpid()}
 
 
 def test_module_state_of_one_arm_is_not_seen_by_the_next(two_arms: tuple[dict[str, list[dict[str, Any]]], Any]

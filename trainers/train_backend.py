@@ -1,0 +1,119 @@
+"""The torch process-group backend of a multi-worker (Ray Train) arm, importable without torch.
+
+How to use: ``DataParallelTrainer(fn, backend_config=ArmTorchConfig(backend="gloo"), ...)`` where Ray's
+``TorchTrainer`` would take ``TorchConfig(backend="gloo")``; ``trainers.run._fit_arm`` does this.
+
+Why not ``TorchConfig``: Train pickles the backend config into its controller actor (the backend and accelerator
+set-up callbacks hold it) and into the trial process that builds the trainer. ``ray.train.torch.config`` imports
+torch at module level, and the ``ray.train.torch`` package around it imports more: unpickling it costs a fresh
+controller process about 5 s of CPU on a 2-core host (``python -c "import ray.train.torch"``: 5.2 s, against
+1.8 s for the controller's own modules), before it can even ask for the worker group. The controller never runs
+torch: it only tells the workers what to call. Here the controller side imports nothing of torch, and every call
+it sends runs Ray's own torch set-up *on the workers* (``_setup_torch_process_group``,
+``_set_torch_distributed_env_vars``, ``_shutdown_torch``, ``TorchConfigContextManager``), which import torch
+anyway to train. So the process group, its environment variables (MASTER_ADDR/PORT, RANK, LOCAL_RANK, ...),
+the CUDA device of each worker and the shutdown are Ray's, step for step as ``_TorchBackend`` orders them;
+only the modules the controller loads change (``tests/trainers/test_train_backend.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.train.backend import Backend, BackendConfig
+from ray.train.constants import DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
+from ray.train.v2._internal.util import TrainingFramework
+
+log = logging.getLogger(__name__)
+
+
+def _address_and_port() -> tuple[str, int]:
+    from ray.train._internal.utils import get_address_and_port
+
+    return get_address_and_port()
+
+
+def _set_master(addr: str, port: int) -> None:
+    os.environ["MASTER_ADDR"] = addr
+    os.environ["MASTER_PORT"] = str(port)
+
+
+def _set_distributed_env() -> None:
+    from ray.train.torch.config import _set_torch_distributed_env_vars
+
+    _set_torch_distributed_env_vars()
+
+
+def _setup_process_group(**kwargs: Any) -> None:
+    from ray.train.torch.config import _setup_torch_process_group
+
+    _setup_torch_process_group(**kwargs)
+
+
+def _shutdown(destroy_process_group: bool) -> None:
+    from ray.train.torch.config import _shutdown_torch
+
+    _shutdown_torch(destroy_process_group=destroy_process_group)
+
+
+class WorkerDeviceContext:
+    """Ray's ``TorchConfigContextManager`` (each worker's train function runs on its own CUDA device), entered on
+    the worker: the class that names it here is what gets pickled."""
+
+    def __enter__(self) -> Any:
+        from ray.train.torch.config import TorchConfigContextManager
+
+        self._inner = TorchConfigContextManager()
+        return self._inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._inner.__exit__(*exc)
+
+
+class ArmTorchBackend(Backend):
+    """``ray.train.torch.config._TorchBackend`` for ``init_method="env"`` on CPU and CUDA (what arms use)."""
+
+    share_cuda_visible_devices: bool = True
+
+    def on_start(self, worker_group: Any, backend_config: "ArmTorchConfig") -> None:
+        addr, port = worker_group.execute_single(0, _address_and_port)
+        worker_group.execute(_set_master, addr=addr, port=port)
+        worker_group.execute(_set_distributed_env)
+        ray.get([worker_group.execute_single_async(rank, _setup_process_group, backend=backend_config.backend,
+                                                   world_rank=rank, world_size=len(worker_group),
+                                                   init_method="env://", timeout_s=backend_config.timeout_s)
+                 for rank in range(len(worker_group))])
+
+    def on_shutdown(self, worker_group: Any, backend_config: "ArmTorchConfig") -> None:
+        from ray.exceptions import GetTimeoutError
+
+        futures = worker_group.execute_async(_shutdown, destroy_process_group=len(worker_group) > 1)
+        timeout_s = int(os.environ.get(TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
+                                       DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S))
+        try:
+            ray.get(futures, timeout=timeout_s)
+        except GetTimeoutError:
+            log.warning("torch process group shutdown timed out after %s s", timeout_s)
+
+
+@dataclass
+class ArmTorchConfig(BackendConfig):
+    backend: str = "gloo"
+    """``gloo`` (CPU) or ``nccl`` (CUDA): named by the caller, as ``TorchTrainer`` does from ``use_gpu``."""
+    timeout_s: int = 1800
+
+    @property
+    def backend_cls(self) -> type:
+        return ArmTorchBackend
+
+    @property
+    def train_func_context(self) -> type:
+        return WorkerDeviceContext
+
+    @property
+    def framework(self) -> TrainingFramework:
+        return TrainingFramework.TORCH
