@@ -61,6 +61,8 @@ class ConsistencyPolicy:
     every_host_median_wins: bool
     leave_one_host_out: bool
     every_round_wins: bool
+    hosts_agree: bool
+    """Student's t on the hosts' mean log ratios must clear 1 + delta at alpha / tests (``stats.host_level_t``)."""
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import numpy as np
 from ablate.promote.analysis import HOLD, PROMOTE, REJECT, TAX_REPORTED, Clause, FeatureVerdict
 from ablate.promote.policy import Policy
 from ablate.promote.sequential import LOWER, UPPER, SequentialState, SprtBounds, sequential_state
-from ablate.promote.stats import bootstrap_hl, holm, quantile
+from ablate.promote.stats import bootstrap_hl, holm, host_level_t, quantile
 
 
 def _pct(ratio: Optional[float]) -> str:
@@ -265,6 +265,21 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
         return Clause("leave_one_host_out", ok, f"smallest lower bound with one host left out: "
                                                 f"{v.loho_min_lower:.4f} (must exceed 1)")
 
+    def hosts_agree() -> Clause:
+        if not cons.hosts_agree or v.n_hosts < 2:
+            return Clause("hosts_agree", True, "not applicable (one host or disabled by the policy)")
+        p, t, means = host_level_t(work.log_ratios, work.hosts, log_threshold)
+        # Bonferroni over the report's speed tests: Holm's levels follow the bootstrap's ordering, not this test's.
+        level = policy.family_alpha / max(1, num_tests)
+        shown = ", ".join(_pct(math.exp(m)) for m in means)
+        ok = p <= level
+        detail = (f"{means.size} hosts agree: their mean speed-ups ({shown}) put the mean host above 1 + delta = "
+                  f"{1 + v.delta:.4f} (t = {t:.2f}, p = {p:.3g} <= {level:.3g})" if ok else
+                  f"the hosts disagree: with {means.size} hosts whose mean speed-ups are {shown}, the mean host is "
+                  f"not shown above 1 + delta = {1 + v.delta:.4f} (host-level t = {t:.2f}, p = {p:.3g} > "
+                  f"{level:.3g} = alpha / {max(1, num_tests)} test(s)); more hosts would tell")
+        return Clause("hosts_agree", ok, detail)
+
     def every_round() -> Clause:
         bad = [r.round_id for r in v.rounds if r.counted and (r.speedup is None or r.speedup <= 1.0)]
         ok = not cons.every_round_wins or not bad
@@ -346,7 +361,7 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
 
     return [every_arm_read, current_baseline, calibrated, failure_rate, amount,
             lower_bound if sprt is None else sprt_upper, win_fraction, host_medians,
-            leave_one_out, every_round, order, quality, loss_not_lower, not_suspicious]
+            leave_one_out, hosts_agree, every_round, order, quality, loss_not_lower, not_suspicious]
 
 
 def decide(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, Any], num_tests: int = 1) -> FeatureVerdict:

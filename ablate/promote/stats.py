@@ -1,4 +1,4 @@
-"""Statistics of the promotion rule: Hodges-Lehmann, its clustered bootstrap, Holm, Fisher.
+"""Statistics of the promotion rule: Hodges-Lehmann, its clustered bootstrap, Holm, Fisher, a host-level t-test.
 
 How to use: ``theta = bootstrap_hl(log_ratios, clusters=hosts, resamples=10_000, rng=rng)`` returns the
 bootstrap distribution of the one-sample Hodges-Lehmann estimate (median of Walsh averages), resampling whole
@@ -300,6 +300,34 @@ def fisher_more_failures(cand_failed: int, cand_total: int, base_failed: int, ba
 
     table = [[cand_failed, cand_total - cand_failed], [base_failed, base_total - base_failed]]
     return float(fisher_exact(table, alternative="greater").pvalue)
+
+
+def host_level_t(x: Sequence[float] | np.ndarray, hosts: Sequence[object], threshold: float
+                 ) -> tuple[float, float, np.ndarray]:
+    """(one-sided p, t, per-host means) of "the mean host effect exceeds ``threshold``": Student's t on the hosts'
+    mean block log ratios, g - 1 degrees of freedom.
+
+    Why beside the host-clustered bootstrap: with g hosts that bootstrap has only C(2g - 1, g) distinct resamples
+    (10 for 3 hosts), and once every host's effect passes the threshold its p-value is 1/(B + 1) however far apart
+    the hosts are, so a feature that helps some hosts and not others in general looked certain after three lucky
+    ones (a review's simulation: 1.5-4.1% false promotions per test, 0.10-0.23 over ten). A t-test on the cluster
+    means is the usual remedy for few clusters: its level holds for normal host effects with any number of hosts,
+    at the price of power when hosts are few and disagree. Equal host means (deterministic twins) give p = 0 above
+    the threshold and 1 at or below it."""
+    values = np.asarray(x, dtype=float)
+    labels = np.asarray(list(hosts), dtype=object)
+    means = np.asarray([values[labels == h].mean() for h in dict.fromkeys(labels.tolist())], dtype=float)
+    g = means.size
+    if g < 2:
+        return math.nan, math.nan, means
+    diff = float(means.mean()) - threshold
+    spread = float(means.std(ddof=1))
+    if spread == 0.0:
+        return (0.0 if diff > 0 else 1.0), math.copysign(math.inf, diff) if diff else 0.0, means
+    from scipy.special import stdtr  # Student's t CDF; scipy.stats would add a second to every promote
+
+    t = diff / (spread / math.sqrt(g))
+    return float(stdtr(g - 1, -t)), t, means
 
 
 def abs_quantile(x: Sequence[float] | np.ndarray, q: float) -> float:

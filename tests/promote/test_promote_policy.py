@@ -13,15 +13,17 @@ from ablate.promote import load_policy, with_overrides
 
 def test_shipped_policies_load_and_differ_only_where_documented() -> None:
     default, single = load_policy(DEFAULT_POLICY), load_policy(SINGLE_NODE_POLICY)
-    assert default.ref == "default@3" and single.ref == "single_node@3"
+    assert default.ref == "default@4" and single.ref == "single_node@3"
     assert (default.evidence.min_blocks, default.evidence.min_hosts, default.evidence.min_rounds) == (8, 3, 2)
     assert default.threshold.min_effect == 0.01 and default.consistency.min_win_fraction == 0.8
     assert default.threshold.min_aa_blocks == 4 and default.quality.metric == "lm_loss_final"
     assert single.single_node and single.evidence.min_hosts == 1 and not single.consistency.leave_one_host_out
+    assert default.consistency.hosts_agree and not single.consistency.hosts_agree  # a t over one host is nothing
     same = {f.name for f in dataclasses.fields(default)
             if getattr(default, f.name) == getattr(single, f.name)}
-    assert {f.name for f in dataclasses.fields(default)} - same == {"name", "profile", "description", "evidence",
-                                                                   "consistency", "path"}
+    # default@4 added the host-level t-test, which single_node (one host) does not have: its version stayed.
+    assert {f.name for f in dataclasses.fields(default)} - same == {"name", "version", "profile", "description",
+                                                                   "evidence", "consistency", "path"}
 
 
 def test_unknown_and_missing_keys_are_refused(tmp_path: Path) -> None:

@@ -67,7 +67,25 @@ def test_host_correlated_effects_need_the_host_clustered_bootstrap(policy: Polic
 
     for module in (analysis, rule):
         monkeypatch.setattr(module, "bootstrap_hl", block_bootstrap)
-    assert promotions(sim, range(8), policy) >= 4  # mutant: block bootstrap
+    # mutant: block bootstrap, and without the host-level t-test, which would hold these hosts too
+    assert promotions(sim, range(8), with_overrides(policy, {"consistency.hosts_agree": False})) >= 4
+
+
+def test_three_hosts_that_happen_to_favour_a_feature_do_not_make_it_a_default(policy: Policy) -> None:
+    # A feature that is +1.5%, +5% and +2% on the three hosts measured (a host x candidate effect, no effect in
+    # general): every host's median wins and every host-clustered resample clears delta, so the bootstrap's p is
+    # 1/(B + 1), and dropping any host keeps the bound above 1. Three hosts cannot show the mean host gains: only
+    # Student's t on the host means (2 degrees of freedom) says so.
+    sim = Sim(features=[moe(1.0)], noise=0.003, host_arm_effects=[0.015, 0.05, 0.02], aa_per_host=2)
+    held = [run(sim, seed, policy).verdicts[0] for seed in range(6)]
+    assert [v.verdict for v in held].count(PROMOTE) == 0
+    assert all([c.name for c in v.clauses if not c.passed] == ["hosts_agree"] for v in held), held[0].reason
+    assert "the hosts disagree: with 3 hosts whose mean speed-ups are" in held[0].reason
+    lax = with_overrides(policy, {"consistency.hosts_agree": False})
+    assert promotions(sim, range(6), lax) >= 5  # mutant: the clause off
+    # Hosts that agree on a real win still promote with the clause on.
+    agree = Sim(features=[moe(1.0)], noise=0.003, host_arm_effects=[0.045, 0.05, 0.048], aa_per_host=2)
+    assert promotions(agree, range(3), policy) == 3
 
 
 def test_a_host_whose_median_loses_holds_the_promotion(policy: Policy) -> None:
