@@ -312,10 +312,20 @@ def _run_ray_train(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchI
 def _backend_config(use_gpu: bool) -> Any:
     """The workers' torch process group (NCCL on GPU, gloo on CPU), set up by Ray's own torch code on the workers
     while Train's controller stays free of torch (``trainers.train_backend``): ``TorchTrainer`` takes it in the
-    place of its ``TorchConfig``, whose ``backend`` it only reads."""
-    from trainers.train_backend import ArmTorchConfig
+    place of its ``TorchConfig``, whose ``backend`` it only reads. Under Train V1, or a Ray without V2's layout,
+    Ray's ``TorchConfig`` itself: that backend is written for V2's order of calls."""
+    backend = "nccl" if use_gpu else "gloo"
+    try:
+        from ray.train.v2._internal.constants import is_v2_enabled
 
-    return ArmTorchConfig(backend="nccl" if use_gpu else "gloo")
+        from trainers.train_backend import ArmTorchConfig
+    except ImportError:
+        is_v2_enabled = None  # type: ignore[assignment]
+    if is_v2_enabled is not None and is_v2_enabled():
+        return ArmTorchConfig(backend=backend)
+    from ray.train.torch import TorchConfig
+
+    return TorchConfig(backend=backend)
 
 
 def _fit_arm(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchInfo, use_gpu: bool,

@@ -12,8 +12,12 @@ torch: it only tells the workers what to call. Here the controller side imports 
 it sends runs Ray's own torch set-up *on the workers* (``_setup_torch_process_group``,
 ``_set_torch_distributed_env_vars``, ``_shutdown_torch``, ``TorchConfigContextManager``), which import torch
 anyway to train. So the process group, its environment variables (MASTER_ADDR/PORT, RANK, LOCAL_RANK, ...),
-the CUDA device of each worker and the shutdown are Ray's, step for step as ``_TorchBackend`` orders them;
-only the modules the controller loads change (``tests/trainers/test_train_backend.py``).
+the CUDA device of each worker and the shutdown are Ray's, step for step as ``_TorchBackend`` orders them for
+Train V2; only the modules the controller loads change (``tests/trainers/test_train_start.py``). The process that
+builds the trainer still imports torch (``TorchTrainer`` lives in ``ray.train.torch``), once per trial process.
+
+Train V2 only: V1 sets the torch variables in ``on_training_start``, once its session exists, which this backend
+does not do, so ``trainers.run._backend_config`` hands V1 (``RAY_TRAIN_V2_ENABLED=0``) Ray's ``TorchConfig``.
 """
 
 from __future__ import annotations
@@ -117,3 +121,7 @@ class ArmTorchConfig(BackendConfig):
     @property
     def framework(self) -> TrainingFramework:
         return TrainingFramework.TORCH
+
+    def to_dict(self) -> dict[str, Any]:
+        """What Train's run state and dashboard show for the backend (``TorchConfig`` shows the same keys)."""
+        return {"backend": self.backend, "init_method": "env", "timeout_s": self.timeout_s}

@@ -83,11 +83,12 @@ class Work:
     candidate_failed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     created_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=object))
     aa_var_log: Optional[float] = None
-    then: list[tuple[float, float]] = field(default_factory=list)
-    """Sequential policies: per block, (bias bound log, A/A variance floor) of the calibration from the test's
-    sweeps up to that block's (``TestEvidence.calibration_then``); empty for the fixed rule."""
+    then: list[Optional[tuple[float, float]]] = field(default_factory=list)
+    """Sequential policies: per sweep of the test (start order), (bias bound log, A/A variance floor) of the
+    calibration from its sweeps up to that one (``TestEvidence.calibration_then``), None where too few A/A blocks
+    calibrate it; empty for the fixed rule."""
     then_rank: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=int))
-    """Per block, the index into ``then`` of its sweep (sweeps in start order)."""
+    """Per block, the index into ``then`` of its sweep."""
 
 
 @dataclass
@@ -484,6 +485,8 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
                         candidate_failed=np.asarray([b.candidate.failed for b, _ in rows], dtype=bool),
                         created_at=np.asarray([b.created_at for b, _ in rows], dtype=object),
                         aa_var_log=calibration.aa_var_log,
-                        then=[(cal.bias_bound_log or 0.0, cal.aa_var_log or 0.0) for _, cal in test.calibration_then],
+                        then=[(cal.bias_bound_log or 0.0, cal.aa_var_log or 0.0)
+                              if cal.num_blocks >= policy.threshold.min_aa_blocks else None
+                              for _, cal in test.calibration_then],
                         then_rank=np.asarray([rank.get(b.round_id, -1) for b, _ in rows], dtype=int))
     return verdict

@@ -59,8 +59,10 @@ def sprt_of(v: FeatureVerdict, policy: Policy, num_tests: int = 1) -> Sequential
     bounds = SprtBounds.of(policy, None if v.bias_bound is None else math.log1p(v.bias_bound), num_tests)
     then = None
     if work.then and work.then_rank.size == work.log_ratios.size and (work.then_rank >= 0).all():
-        # A look's calibration covers every sweep that started up to the latest one it has seen.
-        then = [work.then[j] for j in np.maximum.accumulate(work.then_rank[order])]
+        # A look was first judged with the sweeps up to the latest one it had seen, then by every later promote
+        # with the sweeps up to its own "today": all of those calibrations (uncalibrated ones are none).
+        then = [[cal for cal in work.then[j:] if cal is not None]
+                for j in np.maximum.accumulate(work.then_rank[order])]
     return sequential_state(work.log_ratios[order], work.hosts[order], work.round_ids[order].tolist(),
                             bounds=bounds, policy=policy, var_floor=work.aa_var_log or 0.0,
                             failed=work.candidate_failed[order], then=then)
@@ -268,7 +270,10 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
     def hosts_agree() -> Clause:
         if not cons.hosts_agree or v.n_hosts < 2:
             return Clause("hosts_agree", True, "not applicable (one host or disabled by the policy)")
-        p, t, means = host_level_t(work.log_ratios, work.hosts, log_threshold)
+        # Failed candidate arms are the failure clauses' to judge (their fixed log ratio would swamp a host mean).
+        ran = ~work.candidate_failed if work.candidate_failed.size == work.log_ratios.size else \
+            np.ones(work.log_ratios.size, dtype=bool)
+        p, t, means = host_level_t(work.log_ratios[ran], work.hosts[ran], log_threshold)
         # Bonferroni over the report's speed tests: Holm's levels follow the bootstrap's ordering, not this test's.
         level = policy.family_alpha / max(1, num_tests)
         shown = ", ".join(_pct(math.exp(m)) for m in means)

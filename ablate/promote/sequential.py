@@ -47,10 +47,11 @@ the software fingerprint changes, which restarts the lane's evidence). The upper
 continues.
 
 A decision stands. The looks are replayed from the receipts on every ``promote``, so what a look sees must not
-change after it: each look is also judged with the A/A calibration of the sweeps up to it (``then``; a rejection
-either calibration reaches counts, the upper bound needs both), and the lower bound keeps the undivided alpha
-(Bonferroni guards false promotions; a bound that moved with the number of tests would reopen a rejection when
-a later round adds one).
+change after it: each look is also judged with every calibration an earlier ``promote`` could have used for it,
+from the A/A blocks of the sweeps up to the look's own to those up to each later sweep (``then``; a rejection
+any of them reaches counts, the upper bound needs all; a calibration with fewer than ``threshold.min_aa_blocks``
+A/A blocks is none), and the lower bound keeps the undivided alpha (Bonferroni guards false promotions; a bound
+that moved with the number of tests would reopen a rejection when a later round adds one).
 """
 
 from __future__ import annotations
@@ -170,17 +171,18 @@ def llr(d: np.ndarray, hosts: np.ndarray, bounds: SprtBounds, var_floor: float =
 def sequential_state(log_ratios: Sequence[float], hosts: Sequence[Any], rounds: Sequence[Any], *,
                      bounds: SprtBounds, policy: Policy, var_floor: float = 0.0,
                      failed: Optional[Sequence[bool]] = None,
-                     then: Optional[Sequence[tuple[float, float]]] = None) -> SequentialState:
+                     then: Optional[Sequence[Sequence[tuple[float, float]]]] = None) -> SequentialState:
     """Where the SPRT stands on these blocks, given in time order (pure: same input, same state).
 
     ``rounds`` labels each block's round (counted rounds: a label reaches ``evidence.min_blocks_per_round``
     blocks); ``failed`` marks blocks whose candidate arm failed (left out of the LLR, counted towards the cap).
 
-    ``then``: per block, the (bias bound log, A/A variance floor) of the A/A calibration its look had (the
-    rounds up to it), where ``bounds.bias`` and ``var_floor`` are today's. A look decides on both: a rejection
-    either calibration reaches stands, and the upper bound needs both. Today's alone would let A/A blocks of a
-    later round move a rejection of round 1 back into play, and the test could then cross the upper bound
-    (found in review): a test that stopped is judged as it stopped, whatever is added after it.
+    ``then``: per block, the (bias bound log, A/A variance floor) of every calibration an earlier ``promote`` may
+    have judged that block's look with: the A/A blocks of the sweeps up to it, up to each later sweep (each was
+    "today" once). ``bounds.bias`` and ``var_floor`` are today's. A look decides on all of them: a rejection any
+    of them reaches stands, and the upper bound needs every one. Today's alone would let A/A blocks of a later
+    round move a rejection back into play, and the test could then cross the upper bound (found in review): a
+    test that stopped is judged as it stopped, whatever is added after it.
     """
     seq, ev = policy.sequential, policy.evidence
     d_all = np.asarray(log_ratios, dtype=float)
@@ -208,12 +210,14 @@ def sequential_state(log_ratios: Sequence[float], hosts: Sequence[Any], rounds: 
             continue
         value, low, state.variance = llr(d_all[use], h_all[use], bounds, var_floor)
         low_bounds, low_when = bounds, ""
-        if then is not None and tuple(then[i]) != (bounds.bias, var_floor):
-            then_bounds = replace(bounds, bias=abs(then[i][0]))
-            value_then, low_then, facts_then = llr(d_all[use], h_all[use], then_bounds, then[i][1])
+        for bias_then, floor_then in (then[i] if then is not None else ()):
+            if (abs(bias_then), floor_then) == (bounds.bias, var_floor):
+                continue
+            then_bounds = replace(bounds, bias=abs(bias_then))
+            value_then, low_then, facts_then = llr(d_all[use], h_all[use], then_bounds, floor_then)
             value = min(value, value_then)
             if low_then < low:  # its variance facts go with it: the rule's close-call check reads them
-                low, low_bounds, low_when = low_then, then_bounds, " as it stood at that look"
+                low, low_bounds, low_when = low_then, then_bounds, " as an earlier round calibrated it"
                 state.variance = facts_then
         state.llr, state.llr_lower = value, low
         state.llr_trace.append(value)

@@ -310,23 +310,26 @@ def host_level_t(x: Sequence[float] | np.ndarray, hosts: Sequence[object], thres
     Why beside the host-clustered bootstrap: with g hosts that bootstrap has only C(2g - 1, g) distinct resamples
     (10 for 3 hosts), and once every host's effect passes the threshold its p-value is 1/(B + 1) however far apart
     the hosts are, so a feature that helps some hosts and not others in general looked certain after three lucky
-    ones (a review's simulation: 1.5-4.1% false promotions per test, 0.10-0.23 over ten). A t-test on the cluster
-    means is the usual remedy for few clusters: its level holds for normal host effects with any number of hosts,
-    at the price of power when hosts are few and disagree. Equal host means (deterministic twins) give p = 0 above
-    the threshold and 1 at or below it."""
+    ones (a review's simulation: 1.5-4.1% false promotions per test, 0.10-0.23 over ten;
+    ``benchmarks/bench_few_hosts.py``). A t-test on the cluster means is the usual remedy for few clusters: its
+    level holds for normal host effects with any number of hosts, at the price of power when hosts are few and
+    disagree. The spread of the host means is floored at what their own blocks' spread alone would give (the
+    mean of within-host variance / blocks), so hosts whose means happen to coincide are not taken as certain."""
     values = np.asarray(x, dtype=float)
     labels = np.asarray(list(hosts), dtype=object)
-    means = np.asarray([values[labels == h].mean() for h in dict.fromkeys(labels.tolist())], dtype=float)
+    groups = [values[labels == h] for h in dict.fromkeys(labels.tolist())]
+    means = np.asarray([g.mean() for g in groups], dtype=float)
     g = means.size
     if g < 2:
         return math.nan, math.nan, means
     diff = float(means.mean()) - threshold
-    spread = float(means.std(ddof=1))
-    if spread == 0.0:
+    within = [float(np.var(grp, ddof=1)) / grp.size for grp in groups if grp.size >= 2]
+    variance = max(float(means.var(ddof=1)), float(np.mean(within)) if within else 0.0)
+    if variance == 0.0:  # every block of every host alike (deterministic twins)
         return (0.0 if diff > 0 else 1.0), math.copysign(math.inf, diff) if diff else 0.0, means
     from scipy.special import stdtr  # Student's t CDF; scipy.stats would add a second to every promote
 
-    t = diff / (spread / math.sqrt(g))
+    t = diff / math.sqrt(variance / g)
     return float(stdtr(g - 1, -t)), t, means
 
 

@@ -441,3 +441,17 @@ def test_a_family_too_large_for_the_blocks_best_case_holds(single_node_policy: P
     strict = with_overrides(single_node_policy, {"family_alpha": 0.002})
     (v,) = [v for v in run(receipts, strict).verdicts if v.feature == "moe_dispatch"]
     assert v.verdict == HOLD and "8 blocks < 9" in v.reason, v.reason
+
+
+def test_one_allowed_candidate_failure_is_not_a_host_disagreement(policy: Policy) -> None:
+    # A crashed candidate arm, matched by a crashed baseline elsewhere, passes the failure clauses. Its fixed -2 log
+    # ratio counts as a lost block (win fraction, bootstrap), but in its host's *mean* it would swamp a real 5% win
+    # (-11% instead of +5%) and the hosts would look as if they disagree: the host-level t leaves failures to the
+    # failure clauses.
+    receipts = simulate(Sim(features=[moe(1.05)], blocks_per_host=6, **QUIET), 0)
+    _failed(candidates(receipts)[0])
+    _failed([r for r in receipts if r.identity.arm.value == "baseline"][-1])
+    v = verdict_of(run(receipts, policy))
+    assert v.failures["candidate"]["failed"] == v.failures["baseline"]["failed"] == 1
+    assert next(c for c in v.clauses if c.name == "hosts_agree").passed
+    assert v.verdict == PROMOTE, v.reason

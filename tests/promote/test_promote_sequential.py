@@ -236,13 +236,33 @@ def test_a_look_is_judged_with_the_calibration_it_had(seq_policy: Policy) -> Non
     bounds = SprtBounds.of(seq_policy, today[0])
     reopened = state(d, seq_policy, bias=today[0], var_floor=today[1])
     assert reopened.decision == UPPER  # today's calibration alone: the old behaviour
-    kept = state(d, seq_policy, bias=today[0], var_floor=today[1], then=then)
-    assert kept.decision == LOWER and kept.blocks == 4 and "as it stood at that look" in kept.stop_reason
+    kept = state(d, seq_policy, bias=today[0], var_floor=today[1], then=[[cal] for cal in then])
+    assert kept.decision == LOWER and kept.blocks == 4 and "as an earlier round calibrated it" in kept.stop_reason
     assert kept.variance["aa_floor_sd"] == pytest.approx(0.003)  # the close-call check reads the deciding facts
+    assert kept.lower == bounds.lower and kept.llr_lower_trace[3] <= bounds.lower
     # Calibrations that agree change nothing.
-    same = state(d, seq_policy, bias=today[0], var_floor=today[1], then=[today] * len(d))
+    same = state(d, seq_policy, bias=today[0], var_floor=today[1], then=[[today]] * len(d))
     assert (same.decision, same.blocks, same.llr_trace) == (reopened.decision, reopened.blocks, reopened.llr_trace)
-    assert bounds.lower == kept.lower
+
+
+def test_a_rejection_made_under_an_intermediate_calibration_stands(seq_policy: Policy) -> None:
+    """A promote after sweep 2 rejected with the calibration of sweeps 1-2 (a 0.5% bias bound); sweep 3's A/A
+    blocks raise it back to 3%, the bound sweep 1 alone had. Judged with only the look's own calibration and
+    today's, block 4 no longer rejects and the test runs on to the upper bound (found in review). Every
+    calibration from the look's sweep to today's is one an earlier promote used: the rejection stands."""
+    rng = np.random.default_rng(2)
+    d = list(0.008 + rng.normal(0, 0.002, 4)) + list(0.04 + rng.normal(0, 0.002, 4)) + \
+        list(0.12 + rng.normal(0, 0.004, 12))
+    floor = 0.003 ** 2
+    s1, s12, s123 = (math.log(1.03), floor), (math.log(1.005), floor), (math.log(1.03), floor)
+    after_two = state(d[:8], seq_policy, bias=s12[0], var_floor=floor, then=[[s1, s12]] * 4 + [[s12]] * 4)
+    assert after_two.decision == LOWER and after_two.blocks == 4
+    own_and_today = state(d, seq_policy, bias=s123[0], var_floor=floor, then=[[s1, s123]] * 4 + [[s12, s123]] * 4
+                          + [[s123]] * 12)
+    every = state(d, seq_policy, bias=s123[0], var_floor=floor,
+                  then=[[s1, s12, s123]] * 4 + [[s12, s123]] * 4 + [[s123]] * 12)
+    assert own_and_today.decision == UPPER  # what two calibrations per look allowed
+    assert every.decision == LOWER and every.blocks == 4
 
 
 def test_a_rejection_stands_when_later_rounds_bring_noisier_aa_blocks(seq_policy: Policy) -> None:
@@ -255,4 +275,16 @@ def test_a_rejection_stands_when_later_rounds_bring_noisier_aa_blocks(seq_policy
                                 4), 3)
     v = moe_verdict(run(first + late, seq_policy))
     assert v.sequential["decision"] == LOWER and v.sequential["blocks"] == v1.sequential["blocks"], v.reason
-    assert v.verdict == REJECT and "as it stood at that look" in v.reason
+    assert v.verdict == REJECT and "as an earlier round calibrated it" in v.reason
+
+
+def test_a_round_without_aa_blocks_never_rejects_on_its_own_calibration(seq_policy: Policy) -> None:
+    """A real 3% win whose candidate slot runs 2.5% slow: the first round has no A/A blocks, so its own calibration
+    (bias 0, no variance floor) rejected at block 4, for good (found in review). Uncalibrated is no calibration:
+    the later rounds' A/A blocks show the bias, and the test stays open."""
+    first = simulate(Sim(features=[moe(1.03)], rounds=1, aa_per_host=0, noise=0.002, slot_bias=-0.025,
+                         campaign="first"), 5)
+    late = _days_later(simulate(Sim(features=[moe(1.03)], rounds=2, aa_per_host=2, noise=0.002, slot_bias=-0.025,
+                                    campaign="late"), 6), 3)
+    v = moe_verdict(run(first + late, seq_policy))
+    assert v.verdict != REJECT and v.sequential["decision"] != LOWER, v.reason

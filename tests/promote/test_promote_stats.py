@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -106,3 +107,31 @@ def test_ladder_weights_switch_to_int64_when_a_resample_is_huge() -> None:
     got = _hl_by_ladder(_pairs(x, cluster), counts)
     assert np.array_equal(got, _hl_by_cumsum(_pairs(x, cluster), counts))
     assert got[0] == 0.1 and got[1] == 0.5
+
+
+def test_host_level_t_is_students_t_on_the_host_means() -> None:
+    from scipy.stats import ttest_1samp
+
+    from ablate.promote.stats import host_level_t
+
+    hosts = ["a", "a", "b", "b", "c", "c"]
+    x = np.array([0.030, 0.032, 0.061, 0.059, 0.020, 0.022])
+    p, t, means = host_level_t(x, hosts, 0.01)
+    ref = ttest_1samp([0.031, 0.060, 0.021], 0.01, alternative="greater")
+    assert means == pytest.approx([0.031, 0.060, 0.021])
+    assert t == pytest.approx(ref.statistic) and p == pytest.approx(ref.pvalue)
+    assert host_level_t(x, ["a"] * 6, 0.01)[0] != host_level_t(x, ["a"] * 6, 0.01)[0]  # one host: NaN, no claim
+
+
+def test_host_level_t_never_takes_coinciding_host_means_as_certain() -> None:
+    from ablate.promote.stats import host_level_t
+
+    # Three hosts whose means coincide at +2% while their blocks spread +-5%: the spread of the means (0) is not
+    # the uncertainty of the mean host; the blocks' own spread floors it.
+    x = np.array([-0.03, 0.07, 0.07, -0.03, 0.02, 0.02, -0.03, 0.07])
+    hosts = ["a", "a", "b", "b", "c", "c", "c", "c"]
+    p, _, means = host_level_t(x, hosts, 0.01)
+    assert np.allclose(means, 0.02) and 0.2 < p < 0.5
+    # Deterministic twins (no spread at all) are decided by where they sit.
+    assert host_level_t(np.full(6, 0.02), hosts[:6], 0.01)[0] == 0.0
+    assert host_level_t(np.full(6, 0.005), hosts[:6], 0.01)[0] == 1.0

@@ -162,3 +162,19 @@ def test_arm_trainer_drops_only_the_unused_datasets_callback(two_arms: tuple[dic
     with_data = names(_trainer_class()(lambda: None, scaling_config=scaling,
                                        datasets={"train": ray.data.from_items([{"x": 1}])}))
     assert with_data == plain | {DatasetsCallback.__name__}
+
+
+def test_train_v1_gets_rays_own_torch_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch-free backend follows Train V2's order of calls; V1 sets the torch variables later, in
+    ``on_training_start``, so it gets Ray's ``TorchConfig``. Both name the same process-group backend."""
+    from ray.train.torch import TorchConfig
+
+    from trainers.train_backend import ArmTorchConfig
+
+    monkeypatch.delenv("RAY_TRAIN_V2_ENABLED", raising=False)
+    v2 = _backend_config(False)
+    assert isinstance(v2, ArmTorchConfig) and v2.backend == "gloo" and v2.to_dict()["backend"] == "gloo"
+    assert _backend_config(True).backend == "nccl"
+    monkeypatch.setenv("RAY_TRAIN_V2_ENABLED", "0")
+    v1 = _backend_config(False)
+    assert type(v1) is TorchConfig and v1.backend == "gloo"
