@@ -1,10 +1,11 @@
 """The torch process-group backend of a multi-worker (Ray Train) arm, importable without torch.
 
-How to use: ``DataParallelTrainer(fn, backend_config=ArmTorchConfig(backend="gloo"), ...)`` where Ray's
-``TorchTrainer`` would take ``TorchConfig(backend="gloo")``; ``trainers.run._fit_arm`` does this.
+How to use: ``TorchTrainer(fn, torch_config=ArmTorchConfig(backend="gloo"), ...)`` in the place of Ray's
+``TorchConfig(backend="gloo")`` (``TorchTrainer`` only reads its ``backend``); ``trainers.run._backend_config``
+picks it under Train V2.
 
 Why not ``TorchConfig``: Train pickles the backend config into its controller actor (the backend and accelerator
-set-up callbacks hold it) and into the trial process that builds the trainer. ``ray.train.torch.config`` imports
+set-up callbacks hold it). ``ray.train.torch.config`` imports
 torch at module level, and the ``ray.train.torch`` package around it imports more: unpickling it costs a fresh
 controller process about 5 s of CPU on a 2-core host (``python -c "import ray.train.torch"``: 5.2 s, against
 1.8 s for the controller's own modules), before it can even ask for the worker group. The controller never runs

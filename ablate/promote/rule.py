@@ -271,8 +271,7 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
         if not cons.hosts_agree or v.n_hosts < 2:
             return Clause("hosts_agree", True, "not applicable (one host or disabled by the policy)")
         # Failed candidate arms are the failure clauses' to judge (their fixed log ratio would swamp a host mean).
-        ran = ~work.candidate_failed if work.candidate_failed.size == work.log_ratios.size else \
-            np.ones(work.log_ratios.size, dtype=bool)
+        ran = ~work.candidate_failed
         p, t, means = host_level_t(work.log_ratios[ran], work.hosts[ran], log_threshold)
         # Bonferroni over the report's speed tests: Holm's levels follow the bootstrap's ordering, not this test's.
         level = policy.family_alpha / max(1, num_tests)
