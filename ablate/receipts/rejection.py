@@ -59,6 +59,17 @@ def _text(value: Any) -> Optional[str]:
     return value if isinstance(value, str) and value else None
 
 
+def _fingerprint(status: Any, hardware: Any, software: Any) -> Optional[str]:
+    """The software fingerprint an unread arm is routed by. A failed arm whose worker died before reporting
+    (a kill, a segfault, a timeout) observed no hardware, so its fingerprint hashes None in place of the
+    hardware and never equals its lane's: routed by it, the crash would hold no test and vanish from the
+    failure counts (a deleted FAILED run turned HOLD into PROMOTE; found in review). It counts for the lane's
+    current fingerprint instead, as its block would have (``ablate.promote.match._OBSERVED_IDENTITY``)."""
+    if status == "failed" and not _text(hardware):
+        return None
+    return _text(software)
+
+
 def from_identity(origin: str, reason: str, raw: Any) -> Rejection:
     """The reject line for a receipt's JSON that did not validate, attributed from its ``identity`` when that
     still names a lane (anything else about it may be what is wrong)."""
@@ -70,7 +81,8 @@ def from_identity(origin: str, reason: str, raw: Any) -> Rejection:
     feature = identity.get("feature")
     return Rejection(origin, reason, UnreadArm(
         origin=origin, lane_key=lane_key, feature=feature if isinstance(feature, str) and feature else None,
-        software_fingerprint=_text(identity.get("software_fingerprint")),
+        software_fingerprint=_fingerprint(identity.get("status"), identity.get("hardware_fingerprint"),
+                                          identity.get("software_fingerprint")),
         receipt_id=_text(identity.get("receipt_id")) or ""))
 
 
@@ -83,7 +95,8 @@ def from_run_tags(origin: str, reason: str, tags: Mapping[str, str], prefix: str
     feature = _text(tags.get(prefix + "feature"))
     return Rejection(origin, reason, UnreadArm(
         origin=origin, lane_key=lane_key, feature=None if feature in (None, AA_FEATURE) else feature,
-        software_fingerprint=_text(tags.get(prefix + "software_fingerprint")),
+        software_fingerprint=_fingerprint(tags.get(prefix + "status"), tags.get(prefix + "hardware_fingerprint"),
+                                          tags.get(prefix + "software_fingerprint")),
         receipt_id=_text(tags.get(prefix + "receipt_id")) or ""))
 
 

@@ -125,3 +125,50 @@ def test_deleted_mlflow_arm_runs_are_attributed_from_their_tags() -> None:
     assert pickle.loads(pickle.dumps(line)).unread == line.unread, "reject lines cross fork_map's pickling"
     bare = from_run_tags("run run-2", "why", {TAG + "receipt_id": "rid-2"}, TAG)
     assert bare == ("run run-2", "why") and bare.unread is None, "no lane tag: a plain line, nothing held"
+
+
+def _died_unobserved(arm: object) -> None:
+    """A candidate whose worker died before reporting (kill, segfault, timeout): no hardware was observed, so its
+    fingerprint hashes None for it, as trainers.receipt writes one."""
+    from ablate.receipts.schema import Code, Disqualifier, Status
+    from trainers.provenance import evidence_fingerprint
+
+    ident = arm.identity  # type: ignore[attr-defined]
+    ident.status = Status.failed
+    arm.projection = None  # type: ignore[attr-defined]
+    arm.disqualifiers += [Disqualifier(code=Code.ARM_FAILED)]  # type: ignore[attr-defined]
+    arm.observed.hardware = {}  # type: ignore[attr-defined]
+    ident.hardware_fingerprint = None
+    ident.software_fingerprint = evidence_fingerprint(ident.software, ident.code_fingerprint, None)
+
+
+def test_deleted_runs_of_candidates_that_died_unobserved_hold_their_test(policy: Policy) -> None:
+    import copy
+
+    from ablate.tracking.mapping import receipt_tags
+
+    base = simulate(Sim(features=[moe(1.05)], blocks_per_host=3, noise=0.007, aa_per_host=2), 0)
+    crashed = copy.deepcopy(base)
+    victims = [r for r in crashed if r.identity.arm.value == "candidate"][:4]
+    for arm in victims:
+        _died_unobserved(arm)
+    kept = promote(crashed, policy_path=policy, defaults_path=DEFAULTS)
+    (v,) = kept.verdicts
+    assert v.verdict == "HOLD" and v.failures["candidate"]["failed"] == 4, "the crashes count while they are read"
+    gone = {a.identity.receipt_id for a in victims}
+    rejected = [from_run_tags(f"run {rid[:8]}", "arm run is deleted in MLflow", receipt_tags(a), TAG)
+                for a in victims for rid in [a.identity.receipt_id]]
+    assert all(r.unread is not None and r.unread.software_fingerprint is None for r in rejected)
+    deleted = promote([r for r in crashed if r.identity.receipt_id not in gone], policy_path=policy,
+                      defaults_path=DEFAULTS, rejected=rejected)
+    (v,) = deleted.verdicts
+    assert v.verdict == "HOLD" and "every_arm_read" in _failing(v), \
+        "deleting the FAILED runs must not leave the test decided on the arms that survived"
+    assert not deleted.changes
+    # The same from a damaged receipt file: its identity says failed with no hardware.
+    raw = victims[0].model_dump(mode="json")
+    from ablate.receipts.rejection import from_identity
+    assert from_identity("file x", "digest", raw).unread.software_fingerprint is None  # type: ignore[union-attr]
+    ok = next(r for r in base if r.identity.arm.value == "candidate").model_dump(mode="json")
+    assert from_identity("file y", "digest", ok).unread.software_fingerprint == \
+        ok["identity"]["software_fingerprint"]  # type: ignore[union-attr]
