@@ -137,6 +137,19 @@ class LossMonitor:
         while len(self._pending) > self.lag:
             self._read(self._pending.popleft())
 
+    def prime(self) -> None:
+        """Run this monitor's own tensor path once, recording nothing, before the step clock starts: the first
+        launch of its kernels (CUDA lazy module loading) and the first pinned host buffer are one-time costs,
+        and without this they fell in the first budget step, which explicit warmup counts as steady (found in
+        review). Collectives are left out: the engine's set-up already formed the process group."""
+        if self.world_size == 1 and not self.deferred:
+            return
+        loss = torch.zeros((), device=self.device)
+        vec = torch.stack([torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0), (~torch.isfinite(loss)).float()])
+        if self.cuda:
+            torch.empty(2, pin_memory=True).copy_(vec, non_blocking=True)
+            torch.cuda.synchronize(self.device)
+
     def flush(self) -> None:
         """Read every pending step (a phase boundary: the end of the budget, a failure)."""
         while self._pending:
@@ -321,6 +334,10 @@ def run_worker(spec: ArmSpec, ctx: WorkerContext, finalize: Optional[Callable[[W
             engine.loss_hook = lambda loss: loss * float("nan") if step == nan_step else loss
         sampler = st.sampler = FamilySampler(regions, cuda=device.type == "cuda", whole_compiled=posture == "whole")
         monitor = st.monitor = LossMonitor(ctx.world_size, device)
+        monitor.prime()
+        # Opened here, in set-up (both arms alike): NVML's init and handle lookup, or RAPL's file scan, must not
+        # fall between steps on the step clock.
+        meter = st.meter = open_meter(device)
         result.ready = time.time()
         gate.release()
 
@@ -346,15 +363,20 @@ def run_worker(spec: ArmSpec, ctx: WorkerContext, finalize: Optional[Callable[[W
                               gate=gate)
             engine.set_lr(lane.budget.lr)
             engine.reset_optimizer_state()
+            if inject.get("transition_sleep_s"):
+                time.sleep(float(inject["transition_sleep_s"]))  # a slow transition (NVML on a busy node)
 
         # 2. The token budget. The last family_sample_steps steps carry the family hooks.
         # Energy: on CUDA one window around the budget (a sync at each end, phase boundaries only, since device
         # work lags the host); on CPU the sum over this arm's own steps (in an interleaved block the partner's
         # turns fall between them).
-        meter = st.meter = open_meter(device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             meter.begin()
+        if decision.steps and not gate.paired:
+            # The transition above is the warmup's one-time cost (StepTracker.extend_last). In an interleaved
+            # block it already falls outside the cadence: it runs after this arm's turn, as the partner's wait.
+            tracker.extend_last()
         num_steps = lane.budget.steps
         first_sampled = num_steps - min(lane.budget.family_sample_steps, max(0, num_steps - 1))
         seq_len = geometry.seq_len

@@ -79,8 +79,23 @@ def pin(cpus: set[int]) -> None:
     global _inherited_cpus
     before = len(os.sched_getaffinity(0))
     os.sched_setaffinity(0, cpus)
+    # On Linux the call sets one thread's mask: threads started before it (the OpenMP pool a parallel op in
+    # start-up created, allocator or runtime threads) kept the node's CPUs and ran outside the slot, beside
+    # another block's arms (found in review). Every thread of this process goes into the slot.
+    for tid in _threads():
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:
+            pass  # it exited meanwhile
     if _inherited_cpus is None:
         _inherited_cpus = before
+
+
+def _threads() -> list[int]:
+    try:
+        return [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        return []
 
 
 def inherited_cpus() -> Optional[int]:

@@ -49,7 +49,7 @@ class ArmSpec:
     """Where this node keeps its ``ablate doctor --deep`` document (the campaign's ``node_check.path``); the
     receipt names the document the arm ran under."""
     inject: dict[str, Any] = field(default_factory=dict)
-    """Fault injection for tests only (raise_at_step, nan_at_step, oom_at_step, kill_at_step)."""
+    """Fault injection for tests only (raise_at_step, nan_at_step, oom_at_step, kill_at_step, transition_sleep_s...)."""
 
     def to_json(self) -> str:
         from ablate.config.load import lane_to_dict

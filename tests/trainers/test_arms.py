@@ -29,6 +29,7 @@ SECRETS = {
     "NCCL_DEBUG": "WARN",
 }
 SECRET_VALUES = ("hf_planted_token_7c1e9", "nccl-planted-secret-31ab", "planted-pa55w0rd", "aws-planted-secret-0d9f")
+TRANSITION_S = 0.6
 COMPILE_FAST = {"compile_backend": "eager"}  # dynamo traces and counts as with inductor, without C++ codegen
 
 
@@ -43,8 +44,9 @@ def arms(receipt_dir: Path) -> dict[str, Receipt]:
         # Orchestrator clock 1000 s ahead of the worker's: first in the queue so it is still "in the future".
         "raise_skewed": (make_spec(tiny_lane(), receipt_dir, inject={"raise_at_step": 1},
                                    scheduled_at=time.time() + 1000), {}),
+        # A slow transition out of explicit warmup (optimizer reset, energy meter): a one-time cost.
         "valid": (make_spec(tiny_lane(model={"pattern": "AEM"}, data={"source": "text", "path": str(CORPUS)}),
-                            receipt_dir), {}),
+                            receipt_dir, inject={"transition_sleep_s": TRANSITION_S}), {}),
         "disqualified": (make_spec(tiny_lane(features={"moe_dispatch": "grouped_mm"},
                                              hardware={"device": "cuda", "cpu_fallback": True},
                                              budget={"min_steady_steps": 50}), receipt_dir,
@@ -93,6 +95,12 @@ def test_valid_arm_validates_and_its_time_adds_up(arms: dict[str, Receipt], rece
     assert proj is not None and proj.one_time_s == pytest.approx(receipt.time.badput_s["setup"] + proj.warm_s)
     assert proj.horizon_steps == 10_000 and proj.recurring_steps == 5
     assert proj.projected_s == pytest.approx(proj.one_time_s + 10_000 * proj.recurring_step_s)
+    # The transition out of explicit warmup is the warmup's (one-time), never in a budget step's cadence, where
+    # the recurring mean would carry it to the horizon.
+    steps = receipt.steps
+    last_warmup = max(i for i, p in enumerate(steps.phases) if p == "warmup")
+    assert steps.cadence_s[last_warmup] >= TRANSITION_S and proj.warm_s >= TRANSITION_S
+    assert steps.cadence_s[last_warmup + 1] < TRANSITION_S / 2 and proj.recurring_step_s < TRANSITION_S / 6
     assert receipt.host_load.niceness == 0 and receipt.host_load.window_s > 0
     # The evidence key covers packages, this repository's arm code and the hardware together.
     ident = receipt.identity

@@ -281,3 +281,32 @@ def test_a_pair_pinned_to_its_slot_keeps_the_nodes_cpu_fingerprint() -> None:
     free, pinned, same = json.loads(out.stdout.strip().splitlines()[-1])
     assert pinned["cpus_in_affinity"] == free["cpus_in_affinity"] and pinned["pinned_cpus"] == 1
     assert free["pinned_cpus"] is None and same
+
+
+def test_pinning_a_pair_moves_every_thread_of_the_arm_into_its_slot() -> None:
+    # sched_setaffinity(0, ...) narrows the calling thread only: the OpenMP pool a parallel op in start-up made
+    # (and any other thread started before the first turn) would keep running on the node's other CPUs.
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import json, os, threading
+        import torch
+        from trainers import pairing
+        torch.set_num_threads(2)
+        torch.ones(1 << 22).mul_(2).sum()          # starts OpenMP's worker threads
+        parked = threading.Event()
+        threading.Thread(target=parked.wait, daemon=True).start()
+        slot = {sorted(os.sched_getaffinity(0))[0]}
+        pairing.pin(slot)
+        masks = {tid: sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")}
+        parked.set()
+        print(json.dumps([sorted(slot), masks]))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    slot, masks = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(masks) >= 2, "the child must have run more than one thread for this to test anything"
+    assert all(mask == slot for mask in masks.values()), masks
