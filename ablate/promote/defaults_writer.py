@@ -10,8 +10,9 @@ Scope (promotion-rule §5.5 "Global promotion", policy ``scope``): a value is fl
 lane that measured the feature promoted the same value, none rejected it, and a promoting lane exists for every
 device class in ``scope.global_device_classes`` (evidence from CPU lanes alone never changes what GPU lanes run).
 Otherwise each promoting lane *shape* gets a lane override (``lane_overrides`` under the feature, keyed by
-``ablate.config.lane_shape.lane_shape``), which ``load_defaults`` turns into that lane's baseline; a second
-promotion on the same shape updates its entry instead of adding one.
+``ablate.config.lane_shape.lane_shape``), which ``load_defaults`` turns into that lane's baseline, when every lane
+of that shape that measured the feature promoted that same value; a second promotion on the same shape updates
+its entry instead of adding one.
 
 Revalidation (``ablate.promote.revalidate``): a ``RevalidationOutcome`` in ``result.revalidations`` writes a
 re-test into the marked record (``revalidate.retests``, ``status``, ``required``) and, when the win is gone,
@@ -145,23 +146,28 @@ def _global_values(defaults: Defaults | Mapping[str, Any]) -> Mapping[str, Any]:
 
 def _shape_overrides(tests: list[FeatureVerdict], promoted: list[FeatureVerdict],
                      held: frozenset[str] | set[str] = frozenset()) -> tuple[dict[str, Any], list[str]]:
-    """Lane shape -> override value, for shapes whose promoting lanes agree and where no lane rejected it or
-    held it (a failed or unmeasured bundle check).
+    """Lane shape -> override value, for shapes where every measured lane promoted the same value and no
+    bundle check held it (failed or unmeasured).
 
     A shape ignores feature values, so the lanes of one grid campaign (contexts) share it: one override covers
-    them all, and is written only when they do not contradict each other; a lane whose bundle check held the
-    value would otherwise receive it through the override of a sibling lane.
+    them all, so it is written only when each of them promoted that value. A sibling lane that held (a tie, a
+    failure rate, an unread arm) or rejected it, or measured another value, would otherwise run the value
+    through the override while its own verdict says it did not earn it (found in review: a context lane's
+    PROMOTE overrode the defaults lane's HOLD); a lane whose bundle check held the value likewise.
     """
     overrides: dict[str, Any] = {}
     conflicts: list[str] = []
     for shape in sorted({v.lane_shape for v in promoted}):
         values = {str(v.value): v.value for v in promoted if v.lane_shape == shape}
-        rejected = any(v.verdict == REJECT and v.lane_shape == shape and str(v.value) in values for v in tests)
-        withheld = any(v.test_key in held and v.lane_shape == shape for v in tests)
-        if len(values) > 1 or rejected or withheld:
+        siblings = [v for v in tests if v.lane_shape == shape]
+        rejected = any(v.verdict == REJECT and str(v.value) in values for v in siblings)
+        unearned = [v for v in siblings if v.verdict != PROMOTE or str(v.value) not in values]
+        withheld = any(v.test_key in held for v in siblings)
+        if len(values) > 1 or rejected or unearned or withheld:
             conflicts.append(f"no override for {shape}: its lanes " + (
                 "promoted different values" if len(values) > 1 else "also rejected it" if rejected else
-                "include one whose bundle check held it"))
+                f"include {unearned[0].lane_key[:12]}, which measured {unearned[0].value!r} with verdict "
+                f"{unearned[0].verdict}" if unearned else "include one whose bundle check held it"))
             continue
         overrides[shape] = next(iter(values.values()))
     return overrides, conflicts

@@ -226,6 +226,23 @@ def test_lanes_of_one_shape_that_disagree_get_no_override(policy: Policy, defaul
     assert load_defaults(defaults_file).effective(CPU_LANE)["moe_dispatch"] == "padded"
 
 
+def test_a_lane_of_the_shape_that_held_or_measured_another_value_blocks_the_override(policy: Policy,
+                                                                                     defaults_file: Path) -> None:
+    # A grid campaign: the defaults lane held (a tie, a failure rate...) while a context lane of the same shape
+    # promoted. The override would make the defaults lane run the value its own verdict did not earn.
+    won = verdict(CPU_LANE, "cpu", context="-ctx1")
+    for sibling in (verdict(CPU_LANE, "cpu", outcome="HOLD", context="-ctx0"),
+                    verdict(CPU_LANE, "cpu", value="grouped_mm", outcome="HOLD", context="-ctx2")):
+        [change], edits = write(defaults_file, [won, sibling], policy, "r1")
+        assert change.scope == "lane" and change.overrides == {}, change.overrides
+        assert any(sibling.lane_key[:12] in why and "HOLD" in why for why in change.not_global), change.not_global
+        assert defaults_writer.num_promoted(edits) == 0
+        assert load_defaults(defaults_file).effective(CPU_LANE)["moe_dispatch"] == "padded"
+    # Alone, the promoting lane gets its override (the control).
+    [change], _ = write(defaults_file, [won], policy, "r2")
+    assert change.overrides == {won.lane_shape: "jagged"}
+
+
 def test_revalidation_marks_the_override_the_lane_runs(policy: Policy, defaults_file: Path) -> None:
     v = verdict(CPU_LANE, "cpu")
     write(defaults_file, [v], policy, "r1")
