@@ -12,7 +12,9 @@ candidate runs every new value of the set, the baseline the old defaults) measur
 Rule: the bundle's Hodges-Lehmann speed-up must reach the largest single feature's, within the lane's delta
 (log(bundle) >= max log(single) - log(1 + delta)); the report shows the interaction estimate, log(bundle) minus
 the sum of the singles' logs (0 = additive, < 0 = the wins overlap or fight). Too few bundle blocks: the set is
-held with "bundle not measured" and the campaign to run.
+held with "bundle not measured" and the campaign to run. Before any of that, as for a single test, the set fails
+on a gated candidate (matched or in a refused block, any attempt), a candidate failure rate above the baseline's
+(earlier attempts of retried blocks included), a significant excess of failures, or a counter above its baseline.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
-from ablate.promote.analysis import PROMOTE, FeatureVerdict
-from ablate.promote.match import BUNDLE, Block
+from ablate.promote.analysis import PROMOTE, FeatureVerdict, _counter_violations, _failures
+from ablate.promote.match import BUNDLE, Block, Refusal
 from ablate.promote.policy import Policy
-from ablate.promote.stats import bootstrap_hl, hodges_lehmann, quantile
+from ablate.promote.stats import bootstrap_hl, fisher_more_failures, hodges_lehmann, quantile
 from ablate.receipts.rejection import UnreadArm
 
 PASSED, FAILED, NOT_MEASURED = "passed", "failed", "not_measured"
@@ -73,10 +75,12 @@ def _campaign_hint(values: dict[str, Any], policy: Policy) -> str:
 
 
 def check_bundles(verdicts: list[FeatureVerdict], bundle_blocks: list[Block], policy: Policy,
-                  unread: Iterable[UnreadArm] = ()) -> list[BundleCheck]:
+                  unread: Iterable[UnreadArm] = (), refusals: Iterable[Refusal] = ()) -> list[BundleCheck]:
     """One check per lane where two or more features promoted (see the module docstring). ``unread``: arms whose
-    receipts could not be read; one from a bundle block of the lane fails its set."""
+    receipts could not be read; one from a bundle block of the lane fails its set. ``refusals``: refused blocks,
+    whose gated bundle candidates (a fallback beside a missing partner) fail their set as a matched one's do."""
     unread = list(unread)
+    refused_bundles = [r for r in refusals if r.feature == BUNDLE and r.gated_candidates and r.value is not None]
     by_lane: dict[str, list[FeatureVerdict]] = defaultdict(list)
     for v in verdicts:
         if v.verdict == PROMOTE and v.kind == "speed":
@@ -100,6 +104,9 @@ def check_bundles(verdicts: list[FeatureVerdict], bundle_blocks: list[Block], po
         # any other gated code, in any attempt) fails the set, as one such arm rejects a single test.
         gated = Counter(code for b in same if b.software_fingerprint in current
                         for view in (b.candidate, *b.earlier_gated) for code in view.gated_codes)
+        gated.update(code for r in refused_bundles if r.lane_key == lane_key and r.software_fingerprint in current
+                     and _key(json.loads(r.value or "null")) == _key(values)
+                     for view in r.gated_candidates for code in view.gated_codes)
         missing = [arm for arm in unread if arm.feature == BUNDLE and arm.lane_key == lane_key
                    and arm.software_fingerprint in current | {None}]
         if missing:
@@ -115,7 +122,19 @@ def check_bundles(verdicts: list[FeatureVerdict], bundle_blocks: list[Block], po
                             + f" ({len(values)} values together); the set is not written")
             checks.append(check)
             continue
-        rows = [(b, b.log_ratio(policy.failures.failed_log_ratio)) for b in same if b.software_fingerprint in current]
+        # As for a single test (clauses failure_rate, not_flaky, exact_counters): the combination's crashes, in
+        # any attempt (a retried block keeps its earlier failures), and a counter above its baseline's fail the
+        # set. The check had none of them: a set that crashed once in every block and passed on retry was written
+        # (found in review).
+        measured = [b for b in same if b.software_fingerprint in current]
+        problems = _failure_problems(measured, policy) + _counter_violations(measured, policy)[:3]
+        if problems:
+            check.status = FAILED
+            check.reason = (f"bundle of {len(values)} values together: " + "; ".join(problems)
+                            + "; the set is not written")
+            checks.append(check)
+            continue
+        rows = [(b, b.log_ratio(policy.failures.failed_log_ratio)) for b in measured]
         rows = [(b, r) for b, r in rows if r is not None]
         check.num_blocks = len(rows)
         shortfall = _shortfall([b for b, _ in rows], policy)
@@ -146,6 +165,24 @@ def check_bundles(verdicts: list[FeatureVerdict], bundle_blocks: list[Block], po
                         + "".join(f"; {gate}" for gate in gates))
         checks.append(check)
     return checks
+
+
+def _failure_problems(blocks: list[Block], policy: Policy) -> list[str]:
+    """The failure clauses of a single test (``rule.failure_rate`` and ``rule.flaky``) on the bundle blocks."""
+    if not blocks:
+        return []
+    f = _failures(blocks)
+    c, b = f["candidate"], f["baseline"]
+    rate_c = c["failed"] / c["arms"] if c["arms"] else 0.0
+    rate_b = b["failed"] / b["arms"] if b["arms"] else 0.0
+    problems = []
+    if rate_c > rate_b or rate_c > policy.failures.max_candidate_rate:
+        problems.append(f"candidate failed {c['failed']}/{c['arms']}, baseline {b['failed']}/{b['arms']} (max "
+                        f"candidate rate {policy.failures.max_candidate_rate:g})")
+    p = fisher_more_failures(c["failed"], c["arms"], b["failed"], b["arms"])
+    if p < policy.failures.fisher_alpha:
+        problems.append(f"candidate fails more often than baseline (Fisher p={p:.3g})")
+    return problems
 
 
 def _shortfall(blocks: list[Block], policy: Policy) -> str:

@@ -81,6 +81,55 @@ def test_a_combination_that_falls_back_fails_the_set(singles: list[Receipt], pol
     assert check.status == "failed" and "BACKEND_FALLBACK x4" in check.reason and result.changes == []
 
 
+def _failed(arm: Receipt) -> None:
+    from ablate.receipts.schema import Code, Disqualifier, Status
+
+    arm.identity.status = Status.failed
+    arm.projection = None
+    arm.disqualifiers.append(Disqualifier(code=Code.ARM_FAILED))
+
+
+def test_a_combination_that_crashes_fails_the_set_even_when_its_retries_ran(singles: list[Receipt], policy: Policy,
+                                                                             defaults_file: Path) -> None:
+    # Hole: the check had no failure clause. Every bundle block crashed once and passed on its retry: the set
+    # passed and both values were written, the interaction the check exists to catch.
+    import copy
+
+    from ablate.receipts.schema import StepStats
+
+    bundle = simulate_bundle(NEW, OLD, 1.05 * 1.06, 4)
+    crashed = []
+    for arm in bundle:
+        arm.identity.attempt = 1
+        if arm.identity.arm.value == "candidate":
+            first = copy.deepcopy(arm)
+            first.identity.attempt, first.identity.receipt_id = 0, arm.identity.receipt_id + "-attempt0"
+            first.steps = StepStats(total=0, warmup=0, steady=0)
+            _failed(first)
+            crashed.append(first)
+    result = run(singles + bundle + crashed, policy, defaults_file)
+    [check] = result.bundles
+    assert check.status == "failed" and "candidate failed 12/24, baseline 0/12" in check.reason, check.reason
+    assert result.changes == []
+    # The control: the same blocks without their crashed first attempts pass.
+    assert run(singles + bundle, policy, defaults_file).bundles[0].status == "passed"
+
+
+def test_a_refused_bundle_block_whose_candidate_fell_back_fails_the_set(singles: list[Receipt], policy: Policy,
+                                                                        defaults_file: Path) -> None:
+    from ablate.receipts.schema import Code, Disqualifier, Status
+
+    bundle = simulate_bundle(NEW, OLD, 1.05 * 1.06, 4)
+    victim = next(r for r in bundle if r.identity.arm.value == "candidate")
+    victim.disqualifiers.append(Disqualifier(code=Code.BACKEND_FALLBACK, detail="combined: grouped GEMM fell back"))
+    victim.identity.status = Status.disqualified
+    partner = next(r for r in bundle if r.identity.block_id == victim.identity.block_id and r is not victim
+                   and r.identity.sweep_id == victim.identity.sweep_id)
+    result = run(singles + [r for r in bundle if r is not partner], policy, defaults_file)
+    [check] = result.bundles
+    assert check.status == "failed" and "BACKEND_FALLBACK x1" in check.reason and result.changes == []
+
+
 def test_a_bundle_below_the_best_single_but_within_delta_passes(singles: list[Receipt], policy: Policy,
                                                                defaults_file: Path) -> None:
     # Overlapping wins (the bundle is no better than mamba alone) are still worth writing: nothing is lost.
