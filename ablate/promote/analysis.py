@@ -32,7 +32,8 @@ from ablate.promote.energy import energy_ratio
 from ablate.promote.evidence import Calibration, TestEvidence, shape_key
 from ablate.promote.match import Block, winner
 from ablate.promote.policy import Policy
-from ablate.promote.stats import bootstrap_hl, fisher_more_failures, hodges_lehmann, pvalue_at_most, quantile
+from ablate.promote.stats import (bootstrap_clusters, bootstrap_hl, fisher_more_failures, hodges_lehmann,
+                                  pvalue_at_most, quantile)
 
 PROMOTE, HOLD, REJECT, TAX_REPORTED = "PROMOTE", "HOLD", "REJECT", "TAX-REPORTED"
 CURVE_POINTS = 25
@@ -419,7 +420,7 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
     loss_hosts = np.asarray([h for h, _ in loss_rows], dtype=object)
     verdict.loss_blocks = int(loss.size)
     rng = _rng(policy, test.key)
-    clusters = hosts if verdict.n_hosts > 1 else None
+    clusters = bootstrap_clusters(hosts)
     verdict.bootstrap_unit = "host" if clusters is not None else "block"
     theta = np.zeros(0)
     if d.size:
@@ -464,8 +465,7 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
     if curve:
         verdict.curve = _curve(rows, verdict.horizon_steps, policy, clusters, _rng(policy, test.key + CURVE_STREAM))
     if loss.size:
-        loss_theta = bootstrap_hl(loss, loss_hosts if len(set(loss_hosts.tolist())) > 1 else None,
-                                  policy.bootstrap.loss_resamples, rng)
+        loss_theta = bootstrap_hl(loss, bootstrap_clusters(loss_hosts), policy.bootstrap.loss_resamples, rng)
         verdict.loss_delta = hodges_lehmann(loss)
         alpha = policy.quality.alpha
         verdict.loss_bounds = (quantile(loss_theta, alpha), quantile(loss_theta, 1 - alpha))

@@ -31,7 +31,7 @@ import numpy as np
 from ablate.promote.analysis import PROMOTE, FeatureVerdict, _counter_violations, _failures
 from ablate.promote.match import BUNDLE, Block, Refusal
 from ablate.promote.policy import Policy
-from ablate.promote.stats import bootstrap_hl, fisher_more_failures, hodges_lehmann, quantile
+from ablate.promote.stats import bootstrap_clusters, bootstrap_hl, fisher_more_failures, hodges_lehmann, quantile
 from ablate.receipts.rejection import UnreadArm
 
 PASSED, FAILED, NOT_MEASURED = "passed", "failed", "not_measured"
@@ -148,7 +148,7 @@ def check_bundles(verdicts: list[FeatureVerdict], bundle_blocks: list[Block], po
         d = np.asarray([r for _, r in rows], dtype=float)
         hosts = np.asarray([b.host for b, _ in rows], dtype=object)
         rng = np.random.default_rng([policy.bootstrap.seed, zlib.crc32(f"bundle@{lane_key}".encode())])
-        theta = bootstrap_hl(d, hosts if len(set(hosts.tolist())) > 1 else None, policy.bootstrap.loss_resamples,
+        theta = bootstrap_hl(d, bootstrap_clusters(hosts), policy.bootstrap.loss_resamples,
                              rng)
         bundle_log = hodges_lehmann(d)
         best_feature, best = max(singles.items(), key=lambda kv: kv[1])
@@ -212,7 +212,7 @@ def _gates(check: BundleCheck, blocks: list[Block], promoted: list[FeatureVerdic
         hosts = np.asarray([h for h, _ in losses], dtype=object)
         rng = np.random.default_rng([policy.bootstrap.seed, zlib.crc32(f"bundle-loss@{check.lane_key}".encode())])
         theta = bootstrap_hl(np.asarray([d for _, d in losses], dtype=float),
-                             hosts if len(set(hosts.tolist())) > 1 else None, policy.bootstrap.loss_resamples, rng)
+                             bootstrap_clusters(hosts), policy.bootstrap.loss_resamples, rng)
         upper = quantile(theta, 1.0 - policy.quality.alpha)
         if upper > epsilon:
             gates.append(f"the loss is worse together: upper bound {upper:+.4g} > epsilon {epsilon:.4g}")

@@ -31,7 +31,7 @@ import numpy as np
 from ablate.config.features import FEATURES
 from ablate.promote.match import ArmView, Block, Refusal
 from ablate.promote.policy import Policy
-from ablate.promote.stats import abs_quantile, bootstrap_hl, hodges_lehmann, quantile
+from ablate.promote.stats import abs_quantile, bootstrap_clusters, bootstrap_hl, hodges_lehmann, quantile
 from ablate.receipts.rejection import UnreadArm
 
 STARTUP_FLAG_MADS = 4.0
@@ -253,8 +253,7 @@ def _calibrate(lane_key: str, fingerprint: str, blocks: list[Block], policy: Pol
     if ratios.size >= 2:
         hosts = np.asarray([h for h, _ in rows], dtype=object)
         rng = np.random.default_rng([policy.bootstrap.seed, zlib.crc32(f"aa@{lane_key}".encode())])
-        clusters = hosts if len(set(hosts.tolist())) > 1 else None
-        theta = bootstrap_hl(ratios, clusters, policy.bootstrap.resamples, rng)
+        theta = bootstrap_hl(ratios, bootstrap_clusters(hosts), policy.bootstrap.resamples, rng)
         tail = (1.0 - policy.threshold.bias_confidence) / 2.0
         interval = (quantile(theta, tail), quantile(theta, 1.0 - tail))
         bound = max(abs(interval[0]), abs(interval[1]))

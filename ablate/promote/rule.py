@@ -32,7 +32,8 @@ import numpy as np
 from ablate.promote.analysis import HOLD, PROMOTE, REJECT, TAX_REPORTED, Clause, FeatureVerdict
 from ablate.promote.policy import Policy
 from ablate.promote.sequential import LOWER, UPPER, SequentialState, SprtBounds, sequential_state
-from ablate.promote.stats import bootstrap_hl, holm, host_level_t, quantile
+from ablate.promote.stats import (MIN_CLUSTERS, bootstrap_clusters, bootstrap_hl, holm, host_level_t,
+                                  host_level_upper, quantile)
 
 
 def _pct(ratio: Optional[float]) -> str:
@@ -94,47 +95,68 @@ def _reject_clauses(v: FeatureVerdict, policy: Policy,
                       f"{v.failures['baseline']['failed']}/{v.failures['baseline']['arms']}, Fisher p="
                       f"{v.fisher_p:.3g})" if significant else f"Fisher p={v.fisher_p:.3g}")
 
+    # A REJECT stands on as much evidence as a PROMOTE would: enough blocks and hosts, and a calibrated lane.
+    # It also demotes a promoted default on revalidation, so one or two blocks must never carry it.
+    few = [why for short, why in (
+        (v.n_hosts < policy.evidence.min_hosts, f"{v.n_hosts} host(s) < {policy.evidence.min_hosts}"),
+        (v.aa_blocks < policy.threshold.min_aa_blocks,
+         f"{v.aa_blocks} A/A block(s) < {policy.threshold.min_aa_blocks}")) if short]
+
     def quality() -> Clause:
+        # Evidence first: a bootstrap of one loss delta returns it as both bounds, and an uncalibrated lane's
+        # epsilon is the policy's floor, so a round-off-sized loss difference on one block rejected a real win
+        # (found in review).
+        thin = few + ([f"{v.loss_blocks} block(s) with a loss < {policy.evidence.min_blocks}"]
+                      if v.loss_blocks < policy.evidence.min_blocks else [])
         worse = v.loss_bounds is not None and v.loss_bounds[0] > v.epsilon
+        if worse and thin and v.loss_bounds:
+            return Clause("quality_not_worse", True, f"loss looks worse (lower bound {v.loss_bounds[0]:+.4g} > "
+                                                     f"epsilon {v.epsilon:.4g}) but too little evidence to reject "
+                                                     f"on: {'; '.join(thin)}")
         detail = (f"loss worse: lower bound {v.loss_bounds[0]:+.4g} > epsilon {v.epsilon:.4g}" if worse and
                   v.loss_bounds else "loss not shown worse")
         return Clause("quality_not_worse", not worse, detail)
 
     def meaningful() -> Clause:
         enough = v.n_blocks >= policy.evidence.min_blocks
-        calibrated = v.aa_blocks >= policy.threshold.min_aa_blocks
         floor = 1.0 + policy.threshold.min_effect
         # The upper bound is widened by the lane's bias bound: a bias against the candidate slot must not turn a
-        # real win into a rejection.
-        upper = v.ci95[1] * (1.0 + (v.bias_bound or 0.0)) if v.ci95 is not None else None
-        absent = enough and calibrated and upper is not None and upper < floor
+        # real win into a rejection. With few hosts the host bootstrap's interval is too narrow (3 hosts: 10
+        # distinct resamples; a review's simulation rejected a win at the boundary in ~10% of campaigns, not
+        # 2.5%), so the host-level t bound, the REJECT side's hosts_agree, widens it where it is wider.
+        upper = v.ci95[1] if v.ci95 is not None else None
+        work = v.work
+        if upper is not None and v.bootstrap_unit == "host" and work is not None:
+            ran = ~work.candidate_failed
+            t_upper = host_level_upper(work.log_ratios[ran], work.hosts[ran], 0.975)
+            if math.isfinite(t_upper):
+                upper = max(upper, math.exp(t_upper))
+        upper = upper * (1.0 + (v.bias_bound or 0.0)) if upper is not None else None
+        absent = enough and not few and upper is not None and upper < floor
         if absent and upper is not None:
             detail = (f"no meaningful win at {v.horizon_steps:,} steps: upper bound {upper:.4f} (with the A/A bias "
-                      f"bound) < 1 + min_effect = {floor:.4f}")
-        elif not calibrated:
-            detail = (f"not ruled out: {v.aa_blocks} A/A block(s) < {policy.threshold.min_aa_blocks}, too few to "
-                      f"reject on")
+                      f"bound, and the hosts' t bound where wider) < 1 + min_effect = {floor:.4f}")
+        elif few:
+            detail = f"not ruled out: too little evidence to reject on ({'; '.join(few)})"
         else:
             detail = "upper bound reaches 1 + min_effect (or too few blocks to rule the win out)"
         return Clause("win_possible", not absent, detail)
 
     def sprt_lower() -> Clause:
         assert sprt is not None
-        calibrated = v.aa_blocks >= policy.threshold.min_aa_blocks
         mean, sd = sprt.variance.get("mean"), sprt.variance.get("mean_sd")
         # The lower crossing says "closer to delta0 than to delta1"; a win between them (a close call) is still a
         # win: only an estimate one standard error below the smallest effect worth a default is "no meaningful
         # win" (simulated: a true 2% win is then rejected in ~3% of campaigns instead of ~11%).
         small = mean is not None and sd is not None and mean + sd <= math.log1p(policy.threshold.min_effect)
-        absent = sprt.decision == LOWER and calibrated and small
+        absent = sprt.decision == LOWER and not few and small
         if absent and mean is not None:
             detail = (f"no meaningful win: {sprt.stop_reason}; mean block speed-up {_pct(math.exp(mean))}, one "
                       f"standard error below 1 + min_effect")
         elif sprt.decision != LOWER:
             detail = "the SPRT has not crossed its lower bound"
-        elif not calibrated:
-            detail = (f"not ruled out: {v.aa_blocks} A/A block(s) < {policy.threshold.min_aa_blocks}, too few to "
-                      f"reject on ({sprt.stop_reason})")
+        elif few:
+            detail = f"not ruled out: too little evidence to reject on ({'; '.join(few)}; {sprt.stop_reason})"
         else:
             detail = (f"not ruled out: {sprt.stop_reason}, but the mean block speed-up {_pct(math.exp(mean or 0))} "
                       f"is not one standard error below 1 + min_effect: a close call, held")
@@ -153,7 +175,7 @@ def _loho_lower(v: FeatureVerdict, policy: Policy) -> Optional[float]:
     lowers = []
     for host in hosts:
         keep = v.work.hosts != host
-        clusters = v.work.hosts[keep] if len(set(v.work.hosts[keep].tolist())) > 1 else None
+        clusters = bootstrap_clusters(v.work.hosts[keep])
         theta = bootstrap_hl(v.work.log_ratios[keep], clusters, policy.bootstrap.loss_resamples, rng)
         lowers.append(math.exp(quantile(theta, policy.family_alpha)))
     return min(lowers)
@@ -268,8 +290,10 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
                                                 f"{v.loho_min_lower:.4f} (must exceed 1)")
 
     def hosts_agree() -> Clause:
-        if not cons.hosts_agree or v.n_hosts < 2:
-            return Clause("hosts_agree", True, "not applicable (one host or disabled by the policy)")
+        if not cons.hosts_agree or v.n_hosts < MIN_CLUSTERS:
+            # Below MIN_CLUSTERS hosts the bootstrap resamples blocks, whose noise it already carries.
+            return Clause("hosts_agree", True, f"not applicable (fewer than {MIN_CLUSTERS} hosts: the bootstrap "
+                                               f"resamples blocks; or disabled by the policy)")
         # Failed candidate arms are the failure clauses' to judge (their fixed log ratio would swamp a host mean).
         ran = ~work.candidate_failed
         p, t, means = host_level_t(work.log_ratios[ran], work.hosts[ran], log_threshold)

@@ -315,22 +315,53 @@ def host_level_t(x: Sequence[float] | np.ndarray, hosts: Sequence[object], thres
     level holds for normal host effects with any number of hosts, at the price of power when hosts are few and
     disagree. The spread of the host means is floored at what their own blocks' spread alone would give (the
     mean of within-host variance / blocks), so hosts whose means happen to coincide are not taken as certain."""
-    values = np.asarray(x, dtype=float)
-    labels = np.asarray(list(hosts), dtype=object)
-    groups = [values[labels == h] for h in dict.fromkeys(labels.tolist())]
-    means = np.asarray([g.mean() for g in groups], dtype=float)
+    means, variance = _host_means(x, hosts)
     g = means.size
     if g < 2:
         return math.nan, math.nan, means
     diff = float(means.mean()) - threshold
-    within = [float(np.var(grp, ddof=1)) / grp.size for grp in groups if grp.size >= 2]
-    variance = max(float(means.var(ddof=1)), float(np.mean(within)) if within else 0.0)
     if variance == 0.0:  # every block of every host alike (deterministic twins)
         return (0.0 if diff > 0 else 1.0), math.copysign(math.inf, diff) if diff else 0.0, means
     from scipy.special import stdtr  # Student's t CDF; scipy.stats would add a second to every promote
 
     t = diff / math.sqrt(variance / g)
     return float(stdtr(g - 1, -t)), t, means
+
+
+def _host_means(x: Sequence[float] | np.ndarray, hosts: Sequence[object]) -> tuple[np.ndarray, float]:
+    """Per-host mean log ratios and their variance, floored at the mean within-host variance / blocks."""
+    values = np.asarray(x, dtype=float)
+    labels = np.asarray(list(hosts), dtype=object)
+    groups = [values[labels == h] for h in dict.fromkeys(labels.tolist())]
+    means = np.asarray([g.mean() for g in groups], dtype=float)
+    if means.size < 2:
+        return means, math.nan
+    within = [float(np.var(grp, ddof=1)) / grp.size for grp in groups if grp.size >= 2]
+    return means, max(float(means.var(ddof=1)), float(np.mean(within)) if within else 0.0)
+
+
+def host_level_upper(x: Sequence[float] | np.ndarray, hosts: Sequence[object], q: float) -> float:
+    """The ``q`` upper confidence bound of the mean host effect (log), Student's t with g - 1 degrees of freedom
+    on the hosts' mean log ratios (the spread floored as in ``host_level_t``); nan below two hosts."""
+    means, variance = _host_means(x, hosts)
+    if means.size < 2:
+        return math.nan
+    from scipy.special import stdtrit  # inverse of Student's t CDF
+
+    return float(means.mean()) + float(stdtrit(means.size - 1, q)) * math.sqrt(variance / means.size)
+
+
+MIN_CLUSTERS = 3
+"""Fewest hosts a bootstrap resamples as clusters. Two hosts give three distinct resamples (either host twice, or
+both): once both hosts' estimates clear a threshold the p-value is 1/(B + 1) and the interval is the range of the
+two host estimates, whatever their blocks' noise. A review's simulation (16 blocks, 1.5% block noise, a true
+effect at delta): 12% of campaigns promoted as two hosts, 1.75% as one. Below three hosts the blocks are the unit."""
+
+
+def bootstrap_clusters(hosts: Sequence[object] | np.ndarray) -> Optional[np.ndarray]:
+    """The host labels to resample as clusters, or None to resample blocks (fewer than ``MIN_CLUSTERS`` hosts)."""
+    labels = np.asarray(list(hosts), dtype=object)
+    return labels if len(set(labels.tolist())) >= MIN_CLUSTERS else None
 
 
 def abs_quantile(x: Sequence[float] | np.ndarray, q: float) -> float:
