@@ -277,7 +277,9 @@ def holm(pvalues: Sequence[float], alpha: float) -> tuple[np.ndarray, np.ndarray
     """Holm step-down: adjusted p-values and each test's own level alpha / (m - rank).
 
     A test is rejected (here: promoted past the lower-bound clause) iff its adjusted p <= alpha; the per-test
-    level is what its Holm-adjusted one-sided lower bound is read at.
+    level is what its Holm-adjusted one-sided lower bound is read at. Once the step-down stops at a rank, every
+    later rank keeps that rank's level: read at its own, looser level, a test the step-down never reached showed a
+    lower bound above 1 + delta beside a "tie" verdict (found in review).
     """
     p = np.asarray(pvalues, dtype=float)
     m = p.size
@@ -288,7 +290,11 @@ def holm(pvalues: Sequence[float], alpha: float) -> tuple[np.ndarray, np.ndarray
     adjusted_sorted = np.minimum(np.maximum.accumulate(factors * p[order]), 1.0)
     adjusted, levels = np.empty(m), np.empty(m)
     adjusted[order] = adjusted_sorted
-    levels[order] = alpha / factors
+    sorted_levels = alpha / factors
+    stopped = np.flatnonzero(factors * p[order] > alpha)
+    if stopped.size:
+        sorted_levels[stopped[0]:] = sorted_levels[stopped[0]]
+    levels[order] = sorted_levels
     return adjusted, levels
 
 

@@ -53,7 +53,15 @@ def test_holm_matches_step_down_definition() -> None:
     p = [0.01, 0.04, 0.03, 0.005]
     adjusted, levels = holm(p, 0.05)
     np.testing.assert_allclose(adjusted, [0.03, 0.06, 0.06, 0.02])
-    np.testing.assert_allclose(levels, [0.05 / 3, 0.05 / 1, 0.05 / 2, 0.05 / 4])
+    # The step-down stops at 0.03 (x2 > 0.05): 0.04, never reached, is read at that stop's level, not at 0.05 / 1.
+    np.testing.assert_allclose(levels, [0.05 / 3, 0.05 / 2, 0.05 / 2, 0.05 / 4])
+    # So a test's raw p clears its own level exactly when its adjusted p clears alpha: the lower bound read at
+    # that level never contradicts the verdict.
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        p = rng.uniform(0, 0.1, size=int(rng.integers(1, 8)))
+        adjusted, levels = holm(p, 0.05)
+        assert ((p <= levels) == (adjusted <= 0.05)).all(), (p, adjusted, levels)
 
 
 def test_pvalue_counts_resamples_at_or_below_the_null() -> None:
