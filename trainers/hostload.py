@@ -115,7 +115,10 @@ class HostLoadProbe:
         self._own0 = _own_cpu_s()
         self._t0 = time.perf_counter()
 
-    def stop(self) -> dict[str, Any]:
+    def stop(self, paired_wait_s: float = 0.0) -> dict[str, Any]:
+        """``paired_wait_s``: in an interleaved block, the time this arm's loop waited while its partner took its
+        turns. The arm was blocked then and could accrue no run delay, so the share is of the rest of the window:
+        over the whole window the threshold acted as twice itself (found in review)."""
         window = time.perf_counter() - self._t0 if self._t0 is not None else None
         busy1, own1, delay1 = _busy_cpu_s(), _own_cpu_s(), _run_delay_s()
         affinity, logical = _cpus()
@@ -136,11 +139,12 @@ class HostLoadProbe:
             facts.update(own_cpus=round(own, 3), foreign_cpus=round(max(0.0, (busy1 - self._busy0) / window - own), 3))
         if window and window > 0 and self._delay0 is not None and delay1 is not None:
             delay = delay1 - self._delay0
-            share = delay / window
+            running = window - paired_wait_s if 0.0 <= paired_wait_s < window else window
+            share = delay / running
             facts.update(run_delay_s=round(delay, 4), run_delay_share=round(share, 4))
             if share > CONTENDED_RUN_DELAY:
                 facts["contended"] = True
                 facts["detail"] = (f"the arm's threads waited {delay:.2f}s for a CPU ({share:.0%} of its measured "
-                                   f"loop) while other processes ran on the node (they kept "
+                                   f"loop, its partner's turns left out) while other processes ran on the node (they kept "
                                    f"{facts['foreign_cpus']} CPUs busy of {logical})")
         return facts

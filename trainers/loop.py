@@ -447,7 +447,7 @@ def _collect(result: WorkerResult, st: _ArmState) -> None:
         summary = st.tracker.finish(st.decision.resolved)
         result.done = time.time()
         if st.probe is not None:
-            result.host_load = st.probe.stop()
+            result.host_load = st.probe.stop(paired_wait_s=summary.paired_wait_s)
         result.loop = summary.to_dict()
         result.first_step_end = st.tracker.first_step_end
         if st.watch is not None:

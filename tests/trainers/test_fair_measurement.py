@@ -79,6 +79,28 @@ def test_foreign_cpu_load_during_the_measured_loop_is_flagged() -> None:
     assert not facts["contended"] or facts["run_delay_share"] > 0.05  # quiet unless this host is busy itself
 
 
+def test_an_interleaved_arms_run_delay_is_a_share_of_its_own_turns() -> None:
+    # While the partner takes its turn the arm is blocked and accrues no run delay: over the whole window the
+    # contention threshold acted as twice itself.
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        time.sleep(0.3)
+        probe = HostLoadProbe()
+        probe.start()
+        end = time.perf_counter() + 0.8
+        while time.perf_counter() < end:
+            pass
+        time.sleep(0.8)  # the partner's turns
+        facts = probe.stop(paired_wait_s=0.8)
+    finally:
+        for hog in hogs:
+            hog.kill()
+    delay, window = facts["run_delay_s"], facts["window_s"]
+    assert delay > 0.05, "the premise: the arm waited for a CPU while it ran"
+    assert facts["run_delay_share"] == pytest.approx(delay / (window - 0.8), abs=2e-3)
+    assert facts["run_delay_share"] > 1.5 * delay / window
+
+
 @pytest.mark.slow
 def test_a_toggle_whose_arms_ran_the_same_code_is_caught_from_observation(tmp_path: Path) -> None:
     # mamba_ssm is CUDA-only: on this CPU node the dispatcher falls back to chunked, the baseline's backend. With
