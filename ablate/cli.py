@@ -204,7 +204,7 @@ def sweep(
 
 def _load_source(source: Optional[Path], tracking_uri: Optional[str], experiment: str,
                  sweep_name: Optional[list[str]], ui_url: Optional[str] = None,
-                 run_labels: Optional[dict] = None) -> tuple[list, list, dict]:
+                 run_labels: Optional[dict] = None, left_out: Optional[list] = None) -> tuple[list, list, dict]:
     """Receipts from a directory/JSONL (when given) or from MLflow, plus rejects and MLflow run links (pages
     of the UI at ``ui_url``; ``run_labels`` is filled as ``load_receipts_from_mlflow`` describes).
 
@@ -233,7 +233,10 @@ def _load_source(source: Optional[Path], tracking_uri: Optional[str], experiment
     _print_rejected(rejected)
     if sweep_name:
         keep = set(sweep_name)
-        receipts = [r for r in receipts if r.identity.campaign in keep or r.identity.sweep_id in keep]
+        kept = [r for r in receipts if r.identity.campaign in keep or r.identity.sweep_id in keep]
+        if left_out is not None:
+            left_out.extend(r for r in receipts if not (r.identity.campaign in keep or r.identity.sweep_id in keep))
+        receipts = kept
     return receipts, rejected, links
 
 
@@ -370,7 +373,9 @@ def promote(
     except ConfigError as exc:
         _fail(markup_escape(str(exc)))
     run_labels: dict = {}
-    receipts, rejected, links = _load_source(source, tracking_uri, experiment, sweep_name, ui_url, run_labels)
+    left_out: list = []
+    receipts, rejected, links = _load_source(source, tracking_uri, experiment, sweep_name, ui_url, run_labels,
+                                             left_out)
     # 10,000 receipts are millions of objects that live until exit: the cyclic collector re-scanning them while
     # the rule allocates cost ~15% of its time. Frozen, they are left alone (nothing here becomes garbage).
     gc.freeze()
@@ -384,7 +389,8 @@ def promote(
                not_run_from_mlflow(default_tracking_uri(tracking_uri), experiment))
     try:
         result = promotion.promote(receipts, policy_path=policy, defaults_path=defaults, rejected=rejected,
-                                   run_links=links, not_run=[n for n in not_run if n["sweep_id"] in sweeps])
+                                   run_links=links, not_run=[n for n in not_run if n["sweep_id"] in sweeps],
+                                   left_out=left_out)
     except ConfigError as exc:
         _fail(str(exc))
     if source is None:

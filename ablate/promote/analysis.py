@@ -176,6 +176,8 @@ class FeatureVerdict:
     """Every candidate arm carrying a gated code, named: block, receipt id and the code's detail."""
     unread_arms: list[str] = field(default_factory=list)
     """Arms of this test (or A/A arms of its lane) whose receipts could not be read, named with where they are."""
+    left_out_arms: list[str] = field(default_factory=list)
+    """Arms of this test in sweeps a ``promote --sweep`` selection left out, named with their sweep."""
     work: Optional[Work] = field(default=None, repr=False, compare=False)
 
     @property
@@ -394,7 +396,8 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
     verdict.contended_blocks = [b.block_id for b in blocks if b.baseline.contended or b.candidate.contended]
     verdict.gated_arms = [f"{block_id} candidate {view.receipt_id[:8]}{note}: "
                           + "; ".join(view.gate_details or view.gated_codes) for block_id, view, note in gated_views]
-    verdict.unread_arms = [arm.describe() for arm in test.unread]
+    verdict.unread_arms = [arm.describe() for arm in test.unread if not arm.left_out]
+    verdict.left_out_arms = [arm.describe() for arm in test.unread if arm.left_out]
     verdict.inert_reason = inert_reason(test) if test.kind == "speed" else None
     # A gated candidate arm measured something other than the feature; it is counted above, never as a ratio.
     usable = [b for b in blocks if not b.candidate.gated_codes]

@@ -111,7 +111,9 @@ def check_bundles(verdicts: list[FeatureVerdict], bundle_blocks: list[Block], po
                    and arm.software_fingerprint in current | {None}]
         if missing:
             check.status = FAILED
-            check.reason = (f"{len(missing)} bundle arm(s) could not be read ({missing[0].describe()}): the "
+            how = ("are in sweeps the --sweep selection left out" if all(a.left_out for a in missing) else
+                   "could not be read")
+            check.reason = (f"{len(missing)} bundle arm(s) {how} ({missing[0].describe()}): the "
                             f"combination cannot be judged without them; the set is not written")
             checks.append(check)
             continue

@@ -35,7 +35,7 @@ from ablate.promote.match import BUNDLE, Block, match_blocks
 from ablate.promote.policy import Policy, load_policy
 from ablate.promote.report import LaneSummary, PromotionResult
 from ablate.promote.rule import decide_all
-from ablate.receipts.rejection import from_identity, unread_arms
+from ablate.receipts.rejection import from_identity, from_left_out, unread_arms
 from ablate.receipts.schema import InvalidReceipt, Receipt, validate_receipt
 
 ANALYSE_MIN_SHARE = 4
@@ -135,10 +135,12 @@ def _git(blocks: list[Block]) -> dict[str, Any]:
 def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str | Path | Policy,
             defaults_path: str | Path, rejected: Iterable[tuple[str, str]] = (),
             run_links: Optional[Mapping[str, str]] = None, now: Optional[datetime] = None,
-            not_run: Iterable[Mapping[str, str]] = (), curves: bool = True) -> PromotionResult:
+            not_run: Iterable[Mapping[str, str]] = (), curves: bool = True,
+            left_out: Iterable[Receipt] = ()) -> PromotionResult:
     """Decide every feature x lane test in ``receipts`` under the policy; see the module docstring. ``curves=False``
     skips each test's speed-up-vs-horizon curve, which only the report plots: every verdict, clause and number
-    the decision reads is the same (a reader of verdicts alone, the until-decided judge, sets it)."""
+    the decision reads is the same (a reader of verdicts alone, the until-decided judge, sets it). ``left_out``:
+    readable receipts a ``--sweep`` selection did not keep; a test with arms among them holds."""
     policy = policy_path if isinstance(policy_path, Policy) else load_policy(policy_path)
     now = now or datetime.now(timezone.utc)
     valid, invalid = _validated(receipts)
@@ -150,6 +152,7 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     # A damaged copy of a receipt that was read in another copy leaves no arm unread.
     read = {r.identity.receipt_id for r in valid}
     unread = [arm for arm in unread_arms(rejected) if arm.receipt_id not in read]
+    unread += [arm for arm in map(from_left_out, left_out) if arm is not None and arm.receipt_id not in read]
     tests, calibrations, lanes = organise(blocks, policy, refusals, unread)
     flags = startup_outliers(blocks)
     # Each test is measured on its own (its bootstrap draws from a generator seeded by its key), so the tests are

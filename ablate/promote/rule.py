@@ -198,6 +198,15 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
         # An arm whose receipt is unreadable may be the failure or the gated candidate that decides this test; the
         # arms that remain cannot say it was not (ablate.receipts.rejection).
         unread = v.unread_arms
+        if not unread and v.left_out_arms:
+            # Choosing the sweeps to promote on must not choose the verdict: a test with evidence in sweeps the
+            # selection left out is decided on all of it or not at all (found in review: --sweep r1 --sweep r3
+            # promoted on the winning rounds of a test whose r2 lost).
+            left = v.left_out_arms
+            named = "; ".join(left[:2]) + (f"; and {len(left) - 2} more" if len(left) > 2 else "")
+            return Clause("every_arm_read", False,
+                          f"{len(left)} arm(s) of this test are in sweeps the --sweep selection left out ({named}): "
+                          f"promote with them (name their sweeps too, or drop --sweep)")
         named = "; ".join(unread[:2]) + (f"; and {len(unread) - 2} more" if len(unread) > 2 else "")
         return Clause("every_arm_read", not unread,
                       f"{len(unread)} arm(s) of this test or its lane's A/A blocks could not be read ({named}): "

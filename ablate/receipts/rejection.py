@@ -30,6 +30,8 @@ class UnreadArm:
     software_fingerprint: Optional[str]
     """None when unknown: the arm then counts for the lane's current fingerprint."""
     receipt_id: str = ""
+    left_out: bool = False
+    """Readable, but outside the sweeps a ``promote --sweep`` selection kept (``from_left_out``)."""
 
     def concerns(self, feature: str, lane_key: str, fingerprint: str) -> bool:
         """Whether this arm was evidence for (or calibration of) that test under that fingerprint."""
@@ -39,6 +41,19 @@ class UnreadArm:
     def describe(self) -> str:
         what = "A/A arm" if self.feature is None else "arm"
         return f"{what} {self.receipt_id[:8] or '?'} ({self.origin})"
+
+
+def from_left_out(receipt: Any) -> Optional[UnreadArm]:
+    """A readable arm that a ``--sweep`` selection left out, as the test it belongs to (None for an A/A arm: a
+    test is calibrated by the A/A blocks of its own rounds only, so another sweep's do not concern it)."""
+    ident = receipt.identity
+    if not ident.feature:
+        return None
+    return UnreadArm(origin=f"sweep {ident.sweep_id}, campaign {ident.campaign}", lane_key=ident.lane_key,
+                     feature=ident.feature, software_fingerprint=_fingerprint(ident.status.value,
+                                                                              ident.hardware_fingerprint,
+                                                                              ident.software_fingerprint),
+                     receipt_id=ident.receipt_id, left_out=True)
 
 
 class Rejection(tuple):

@@ -172,3 +172,31 @@ def test_deleted_runs_of_candidates_that_died_unobserved_hold_their_test(policy:
     ok = next(r for r in base if r.identity.arm.value == "candidate").model_dump(mode="json")
     assert from_identity("file y", "digest", ok).unread.software_fingerprint == \
         ok["identity"]["software_fingerprint"]  # type: ignore[union-attr]
+
+
+def test_promote_sweep_selection_holds_a_test_with_arms_in_the_sweeps_left_out(receipts: list, tmp_path: Path) -> None:
+    # --sweep chose which rounds a test is decided on: r1 alone could promote while r2 lost. A test with arms in
+    # sweeps the selection left out is decided on all of its evidence or held.
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    _written(receipts, tmp_path / "receipts")
+
+    def promote_cli(*selection: str) -> dict:
+        out_dir = tmp_path / "reports" / "-".join(selection)
+        done = subprocess.run([sys.executable, "-m", "ablate", "promote", "--source", str(tmp_path / "receipts"),
+                               "--defaults", str(DEFAULTS), "--out", str(out_dir),
+                               *[x for s in selection for x in ("--sweep", s)]],
+                              cwd=repo, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        (report,) = out_dir.glob("*.json")
+        return {v["feature"]: v for v in json.loads(report.read_text())["verdicts"]}
+
+    one_round = promote_cli("sim-r1")
+    assert {f: v["verdict"] for f, v in one_round.items()} == {"moe_dispatch": "HOLD", "mamba_scan": "HOLD"}
+    moe_v = one_round["moe_dispatch"]
+    assert moe_v["left_out_arms"] and all("sweep sim-r2" in arm for arm in moe_v["left_out_arms"])
+    assert not moe_v["unread_arms"] and "--sweep selection left out" in moe_v["reason"]
+    whole = promote_cli("sim")  # the campaign: every round of it
+    assert {f: v["verdict"] for f, v in whole.items()} == {"moe_dispatch": "PROMOTE", "mamba_scan": "PROMOTE"}
