@@ -172,12 +172,22 @@ def test_a_receipt_is_written_with_its_digest_and_a_copy_edited_since_is_refused
     assert data["digest"][:16] in rejected[0][1] and content_digest(data)[:16] in rejected[0][1]
 
 
-def test_a_sealed_and_an_unsealed_copy_of_one_receipt_count_once(tmp_path: Path) -> None:
-    """A sweep begun before digests and resumed after: its spool holds the receipt without one, receipts/ with."""
+def test_a_receipt_of_schema_2_1_or_later_without_its_digest_is_refused(tmp_path: Path) -> None:
+    """Every writer seals a 2.1+ receipt: one without a digest had it removed, with an edit the check would
+    otherwise have caught (here its host, to fake another machine). Its sealed copy still counts, once."""
+    import json
+
     campaign, good = _campaign(tmp_path)
-    (campaign / SPOOL_FILE).write_text(good.model_copy(update={"digest": None}).model_dump_json() + "\n")
+    forged = json.loads(good.model_dump_json())
+    forged.update(digest=None)
+    forged["identity"]["host"] = "node-9"
+    (campaign / SPOOL_FILE).write_text(json.dumps(forged) + "\n")
     receipts, rejected = load_receipts(campaign)
-    assert rejected == [] and [r.identity.receipt_id for r in receipts] == ["r-0001"]
+    assert [r.identity.receipt_id for r in receipts] == ["r-0001"] and receipts[0].identity.host != "node-9"
+    assert len(rejected) == 1 and "no digest, though schema" in rejected[0][1]
+    (campaign / "receipts" / "r-0001.json").unlink()
+    receipts, rejected = load_receipts(campaign)
+    assert receipts == [] and "no digest" in rejected[0][1], "alone, the unsealed copy is no evidence"
 
 
 def test_receipts_of_schema_2_0_without_a_digest_still_load() -> None:

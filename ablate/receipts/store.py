@@ -96,9 +96,24 @@ def short(digest: Optional[str]) -> str:
     return digest[:16] if digest else "none"
 
 
+def _version(raw: dict[str, Any]) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in str(raw.get("schema_version", "")).split(".")[:2])
+    except ValueError:
+        return ()
+
+
 def digest_problem(raw: Any) -> Optional[str]:
-    """Why a parsed receipt's content does not match its stored digest, or None (no digest: a 2.0 receipt)."""
-    if not isinstance(raw, dict) or raw.get(DIGEST_FIELD) is None:
+    """Why a parsed receipt's content does not match its stored digest, or None. Only a 2.0 receipt may have no
+    digest: every writer from 2.1 on seals it, so a later one without is a receipt whose digest line was removed
+    (with an edit, say, to its host or loss: the check was skipped; found in review)."""
+    if not isinstance(raw, dict):
+        return None
+    if raw.get(DIGEST_FIELD) is None:
+        if _version(raw) >= (2, 1):
+            return (f"no digest, though schema {raw.get('schema_version')} receipts are always written with one: "
+                    f"it was removed after the receipt was written; restore the original copy (MLflow keeps one) "
+                    f"or re-run its block")
         return None
     stored, actual = raw[DIGEST_FIELD], content_digest(raw)
     if stored == actual:
