@@ -35,7 +35,7 @@ from ablate.promote.match import BUNDLE, Block, match_blocks
 from ablate.promote.policy import Policy, load_policy
 from ablate.promote.report import LaneSummary, PromotionResult
 from ablate.promote.rule import decide_all
-from ablate.receipts.rejection import from_identity, from_left_out, unread_arms
+from ablate.receipts.rejection import UnreadArm, from_identity, from_left_out, unread_arms
 from ablate.receipts.schema import InvalidReceipt, Receipt, validate_receipt
 
 ANALYSE_MIN_SHARE = 4
@@ -132,6 +132,27 @@ def _git(blocks: list[Block]) -> dict[str, Any]:
     return {"baseline": base, "candidate": cand, "dirty": dirty}
 
 
+def _utc(stamp: str) -> datetime:
+    at = datetime.fromisoformat(stamp)
+    return at if at.tzinfo is not None else at.replace(tzinfo=timezone.utc)
+
+
+def _left_out_arms(left_out: Iterable[Receipt], blocks: list[Block]) -> list[UnreadArm]:
+    """The speed arms a ``--sweep`` selection left out, each marked newer when it ran after the selection's last
+    block of its lane (``from_left_out``)."""
+    last_at: dict[str, datetime] = {}
+    for block in blocks:
+        at = _utc(block.created_at)
+        last_at[block.lane_key] = max(last_at.get(block.lane_key, at), at)
+    arms = []
+    for receipt in left_out:
+        lane = receipt.identity.lane_key
+        arm = from_left_out(receipt, newer=lane in last_at and _utc(receipt.identity.created_at) > last_at[lane])
+        if arm is not None:
+            arms.append(arm)
+    return arms
+
+
 def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str | Path | Policy,
             defaults_path: str | Path, rejected: Iterable[tuple[str, str]] = (),
             run_links: Optional[Mapping[str, str]] = None, now: Optional[datetime] = None,
@@ -152,7 +173,7 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     # A damaged copy of a receipt that was read in another copy leaves no arm unread.
     read = {r.identity.receipt_id for r in valid}
     unread = [arm for arm in unread_arms(rejected) if arm.receipt_id not in read]
-    unread += [arm for arm in map(from_left_out, left_out) if arm is not None and arm.receipt_id not in read]
+    unread += [arm for arm in _left_out_arms(left_out, blocks + bundle_blocks) if arm.receipt_id not in read]
     tests, calibrations, lanes = organise(blocks, policy, refusals, unread)
     flags = startup_outliers(blocks)
     # Each test is measured on its own (its bootstrap draws from a generator seeded by its key), so the tests are

@@ -43,17 +43,19 @@ class UnreadArm:
         return f"{what} {self.receipt_id[:8] or '?'} ({self.origin})"
 
 
-def from_left_out(receipt: Any) -> Optional[UnreadArm]:
+def from_left_out(receipt: Any, newer: bool = False) -> Optional[UnreadArm]:
     """A readable arm that a ``--sweep`` selection left out, as the test it belongs to (None for an A/A arm: a
-    test is calibrated by the A/A blocks of its own rounds only, so another sweep's do not concern it)."""
+    test is calibrated by the A/A blocks of its own rounds only, so another sweep's do not concern it).
+    ``newer``: it ran after the selection's last block of its lane. Then it concerns the lane's tests whatever its
+    fingerprint: leaving out the newer sweeps must not make older software's evidence the current one."""
     ident = receipt.identity
     if not ident.feature:
         return None
+    fingerprint = None if newer else _fingerprint(ident.status.value, ident.hardware_fingerprint,
+                                                  ident.software_fingerprint)
     return UnreadArm(origin=f"sweep {ident.sweep_id}, campaign {ident.campaign}", lane_key=ident.lane_key,
-                     feature=ident.feature, software_fingerprint=_fingerprint(ident.status.value,
-                                                                              ident.hardware_fingerprint,
-                                                                              ident.software_fingerprint),
-                     receipt_id=ident.receipt_id, left_out=True)
+                     feature=ident.feature, software_fingerprint=fingerprint, receipt_id=ident.receipt_id,
+                     left_out=True)
 
 
 class Rejection(tuple):

@@ -200,3 +200,20 @@ def test_promote_sweep_selection_holds_a_test_with_arms_in_the_sweeps_left_out(r
     assert not moe_v["unread_arms"] and "--sweep selection left out" in moe_v["reason"]
     whole = promote_cli("sim")  # the campaign: every round of it
     assert {f: v["verdict"] for f, v in whole.items()} == {"moe_dispatch": "PROMOTE", "mamba_scan": "PROMOTE"}
+
+
+def test_leaving_out_the_newer_software_s_sweeps_does_not_make_the_older_evidence_current(policy: Policy) -> None:
+    # Round 2 ran under new software (its fingerprint supersedes round 1's). Selecting round 1 alone made round
+    # 1's fingerprint the lane's current one; its newer arms, under another fingerprint, concerned no test.
+    receipts = simulate(Sim(features=[moe(1.10)], rounds=3, fingerprints=["fp-old", "fp-old", "fp-new"], **QUIET), 0)
+    kept = [r for r in receipts if r.identity.sweep_id != "sim-r3"]
+    left = [r for r in receipts if r.identity.sweep_id == "sim-r3"]
+    (v,) = promote(kept, policy_path=policy, defaults_path=DEFAULTS, left_out=left).verdicts
+    assert v.verdict == "HOLD" and _failing(v)[0] == "every_arm_read" and "left out" in v.reason
+    # Older rounds left out (superseded anyway) hold nothing: the newest software decides on its own evidence.
+    newest = simulate(Sim(features=[moe(1.10)], rounds=4, fingerprints=["fp-old", "fp-old", "fp-new", "fp-new"],
+                          **QUIET), 0)
+    (v,) = promote([r for r in newest if r.identity.sweep_id in ("sim-r3", "sim-r4")], policy_path=policy,
+                   defaults_path=DEFAULTS,
+                   left_out=[r for r in newest if r.identity.sweep_id in ("sim-r1", "sim-r2")]).verdicts
+    assert v.verdict == "PROMOTE" and not v.left_out_arms, v.reason
