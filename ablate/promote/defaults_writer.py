@@ -161,7 +161,9 @@ def _shape_overrides(tests: list[FeatureVerdict], promoted: list[FeatureVerdict]
         values = {str(v.value): v.value for v in promoted if v.lane_shape == shape}
         siblings = [v for v in tests if v.lane_shape == shape]
         rejected = any(v.verdict == REJECT and str(v.value) in values for v in siblings)
-        unearned = [v for v in siblings if v.verdict != PROMOTE or str(v.value) not in values]
+        # A lane that promoted the value has earned it, whatever its rival values' verdicts (they lost to it).
+        earned = {v.lane_key for v in siblings if v.verdict == PROMOTE and str(v.value) in values}
+        unearned = [v for v in siblings if v.lane_key not in earned]
         withheld = any(v.test_key in held for v in siblings)
         if len(values) > 1 or rejected or unearned or withheld:
             conflicts.append(f"no override for {shape}: its lanes " + (

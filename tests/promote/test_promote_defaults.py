@@ -238,9 +238,14 @@ def test_a_lane_of_the_shape_that_held_or_measured_another_value_blocks_the_over
         assert any(sibling.lane_key[:12] in why and "HOLD" in why for why in change.not_global), change.not_global
         assert defaults_writer.num_promoted(edits) == 0
         assert load_defaults(defaults_file).effective(CPU_LANE)["moe_dispatch"] == "padded"
-    # Alone, the promoting lane gets its override (the control).
+    # Alone, the promoting lane gets its override (the control) ...
     [change], _ = write(defaults_file, [won], policy, "r2")
     assert change.overrides == {won.lane_shape: "jagged"}
+    # ... and so it does beside its own rival value's HOLD or REJECT (the value that lost to it in that lane).
+    for outcome in ("HOLD", REJECT):
+        rival = verdict(CPU_LANE, "cpu", value="grouped_mm", outcome=outcome, context="-ctx1")
+        [change], _ = write(defaults_file, [won, rival], policy, "r3")
+        assert change.overrides == {won.lane_shape: "jagged"}, change.not_global
 
 
 def test_revalidation_marks_the_override_the_lane_runs(policy: Policy, defaults_file: Path) -> None:
