@@ -142,9 +142,10 @@ class HostLoadProbe:
             running = window - paired_wait_s if 0.0 <= paired_wait_s < window else window
             share = delay / running
             facts.update(run_delay_s=round(delay, 4), run_delay_share=round(share, 4))
+            partner = ", its partner's turns left out" if running < window else ""
             if share > CONTENDED_RUN_DELAY:
                 facts["contended"] = True
                 facts["detail"] = (f"the arm's threads waited {delay:.2f}s for a CPU ({share:.0%} of its measured "
-                                   f"loop, its partner's turns left out) while other processes ran on the node (they kept "
+                                   f"loop{partner}) while other processes ran on the node (they kept "
                                    f"{facts['foreign_cpus']} CPUs busy of {logical})")
         return facts

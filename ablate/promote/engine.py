@@ -17,6 +17,7 @@ together; 7. plan the defaults edit and find recorded evidence that needs revali
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 import statistics
@@ -137,6 +138,19 @@ def _utc(stamp: str) -> datetime:
     return at if at.tzinfo is not None else at.replace(tzinfo=timezone.utc)
 
 
+def _with_partner_fingerprints(unread: list[UnreadArm], valid: list[Receipt]) -> list[UnreadArm]:
+    """An unread arm that died unobserved takes its block partner's fingerprint when the partner was read and
+    observed its hardware: the two ran the same code on the same node. Otherwise it stays unknown (None: it
+    concerns the lane's current fingerprint, the conservative side)."""
+    partners: dict[tuple[str, str], str] = {}
+    for receipt in valid:
+        ident = receipt.identity
+        if ident.hardware_fingerprint:
+            partners[(ident.sweep_id, ident.block_id)] = ident.software_fingerprint
+    return [dataclasses.replace(arm, software_fingerprint=partners[arm.block])
+            if arm.software_fingerprint is None and arm.block in partners else arm for arm in unread]
+
+
 def _left_out_arms(left_out: Iterable[Receipt], blocks: list[Block]) -> list[UnreadArm]:
     """The speed arms a ``--sweep`` selection left out, each marked newer when it ran after the selection's last
     block of its lane (``from_left_out``)."""
@@ -172,7 +186,7 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     rejected = list(rejected) + invalid
     # A damaged copy of a receipt that was read in another copy leaves no arm unread.
     read = {r.identity.receipt_id for r in valid}
-    unread = [arm for arm in unread_arms(rejected) if arm.receipt_id not in read]
+    unread = _with_partner_fingerprints([arm for arm in unread_arms(rejected) if arm.receipt_id not in read], valid)
     unread += [arm for arm in _left_out_arms(left_out, blocks + bundle_blocks) if arm.receipt_id not in read]
     tests, calibrations, lanes = organise(blocks, policy, refusals, unread)
     flags = startup_outliers(blocks)

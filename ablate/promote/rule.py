@@ -97,10 +97,12 @@ def _reject_clauses(v: FeatureVerdict, policy: Policy,
 
     # A REJECT stands on as much evidence as a PROMOTE would: enough blocks and hosts, and a calibrated lane.
     # It also demotes a promoted default on revalidation, so one or two blocks must never carry it.
+    # Nor on a --sweep selection that left some of the test's arms out: it would choose the REJECT.
     few = [why for short, why in (
         (v.n_hosts < policy.evidence.min_hosts, f"{v.n_hosts} host(s) < {policy.evidence.min_hosts}"),
         (v.aa_blocks < policy.threshold.min_aa_blocks,
-         f"{v.aa_blocks} A/A block(s) < {policy.threshold.min_aa_blocks}")) if short]
+         f"{v.aa_blocks} A/A block(s) < {policy.threshold.min_aa_blocks}"),
+        (bool(v.left_out_arms), f"{len(v.left_out_arms)} arm(s) in sweeps the --sweep selection left out")) if short]
 
     def quality() -> Clause:
         # Evidence first: a bootstrap of one loss delta returns it as both bounds, and an uncalibrated lane's
@@ -126,16 +128,17 @@ def _reject_clauses(v: FeatureVerdict, policy: Policy,
         # 2.5%), so the host-level t bound, the REJECT side's hosts_agree, widens it where it is wider.
         upper = v.ci95[1] if v.ci95 is not None else None
         work = v.work
+        widened = ""
         if upper is not None and v.bootstrap_unit == "host" and work is not None:
             ran = ~work.candidate_failed
             t_upper = host_level_upper(work.log_ratios[ran], work.hosts[ran], 0.975)
-            if math.isfinite(t_upper):
-                upper = max(upper, math.exp(t_upper))
+            if math.isfinite(t_upper) and math.exp(t_upper) > upper:
+                upper, widened = math.exp(t_upper), ", and by the hosts' t bound"
         upper = upper * (1.0 + (v.bias_bound or 0.0)) if upper is not None else None
         absent = enough and not few and upper is not None and upper < floor
         if absent and upper is not None:
-            detail = (f"no meaningful win at {v.horizon_steps:,} steps: upper bound {upper:.4f} (with the A/A bias "
-                      f"bound, and the hosts' t bound where wider) < 1 + min_effect = {floor:.4f}")
+            detail = (f"no meaningful win at {v.horizon_steps:,} steps: upper bound {upper:.4f} (widened by the A/A "
+                      f"bias bound{widened}) < 1 + min_effect = {floor:.4f}")
         elif few:
             detail = f"not ruled out: too little evidence to reject on ({'; '.join(few)})"
         else:
@@ -205,7 +208,8 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
             left = v.left_out_arms
             named = "; ".join(left[:2]) + (f"; and {len(left) - 2} more" if len(left) > 2 else "")
             return Clause("every_arm_read", False,
-                          f"{len(left)} arm(s) of this test are in sweeps the --sweep selection left out ({named}): "
+                          f"{len(left)} arm(s) of this feature in this lane are in sweeps the --sweep selection "
+                          f"left out ({named}): "
                           f"promote with them (name their sweeps too, or drop --sweep)")
         named = "; ".join(unread[:2]) + (f"; and {len(unread) - 2} more" if len(unread) > 2 else "")
         return Clause("every_arm_read", not unread,

@@ -32,6 +32,9 @@ class UnreadArm:
     receipt_id: str = ""
     left_out: bool = False
     """Readable, but outside the sweeps a ``promote --sweep`` selection kept (``from_left_out``)."""
+    block: Optional[tuple[str, str]] = None
+    """(sweep id, block id) of an arm that died unobserved: its partner's fingerprint, when read, is its own
+    (``ablate.promote.engine``), so a crash of superseded software does not hold the current test."""
 
     def concerns(self, feature: str, lane_key: str, fingerprint: str) -> bool:
         """Whether this arm was evidence for (or calibration of) that test under that fingerprint."""
@@ -87,6 +90,11 @@ def _fingerprint(status: Any, hardware: Any, software: Any) -> Optional[str]:
     return _text(software)
 
 
+def _block(fingerprint: Optional[str], sweep: Any, block: Any) -> Optional[tuple[str, str]]:
+    sweep, block = _text(sweep), _text(block)
+    return (sweep, block) if fingerprint is None and sweep is not None and block is not None else None
+
+
 def from_identity(origin: str, reason: str, raw: Any) -> Rejection:
     """The reject line for a receipt's JSON that did not validate, attributed from its ``identity`` when that
     still names a lane (anything else about it may be what is wrong)."""
@@ -96,11 +104,12 @@ def from_identity(origin: str, reason: str, raw: Any) -> Rejection:
         return Rejection(origin, reason)
     assert isinstance(identity, Mapping)
     feature = identity.get("feature")
+    fingerprint = _fingerprint(identity.get("status"), identity.get("hardware_fingerprint"),
+                               identity.get("software_fingerprint"))
     return Rejection(origin, reason, UnreadArm(
         origin=origin, lane_key=lane_key, feature=feature if isinstance(feature, str) and feature else None,
-        software_fingerprint=_fingerprint(identity.get("status"), identity.get("hardware_fingerprint"),
-                                          identity.get("software_fingerprint")),
-        receipt_id=_text(identity.get("receipt_id")) or ""))
+        software_fingerprint=fingerprint, receipt_id=_text(identity.get("receipt_id")) or "",
+        block=_block(fingerprint, identity.get("sweep_id"), identity.get("block_id"))))
 
 
 def from_run_tags(origin: str, reason: str, tags: Mapping[str, str], prefix: str) -> Rejection:
@@ -110,11 +119,12 @@ def from_run_tags(origin: str, reason: str, tags: Mapping[str, str], prefix: str
     if lane_key is None:
         return Rejection(origin, reason)
     feature = _text(tags.get(prefix + "feature"))
+    fingerprint = _fingerprint(tags.get(prefix + "status"), tags.get(prefix + "hardware_fingerprint"),
+                               tags.get(prefix + "software_fingerprint"))
     return Rejection(origin, reason, UnreadArm(
         origin=origin, lane_key=lane_key, feature=None if feature in (None, AA_FEATURE) else feature,
-        software_fingerprint=_fingerprint(tags.get(prefix + "status"), tags.get(prefix + "hardware_fingerprint"),
-                                          tags.get(prefix + "software_fingerprint")),
-        receipt_id=_text(tags.get(prefix + "receipt_id")) or ""))
+        software_fingerprint=fingerprint, receipt_id=_text(tags.get(prefix + "receipt_id")) or "",
+        block=_block(fingerprint, tags.get(prefix + "sweep_id"), tags.get(prefix + "block_id"))))
 
 
 def unread_arms(rejected: Any) -> list[UnreadArm]:

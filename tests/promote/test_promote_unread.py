@@ -217,3 +217,36 @@ def test_leaving_out_the_newer_software_s_sweeps_does_not_make_the_older_evidenc
                    defaults_path=DEFAULTS,
                    left_out=[r for r in newest if r.identity.sweep_id in ("sim-r1", "sim-r2")]).verdicts
     assert v.verdict == "PROMOTE" and not v.left_out_arms, v.reason
+
+
+def test_a_sweep_selection_never_chooses_a_reject_either(policy: Policy) -> None:
+    receipts = simulate(Sim(features=[moe(1.0)], hosts=6, rounds=3, noise=0.003, aa_per_host=1), 2)
+    kept = [r for r in receipts if r.identity.sweep_id != "sim-r3"]
+    (control,) = promote(kept, policy_path=policy, defaults_path=DEFAULTS).verdicts
+    assert control.verdict == "REJECT", "the premise: the kept rounds alone reject the null"
+    (v,) = promote(kept, policy_path=policy, defaults_path=DEFAULTS,
+                   left_out=[r for r in receipts if r.identity.sweep_id == "sim-r3"]).verdicts
+    assert v.verdict == "HOLD" and v.left_out_arms
+    assert "--sweep selection left out" in next(c.detail for c in v.clauses if c.name == "win_possible")
+
+
+def test_a_deleted_unobserved_crash_of_superseded_software_holds_nothing_now(policy: Policy) -> None:
+    # Its own fingerprint hashes no hardware; its block partner, read, says which software it ran: the old one.
+    import copy
+
+    from ablate.tracking.mapping import receipt_tags
+
+    receipts = copy.deepcopy(simulate(Sim(features=[moe(1.10)], rounds=4,
+                                          fingerprints=["fp-old", "fp-old", "fp-new", "fp-new"], **QUIET), 0))
+    victim = next(r for r in receipts if r.identity.sweep_id == "sim-r1" and r.identity.arm.value == "candidate")
+    _died_unobserved(victim)
+    line = from_run_tags("run x", "arm run is deleted in MLflow", receipt_tags(victim), TAG)
+    assert line.unread is not None and line.unread.software_fingerprint is None
+    rest = [r for r in receipts if r is not victim]
+    (v,) = promote(rest, policy_path=policy, defaults_path=DEFAULTS, rejected=[line]).verdicts
+    assert v.verdict == "PROMOTE" and not v.unread_arms, v.reason
+    # Its partner gone too: nothing says which software it ran, so it holds the current test (conservative).
+    partner = next(r for r in rest if r.identity.block_id == victim.identity.block_id)
+    (v,) = promote([r for r in rest if r is not partner], policy_path=policy, defaults_path=DEFAULTS,
+                   rejected=[line]).verdicts
+    assert v.verdict == "HOLD" and v.unread_arms
