@@ -188,6 +188,11 @@ def test_a_receipt_of_schema_2_1_or_later_without_its_digest_is_refused(tmp_path
     (campaign / "receipts" / "r-0001.json").unlink()
     receipts, rejected = load_receipts(campaign)
     assert receipts == [] and "no digest" in rejected[0][1], "alone, the unsealed copy is no evidence"
+    # Re-labelled as a 2.0 receipt (which had no digest): the fields a 2.1+ writer always dumps give it away.
+    forged["schema_version"] = "2.0.0"
+    (campaign / SPOOL_FILE).write_text(json.dumps(forged) + "\n")
+    receipts, rejected = load_receipts(campaign)
+    assert receipts == [] and "written from schema 2.1 on" in rejected[0][1], rejected
 
 
 def test_receipts_of_schema_2_0_without_a_digest_still_load() -> None:

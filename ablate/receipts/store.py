@@ -103,6 +103,16 @@ def _version(raw: dict[str, Any]) -> tuple[int, ...]:
         return ()
 
 
+def _fields_after_2_0(raw: dict[str, Any]) -> list[str]:
+    """Fields only a 2.1+ writer puts in a receipt (the writer dumps every field, null or not): a receipt that
+    says 2.0 but has one was re-labelled, e.g. to skip the digest check (found in review)."""
+    identity, observed = raw.get("identity"), raw.get("observed")
+    found = [name for name in (DIGEST_FIELD, "energy") if name in raw]  # a null digest key too: 2.0 wrote none
+    found += [f"identity.{name}" for name in ("schedule", "process") if isinstance(identity, dict) and name in identity]
+    found += ["observed.node_check"] if isinstance(observed, dict) and "node_check" in observed else []
+    return found
+
+
 def digest_problem(raw: Any) -> Optional[str]:
     """Why a parsed receipt's content does not match its stored digest, or None. Only a 2.0 receipt may have no
     digest: every writer from 2.1 on seals it, so a later one without is a receipt whose digest line was removed
@@ -110,11 +120,13 @@ def digest_problem(raw: Any) -> Optional[str]:
     if not isinstance(raw, dict):
         return None
     if raw.get(DIGEST_FIELD) is None:
-        if _version(raw) >= (2, 1):
-            return (f"no digest, though schema {raw.get('schema_version')} receipts are always written with one: "
-                    f"it was removed after the receipt was written; restore the original copy (MLflow keeps one) "
-                    f"or re-run its block")
-        return None
+        later = _fields_after_2_0(raw)
+        if _version(raw) < (2, 1) and not later:
+            return None
+        sealed = (f"schema {raw.get('schema_version')} receipts are always written with one"
+                  if _version(raw) >= (2, 1) else f"it carries {', '.join(later)}, written from schema 2.1 on")
+        return (f"no digest, though {sealed}: it was removed after the receipt was written; restore the original "
+                f"copy (MLflow keeps one) or re-run its block")
     stored, actual = raw[DIGEST_FIELD], content_digest(raw)
     if stored == actual:
         return None
