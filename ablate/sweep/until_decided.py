@@ -163,7 +163,26 @@ class CampaignJudge:
         return found
 
     def states(self) -> dict[SpeedKey, Standing]:
-        return judge_states(self.receipts(), self.policy, self.defaults_path)
+        return judge_states(settled_blocks(self.receipts()), self.policy, self.defaults_path)
+
+
+def settled_blocks(receipts: Iterable[Receipt]) -> list[Receipt]:
+    """The receipts of blocks whose latest attempt has both arms written. Mid-round the judge sees a block whose
+    first arm finished while its partner still runs: promote refuses it but lets a lone candidate's codes gate
+    the test, and a host-level code the baseline will share (LOW_PRIORITY, a node check) is not cancelled yet,
+    so ``no_disqualifier`` closed the test for the rest of the round (found in review). The final ``promote``
+    reads every receipt, a block left half-written included."""
+    receipts = list(receipts)
+    arms: dict[tuple[str, str, int], int] = {}
+    latest: dict[tuple[str, str], int] = {}
+    for r in receipts:
+        ident = r.identity
+        arms[(ident.sweep_id, ident.block_id, ident.attempt)] = arms.get((ident.sweep_id, ident.block_id,
+                                                                          ident.attempt), 0) + 1
+        latest[(ident.sweep_id, ident.block_id)] = max(latest.get((ident.sweep_id, ident.block_id), ident.attempt),
+                                                       ident.attempt)
+    settled = {block for block, attempt in latest.items() if arms[(*block, attempt)] >= 2}
+    return [r for r in receipts if (r.identity.sweep_id, r.identity.block_id) in settled]
 
 
 def block_keys(plan: SweepPlan) -> list[tuple[str, Optional[SpeedKey]]]:
@@ -282,6 +301,9 @@ class UntilDecidedSummary:
     states: list[Standing]
     stop_reason: str
     sweep_summaries: list[Any] = field(default_factory=list)
+    defaults_path: str = ""
+    """The campaign's defaults file, the judge's: the printed ``promote`` command names it so its verdicts and
+    changes are read against the same defaults (the CLI's default is search_spaces/defaults.yaml)."""
 
     @property
     def exit_code(self) -> int:
@@ -294,8 +316,10 @@ class UntilDecidedSummary:
                   f"{r.elapsed_s:.0f}s ({r.judge_s:.1f}s of it judging)" for r in self.rounds]
         lines += ["  " + s.line() for s in self.states]
         experiment = f" --experiment {self.experiment}" if self.experiment != "ablate" else ""
+        defaults = f" --defaults {self.defaults_path}" if self.defaults_path else ""
         lines.append(f"next:     ablate promote --tracking-uri {self.tracking_uri}{experiment} --sweep {self.campaign} "
-                     f"--policy {self.policy_path}   (the verdicts, under the policy the rounds stopped on)")
+                     f"--policy {self.policy_path}{defaults}   (the verdicts, under the policy and defaults the "
+                     f"rounds stopped on)")
         return "\n".join(lines)
 
 
@@ -383,7 +407,7 @@ def run_until_decided(path: str | Path, *, policy_path: str | Path, resume: bool
         campaign=sweep.name, campaign_file=str(path), policy_path=str(policy_path), policy_ref=policy.ref,
         tracking_uri=shown(resolve_tracking_uri(tracking_uri or sweep.tracking.uri)), experiment=sweep.tracking.experiment,
         rounds=rounds, states=sorted((final[k] for k in planned if k in final), key=lambda s: s.key),
-        stop_reason=stop, sweep_summaries=summaries)
+        stop_reason=stop, sweep_summaries=summaries, defaults_path=judge.defaults_path)
 
 
 def _gap_wait(receipts: Iterable[Receipt], policy: Policy, resuming: bool) -> float:

@@ -191,6 +191,7 @@ def test_until_decided_runs_only_undecided_tests_resumes_after_ctrl_c_and_stops_
     assert len(valid) == 6  # each of the three blocks once: nothing ran twice after the resume
     assert "moe_dispatch=jagged lane" in output and output.count(": decided (") >= 2, output[-4000:]
     assert f"--policy {policy}" in output
+    assert "--defaults " in " ".join(output.split()), "promote reads the campaign's defaults, as the judge did"
 
     # Run again: every test is already decided, so nothing is planned, started or logged.
     again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -271,3 +272,31 @@ def test_the_next_round_waits_for_the_rules_round_gap_measured_from_the_first_ar
     expected = policy.evidence.min_round_gap_s + GAP_MARGIN_S - fresh.time.wall_s
     assert expected - 2 < wait <= expected
     assert _gap_wait(receipts + [fresh], policy, resuming=True) == 0.0
+
+
+def test_the_judge_leaves_out_blocks_whose_partner_arm_is_still_running() -> None:
+    # Mid-round a block's first arm is written while its partner runs. A lone candidate's host-level code (which
+    # the baseline will share, cancelling it) gated the test and closed it for the rest of the round.
+    import copy
+
+    from ablate.receipts.schema import Code, Disqualifier, Status
+    from ablate.sweep.until_decided import settled_blocks
+
+    policy = load_policy(POLICIES / "default_sequential.yaml")
+    receipts = simulate(Sim([moe(1.02)], rounds=1, **QUIET), seed=3)
+    lone = copy.deepcopy(next(r for r in receipts if r.identity.arm.value == "candidate"))
+    lone.identity.block_id, lone.identity.receipt_id = "in-flight", "in-flight-a1"
+    lone.steps.data_s = [x + 1e-6 for x in lone.steps.data_s]  # its own measurement, not a replayed copy
+    lone.disqualifiers.append(Disqualifier(code=Code.LOW_PRIORITY, detail="niceness 15 inherited"))
+    lone.identity.status = Status.disqualified
+    (closed,) = judge_states(receipts + [lone], policy, DEFAULTS).values()
+    assert closed.decided and "no_disqualifier" in closed.why, "the premise: read as is, the lone arm closes it"
+    assert settled_blocks(receipts + [lone]) == receipts
+    (state,) = judge_states(settled_blocks(receipts + [lone]), policy, DEFAULTS).values()
+    assert state.state == OPEN, state.why
+    # A retried block counts once its latest attempt has both arms; its earlier attempt's receipts stay.
+    retried = copy.deepcopy([r for r in receipts if r.identity.block_id == receipts[-1].identity.block_id])
+    for arm in retried:
+        arm.identity.attempt, arm.identity.receipt_id = 1, arm.identity.receipt_id + "-1"
+    assert len(settled_blocks(receipts + retried)) == len(receipts) + 2
+    assert len(settled_blocks(receipts + retried[:1])) == len(receipts) - 2, "attempt 1 half-written: in flight"
