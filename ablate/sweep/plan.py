@@ -280,12 +280,18 @@ def _bundle_group(sweep: SweepConfig, groups: list[_Group], skipped: list[tuple[
 
 
 def _balanced_orders(rng: random.Random, count: int) -> list[tuple[int, int]]:
-    """Half the repeats run the baseline first, half the candidate first (the odd one is a coin flip), shuffled:
-    counterbalancing beats independent coin flips, which can put 7 of 8 baselines first."""
-    orders = [(0, 1), (1, 0)] * (count // 2)
+    """Each consecutive pair of repeats runs one baseline-first and one candidate-first block, in random order
+    (an odd last one is a coin flip): counterbalancing beats independent coin flips, which can put 7 of 8
+    baselines first. Balanced in pairs rather than shuffled as a whole, so every prefix is too: a round that
+    runs only its first repeats (``--until-decided`` stopping a test, an interrupted sweep) was split 3:1 or
+    4:0 in 49% of plans for 4 of 8 repeats (found in review)."""
+    orders: list[tuple[int, int]] = []
+    for _ in range(count // 2):
+        pair = [(0, 1), (1, 0)]
+        rng.shuffle(pair)
+        orders += pair
     if count % 2:
         orders.append(rng.choice([(0, 1), (1, 0)]))
-    rng.shuffle(orders)
     return orders
 
 

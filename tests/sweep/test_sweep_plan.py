@@ -63,6 +63,10 @@ def test_orders_are_recorded_balanced_and_reproducible(tmp_path: Path) -> None:
     plan = plan_sweep(sweep, sweep_id="round-1")
     orders = [b.order for b in plan.blocks if not b.is_aa]
     assert Counter(orders) == {(0, 1): 4, (1, 0): 4}, "counterbalanced: half baseline-first, half candidate-first"
+    # Every prefix too (a round stopped early runs only its first repeats): within one of even, in any round.
+    for i in range(1, 30):
+        drawn = [b.order for b in plan_sweep(sweep, sweep_id=f"round-{i}").blocks if not b.is_aa]
+        assert all(abs(2 * drawn[:n].count((0, 1)) - n) <= 1 for n in range(1, len(drawn) + 1)), drawn
     assert [b.order for b in plan_sweep(sweep, sweep_id="round-1").blocks] == [b.order for b in plan.blocks]
     other_rounds = {tuple(b.order for b in plan_sweep(sweep, sweep_id=f"round-{i}").blocks) for i in range(2, 8)}
     assert len(other_rounds | {tuple(b.order for b in plan.blocks)}) > 1, "a new sweep id draws new orders"
