@@ -15,6 +15,7 @@ from promote_sim import Sim, moe, simulate
 from ruamel.yaml import YAML
 
 from ablate.promote import Policy, make_branch, promote, write_defaults
+from ablate.receipts.store import seal
 
 
 def git(repo: Path, *args: str) -> str:
@@ -88,7 +89,8 @@ def test_open_pr_runs_gh_when_installed(policy: Policy, repo: Path, monkeypatch:
 def test_promote_write_branch_counts_values_and_leaves_one_report(repo: Path, tmp_path: Path) -> None:
     # `ablate promote --write --branch` as a user runs it: one promoted value, one committed report.
     receipts = tmp_path / "receipts.jsonl"
-    receipts.write_text("".join(r.model_dump_json() + "\n" for r in simulate(
+    # Sealed, as every writer seals a receipt (a 2.1+ receipt without its digest is refused).
+    receipts.write_text("".join(seal(r).model_dump_json() + "\n" for r in simulate(
         Sim(features=[moe(1.05)], noise=0.007, aa_per_host=2), 0)))
     data = YAML(typ="safe").load(DEFAULT_POLICY.read_text())
     data["bootstrap"].update(resamples=2000, loss_resamples=500)  # as the `policy` fixture: fast
