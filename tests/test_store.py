@@ -204,6 +204,20 @@ def test_receipts_of_schema_2_0_without_a_digest_still_load() -> None:
 # --- a receipt its directory refuses goes to a fallback, never nowhere ---
 
 
+def test_a_resumed_sweep_counts_the_receipts_a_full_disk_sent_to_a_fallback(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from ablate.receipts.store import FALLBACK_ENV, with_fallbacks
+
+    monkeypatch.setenv(FALLBACK_ENV, str(tmp_path / "fallback"))
+    campaign, good = _campaign(tmp_path)
+    elsewhere = _receipt("r-0002")
+    write_receipt(elsewhere, tmp_path / "fallback" / "c" / "receipts")
+    write_receipt(good, tmp_path / "fallback" / "c" / "receipts")  # a copy of one the campaign dir holds too
+    found = with_fallbacks(campaign, "c")
+    assert sorted(r.identity.receipt_id for r in found) == ["r-0001", "r-0002"], "each id once, both places read"
+    assert with_fallbacks(tmp_path / "storage" / "other", "other") == []
+
+
 @pytest.mark.parametrize("kind", ["full", "read-only"])
 def test_a_receipt_its_directory_refuses_goes_to_the_fallback_named_in_one_line(
         kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:

@@ -172,6 +172,18 @@ def fallback_dirs(campaign: str) -> list[Path]:
             if (root / _campaign_dirname(campaign)).is_dir()]
 
 
+def with_fallbacks(campaign_dir: str | Path, campaign: str) -> list[Receipt]:
+    """The receipts of a campaign directory and of the campaign's fallback directories, each id once (the
+    campaign directory's copy first). What a resumed sweep has already measured: a block whose receipts a full
+    disk sent to a fallback is complete, and rerunning it would write a second measurement under the same ids."""
+    found: dict[str, Receipt] = {}
+    for source in [Path(campaign_dir), *fallback_dirs(campaign)]:
+        if source.exists():
+            for receipt in load_receipts(source)[0]:
+                found.setdefault(receipt.identity.receipt_id, receipt)
+    return list(found.values())
+
+
 def _atomic_write(target: Path, text: str) -> None:
     """Write ``target`` through a temporary file and a rename; on any failure the temporary file is removed."""
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -53,7 +53,8 @@ from ablate.config.load import flatten, lane_to_dict, load_sweep
 from ablate.config.schema import ConfigError, SweepConfig
 from ablate.receipts.schema import SIMULATED_EXECUTOR, InvalidReceipt, Receipt, Status, validate_receipt
 from ablate.receipts.store import (RECEIPTS_DIR, SPOOL_FILE, ReceiptNotSaved, digest_problem, fallback_dirs,
-                                   load_receipts, settle_unfinished_writes, write_receipt_or_fallback)
+                                   load_receipts, settle_unfinished_writes, with_fallbacks,
+                                   write_receipt_or_fallback)
 from ablate.sweep.layout import LATEST, Layout, SweepLock
 from ablate.sweep.node_check import NODE_CHECK_TAG, check_plan
 from ablate.sweep.plan import SweepPlan, plan_sweep
@@ -433,13 +434,19 @@ def _sweep_identity(path: Path, resume: bool, storage: Optional[str]
     return sweep, layout, plan, meta
 
 
+def _tune_can_restore(tune_path: str) -> bool:
+    from ray import tune
+
+    return bool(tune.Tuner.can_restore(tune_path))
+
+
 def _tuner(trainable: Any, sweep: SweepConfig, layout: Layout, plan: SweepPlan, capacity: Capacity,
            resume: bool, searcher: Any = None) -> Any:
     from ray import tune
     from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
     tune_path = layout.tune_path(plan.sweep_id)
-    if resume and tune.Tuner.can_restore(tune_path):
+    if resume and _tune_can_restore(tune_path):
         # A searcher comes back from the experiment state with the blocks it had handed out.
         return tune.Tuner.restore(tune_path, trainable, resume_unfinished=True, resume_errored=True)
     # Fixed campaign: every planned block, as a grid. --until-decided: the searcher picks them one by one (at
@@ -665,7 +672,11 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         params["schedule"] = started_as if resume else ("until_decided" if searcher_factory is not None else "fixed")
         if simulate_arms:
             params["arms"] = "simulated"  # the parent run says so too; its receipts are refused by promotion
-        searcher = searcher_factory(plan) if searcher_factory is not None and not resume else None
+        # A resumed --until-decided round gets its searcher back from Tune's state; a round interrupted before
+        # Tune saved any (Ctrl+C while MLflow or Ray started) gets a fresh one: without it the resume ran every
+        # planned block as a grid, decided tests included (found in review).
+        restorable = resume and _tune_can_restore(layout.tune_path(sweep_id))
+        searcher = searcher_factory(plan) if searcher_factory is not None and not restorable else None
         if not resume:
             meta = {"sweep_id": sweep_id, "campaign": sweep.name, "campaign_file": str(path.resolve()),
                     "experiment": sweep.tracking.experiment, "tracking_uri": shown(uri),
@@ -687,7 +698,10 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         if resume:  # under the lock: no other driver writes here
             for leftover, action in settle_unfinished_writes(layout.receipts_dir):
                 log.info("%s: a receipt write a killed process never finished: %s", leftover.name, action)
-        earlier = [r for r in gather(layout.local_dir)[0] if r.identity.sweep_id == sweep_id] if resume else []
+        # What the killed driver's sweep already measured, including receipts a full disk sent to a fallback
+        # directory: those blocks are complete (found in review: they reran, under the same receipt ids).
+        earlier = ([r for r in with_fallbacks(layout.local_dir, sweep.name) if r.identity.sweep_id == sweep_id]
+                   if resume else [])
         for receipt in earlier:
             # Receipts a killed driver wrote (or spooled) but never logged: MLflow catches up before new work.
             store.log_receipt(receipt)
@@ -698,7 +712,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
                                                  attempts):
                 log.info("removed the scratch of arm %s: the killed driver's attempt never wrote its receipt", rid)
         recorder = _Recorder(layout, store, start_clock(sweep_id))
-        expected = searcher.expected_blocks() if searcher is not None and not resume else len(plan.blocks)
+        expected = searcher.expected_blocks() if searcher is not None else len(plan.blocks)
         display = SweepProgress(expected, title=sweep_id, live=None if progress else False)
         _LIVE[sweep_id] = [recorder] + ([display] if progress else [])
         context = {"sweep_id": sweep_id, "campaign": sweep.name, "receipt_dir": layout.trial_receipt_dir(),

@@ -61,3 +61,47 @@ def test_no_cli_or_campaign_path_turns_simulation_on() -> None:
     # Only a Python caller of run_sweep (tests, benchmarks) can ask for no-op arms.
     assert "simulate" not in (REPO / "ablate" / "cli.py").read_text()
     assert "simulate" not in (REPO / "ablate" / "config" / "schema.py").read_text()
+
+
+def test_an_until_decided_round_interrupted_before_tune_started_resumes_with_its_searcher(
+        ray_address: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ctrl+C while MLflow or Ray started (the round's metadata written, no Tune state yet): the resume used to run
+    # every planned block as a grid, the decided tests' included.
+    from ablate.sweep import run as sweep_run
+    from ablate.sweep.until_decided import DECIDED, Standing, UntilDecidedSearcher, block_keys
+
+    campaign = tiny_smoke(tmp_path / "campaign", blocks=2, aa_blocks=1)  # moe x2, mamba x2, A/A x1
+    uri, storage = fresh_mlflow_uri(tmp_path), str(tmp_path / "runs")
+    made: list[UntilDecidedSearcher] = []
+
+    class Judged:
+        def __init__(self, decided: dict) -> None:
+            self.decided = decided
+
+        def states(self) -> dict:
+            return dict(self.decided)
+
+    def factory(plan: object) -> UntilDecidedSearcher:
+        keys = block_keys(plan)  # type: ignore[arg-type]
+        moe = next(k for _, k in keys if k and k[0] == "moe_dispatch")
+        made.append(UntilDecidedSearcher(keys, Judged({moe: Standing(feature=moe[0], value=moe[1], lane_key=moe[2],
+                                                                     state=DECIDED, verdict="HOLD", why="decided")})))
+        return made[-1]
+
+    opened = sweep_run.MlflowStore.open_sweep
+
+    def interrupted(self: object, *args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sweep_run.MlflowStore, "open_sweep", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(campaign, tracking_uri=uri, storage=storage, progress=False, simulate_arms=True,
+                  searcher_factory=factory)
+    monkeypatch.setattr(sweep_run.MlflowStore, "open_sweep", opened)
+    summary = run_sweep(campaign, resume=True, tracking_uri=uri, storage=storage, progress=False,
+                        simulate_arms=True, searcher_factory=factory)
+    assert len(made) == 2, "the resume built a searcher: Tune had saved none to restore"
+    features = {validate_receipt(json.loads(p.read_text())).identity.feature
+                for p in (Path(summary.sweep_dir) / "receipts").glob("*.json")}
+    assert features == {"mamba_scan", None}, "the decided test's blocks are left out"
+    assert (summary.blocks_total, summary.exit_code) == (3, 0)
