@@ -435,6 +435,14 @@ def decide(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, Any], num_t
         clause = make()
         v.clauses.append(clause)
         if not clause.passed:
+            if v.left_out_arms:
+                # Every REJECT clause, not only the statistical ones: a selection that made older software's
+                # evidence current (its gate, its failures) or kept the round that failed chose the verdict.
+                v.verdict = HOLD
+                v.reason = (f"{clause.name} would reject ({clause.detail}), but {len(v.left_out_arms)} arm(s) of "
+                            f"this feature in this lane are in sweeps the --sweep selection left out: promote with "
+                            f"them (name their sweeps too, or drop --sweep)")
+                return v
             v.verdict, v.reason = REJECT, clause.detail
             return v
     if v.n_blocks == 0:

@@ -250,3 +250,20 @@ def test_a_deleted_unobserved_crash_of_superseded_software_holds_nothing_now(pol
     (v,) = promote([r for r in rest if r is not partner], policy_path=policy, defaults_path=DEFAULTS,
                    rejected=[line]).verdicts
     assert v.verdict == "HOLD" and v.unread_arms
+
+
+def test_a_sweep_selection_never_chooses_a_gate_or_flakiness_reject(policy: Policy) -> None:
+    # The selection kept the round whose candidates crashed (Fisher rejects on it alone); all rounds together hold.
+    from ablate.receipts.schema import Code, Disqualifier, Status
+
+    receipts = simulate(Sim(features=[moe(1.05)], hosts=3, blocks_per_host=2, rounds=3, **QUIET), 4)
+    for arm in [r for r in receipts if r.identity.sweep_id == "sim-r1" and r.identity.arm.value == "candidate"][:4]:
+        arm.identity.status = Status.failed
+        arm.projection = None
+        arm.disqualifiers.append(Disqualifier(code=Code.ARM_FAILED))
+    kept = [r for r in receipts if r.identity.sweep_id == "sim-r1"]
+    (alone,) = promote(kept, policy_path=policy, defaults_path=DEFAULTS).verdicts
+    assert alone.verdict == "REJECT" and _failing(alone) == ["not_flaky"], "the premise: r1 alone rejects"
+    (v,) = promote(kept, policy_path=policy, defaults_path=DEFAULTS,
+                   left_out=[r for r in receipts if r.identity.sweep_id != "sim-r1"]).verdicts
+    assert v.verdict == "HOLD" and "not_flaky would reject" in v.reason and "left out" in v.reason
