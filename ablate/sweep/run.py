@@ -57,7 +57,7 @@ from ablate.receipts.store import (RECEIPTS_DIR, SPOOL_FILE, ReceiptNotSaved, di
                                    write_receipt_or_fallback)
 from ablate.sweep.layout import LATEST, Layout, SweepLock
 from ablate.sweep.node_check import NODE_CHECK_TAG, check_plan
-from ablate.sweep.plan import SweepPlan, plan_sweep
+from ablate.sweep.plan import ORDERS_IN_PAIRS, ORDERS_SHUFFLED, SweepPlan, plan_sweep
 from ablate.redact import process_env_only
 from ablate.sweep.resources import (Capacity, block_need, check_cluster, gpu_resources, local_ray_init_kwargs,
                                     tune_env_filter)
@@ -427,7 +427,8 @@ def _sweep_identity(path: Path, resume: bool, storage: Optional[str]
         if not meta:
             raise ConfigError("--resume", str(path), f"a campaign with an earlier sweep under {layout.local_dir} "
                                                      f"(none found: start it without --resume)")
-    plan = plan_sweep(sweep, meta.get("sweep_id") or _new_sweep_id(layout.campaign), defaults)
+    plan = plan_sweep(sweep, meta.get("sweep_id") or _new_sweep_id(layout.campaign), defaults,
+                      orders_scheme=meta.get("orders", ORDERS_SHUFFLED) if resume else ORDERS_IN_PAIRS)
     if resume and meta.get("plan_fingerprint") != plan.fingerprint():
         raise ConfigError("--resume", str(path), f"the campaign as it was when sweep {plan.sweep_id} started (its "
                                                  f"blocks changed since; start a new sweep without --resume)")
@@ -681,6 +682,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
             meta = {"sweep_id": sweep_id, "campaign": sweep.name, "campaign_file": str(path.resolve()),
                     "experiment": sweep.tracking.experiment, "tracking_uri": shown(uri),
                     "tune_path": layout.tune_path(sweep_id), "plan_fingerprint": plan.fingerprint(),
+                    "orders": ORDERS_IN_PAIRS,
                     "blocks": [b.label() for b in plan.blocks], "skipped": plan.skipped,
                     "created_at": datetime.now(timezone.utc).isoformat(), "params": params,
                     "node_checks": node_checks}

@@ -63,6 +63,11 @@ def test_orders_are_recorded_balanced_and_reproducible(tmp_path: Path) -> None:
     plan = plan_sweep(sweep, sweep_id="round-1")
     orders = [b.order for b in plan.blocks if not b.is_aa]
     assert Counter(orders) == {(0, 1): 4, (1, 0): 4}, "counterbalanced: half baseline-first, half candidate-first"
+    # A sweep planned before the pairs scheme (its metadata records none) replans with the old shuffle on resume.
+    from ablate.sweep.plan import ORDERS_SHUFFLED
+    legacy = plan_sweep(sweep, sweep_id="round-1", orders_scheme=ORDERS_SHUFFLED)
+    assert Counter(b.order for b in legacy.blocks if not b.is_aa) == {(0, 1): 4, (1, 0): 4}
+    assert legacy.fingerprint() == plan_sweep(sweep, sweep_id="round-1", orders_scheme=ORDERS_SHUFFLED).fingerprint()
     # Every prefix too (a round stopped early runs only its first repeats): within one of even, in any round.
     for i in range(1, 30):
         drawn = [b.order for b in plan_sweep(sweep, sweep_id=f"round-{i}").blocks if not b.is_aa]
