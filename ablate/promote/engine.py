@@ -142,11 +142,11 @@ def _with_partner_fingerprints(unread: list[UnreadArm], valid: list[Receipt]) ->
     """An unread arm that died unobserved takes its block partner's fingerprint when the partner was read and
     observed its hardware: the two ran the same code on the same node. Otherwise it stays unknown (None: it
     concerns the lane's current fingerprint, the conservative side)."""
-    partners: dict[tuple[str, str], str] = {}
+    partners: dict[tuple[str, str, int], str] = {}
     for receipt in valid:
         ident = receipt.identity
-        if ident.hardware_fingerprint:
-            partners[(ident.sweep_id, ident.block_id)] = ident.software_fingerprint
+        if ident.hardware_fingerprint:  # the same attempt: a resumed sweep's retry may run other code
+            partners[(ident.sweep_id, ident.block_id, ident.attempt)] = ident.software_fingerprint
     return [dataclasses.replace(arm, software_fingerprint=partners[arm.block])
             if arm.software_fingerprint is None and arm.block in partners else arm for arm in unread]
 

@@ -32,8 +32,9 @@ class UnreadArm:
     receipt_id: str = ""
     left_out: bool = False
     """Readable, but outside the sweeps a ``promote --sweep`` selection kept (``from_left_out``)."""
-    block: Optional[tuple[str, str]] = None
-    """(sweep id, block id) of an arm that died unobserved: its partner's fingerprint, when read, is its own
+    block: Optional[tuple[str, str, int]] = None
+    """(sweep id, block id, attempt) of an arm that died unobserved: its partner's (same attempt) fingerprint, when
+    read, is its own
     (``ablate.promote.engine``), so a crash of superseded software does not hold the current test."""
 
     def concerns(self, feature: str, lane_key: str, fingerprint: str) -> bool:
@@ -90,9 +91,13 @@ def _fingerprint(status: Any, hardware: Any, software: Any) -> Optional[str]:
     return _text(software)
 
 
-def _block(fingerprint: Optional[str], sweep: Any, block: Any) -> Optional[tuple[str, str]]:
+def _block(fingerprint: Optional[str], sweep: Any, block: Any, attempt: Any) -> Optional[tuple[str, str, int]]:
     sweep, block = _text(sweep), _text(block)
-    return (sweep, block) if fingerprint is None and sweep is not None and block is not None else None
+    try:
+        number = int(attempt)
+    except (TypeError, ValueError):
+        return None
+    return (sweep, block, number) if fingerprint is None and sweep is not None and block is not None else None
 
 
 def from_identity(origin: str, reason: str, raw: Any) -> Rejection:
@@ -109,7 +114,7 @@ def from_identity(origin: str, reason: str, raw: Any) -> Rejection:
     return Rejection(origin, reason, UnreadArm(
         origin=origin, lane_key=lane_key, feature=feature if isinstance(feature, str) and feature else None,
         software_fingerprint=fingerprint, receipt_id=_text(identity.get("receipt_id")) or "",
-        block=_block(fingerprint, identity.get("sweep_id"), identity.get("block_id"))))
+        block=_block(fingerprint, identity.get("sweep_id"), identity.get("block_id"), identity.get("attempt"))))
 
 
 def from_run_tags(origin: str, reason: str, tags: Mapping[str, str], prefix: str) -> Rejection:
@@ -124,7 +129,8 @@ def from_run_tags(origin: str, reason: str, tags: Mapping[str, str], prefix: str
     return Rejection(origin, reason, UnreadArm(
         origin=origin, lane_key=lane_key, feature=None if feature in (None, AA_FEATURE) else feature,
         software_fingerprint=fingerprint, receipt_id=_text(tags.get(prefix + "receipt_id")) or "",
-        block=_block(fingerprint, tags.get(prefix + "sweep_id"), tags.get(prefix + "block_id"))))
+        block=_block(fingerprint, tags.get(prefix + "sweep_id"), tags.get(prefix + "block_id"),
+                     tags.get(prefix + "attempt"))))
 
 
 def unread_arms(rejected: Any) -> list[UnreadArm]:

@@ -173,15 +173,12 @@ def fallback_dirs(campaign: str) -> list[Path]:
 
 
 def with_fallbacks(campaign_dir: str | Path, campaign: str) -> list[Receipt]:
-    """The receipts of a campaign directory and of the campaign's fallback directories, each id once (the
-    campaign directory's copy first). What a resumed sweep has already measured: a block whose receipts a full
+    """The receipts of a campaign directory and of the campaign's fallback directories, each id once (differing
+    copies of an id: none). What a resumed sweep has already measured: a block whose receipts a full
     disk sent to a fallback is complete, and rerunning it would write a second measurement under the same ids."""
-    found: dict[str, Receipt] = {}
-    for source in [Path(campaign_dir), *fallback_dirs(campaign)]:
-        if source.exists():
-            for receipt in load_receipts(source)[0]:
-                found.setdefault(receipt.identity.receipt_id, receipt)
-    return list(found.values())
+    sources = [source for source in [Path(campaign_dir), *fallback_dirs(campaign)] if source.exists()]
+    # Read together: differing copies of one id are a conflict and neither counts (as promote reads them).
+    return load_receipts_from(sources)[0] if sources else []
 
 
 def _atomic_write(target: Path, text: str) -> None:

@@ -167,12 +167,15 @@ class CampaignJudge:
 
 
 def settled_blocks(receipts: Iterable[Receipt]) -> list[Receipt]:
-    """The receipts of blocks whose latest attempt has both arms written. Mid-round the judge sees a block whose
-    first arm finished while its partner still runs: promote refuses it but lets a lone candidate's codes gate
-    the test, and a host-level code the baseline will share (LOW_PRIORITY, a node check) is not cancelled yet,
-    so ``no_disqualifier`` closed the test for the rest of the round (found in review). The final ``promote``
-    reads every receipt, a block left half-written included."""
+    """The receipts, less the blocks of the running (newest) sweep whose latest attempt has one arm written.
+    Mid-round the judge sees a block whose first arm finished while its partner still runs: promote refuses it
+    but lets a lone candidate's codes gate the test, and a host-level code the baseline will share (LOW_PRIORITY,
+    a node check) is not cancelled yet, so ``no_disqualifier`` closed the test for the rest of the round (found
+    in review). A lone arm of an earlier sweep will get no partner: it is read as promote reads it."""
     receipts = list(receipts)
+    if not receipts:
+        return receipts
+    running = max(receipts, key=lambda r: r.identity.created_at).identity.sweep_id
     arms: dict[tuple[str, str, int], int] = {}
     latest: dict[tuple[str, str], int] = {}
     for r in receipts:
@@ -181,7 +184,7 @@ def settled_blocks(receipts: Iterable[Receipt]) -> list[Receipt]:
                                                                           ident.attempt), 0) + 1
         latest[(ident.sweep_id, ident.block_id)] = max(latest.get((ident.sweep_id, ident.block_id), ident.attempt),
                                                        ident.attempt)
-    settled = {block for block, attempt in latest.items() if arms[(*block, attempt)] >= 2}
+    settled = {block for block, attempt in latest.items() if block[0] != running or arms[(*block, attempt)] >= 2}
     return [r for r in receipts if (r.identity.sweep_id, r.identity.block_id) in settled]
 
 

@@ -300,3 +300,8 @@ def test_the_judge_leaves_out_blocks_whose_partner_arm_is_still_running() -> Non
         arm.identity.attempt, arm.identity.receipt_id = 1, arm.identity.receipt_id + "-1"
     assert len(settled_blocks(receipts + retried)) == len(receipts) + 2
     assert len(settled_blocks(receipts + retried[:1])) == len(receipts) - 2, "attempt 1 half-written: in flight"
+    # A lone arm of an earlier sweep gets no partner any more: it is read, as promote reads it.
+    later = copy.deepcopy(receipts[-1])
+    later.identity.sweep_id, later.identity.receipt_id = "sim-r2", "later-a0"
+    later.identity.created_at = "2099-01-01T00:00:00+00:00"
+    assert lone in settled_blocks(receipts + [lone, later])
