@@ -34,8 +34,8 @@ class UnreadArm:
     """Readable, but outside the sweeps a ``promote --sweep`` selection kept (``from_left_out``)."""
     block: Optional[tuple[str, str, int]] = None
     """(sweep id, block id, attempt) of an arm that died unobserved: its partner's (same attempt) fingerprint, when
-    read, is its own
-    (``ablate.promote.engine``), so a crash of superseded software does not hold the current test."""
+    read, is its own (``ablate.promote.engine``), so a crash of superseded software does not hold the current
+    test."""
 
     def concerns(self, feature: str, lane_key: str, fingerprint: str) -> bool:
         """Whether this arm was evidence for (or calibration of) that test under that fingerprint."""

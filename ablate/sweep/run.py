@@ -442,12 +442,14 @@ def _tune_can_restore(tune_path: str) -> bool:
 
 
 def _tuner(trainable: Any, sweep: SweepConfig, layout: Layout, plan: SweepPlan, capacity: Capacity,
-           resume: bool, searcher: Any = None) -> Any:
+           restore: bool, searcher: Any = None) -> Any:
+    """``restore``: a resume whose Tune state can be restored (checked once, by the caller, which also decides
+    whether a fresh searcher is needed)."""
     from ray import tune
     from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
     tune_path = layout.tune_path(plan.sweep_id)
-    if resume and _tune_can_restore(tune_path):
+    if restore:
         # A searcher comes back from the experiment state with the blocks it had handed out.
         return tune.Tuner.restore(tune_path, trainable, resume_unfinished=True, resume_errored=True)
     # Fixed campaign: every planned block, as a grid. --until-decided: the searcher picks them one by one (at
@@ -733,7 +735,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         fatal: Optional[str] = None
         try:
             with tune_env_filter():  # Tune would copy AWS_* keys into every trial's logged runtime env
-                grid = _tuner(trainable, sweep, layout, plan, capacity, resume, searcher).fit()
+                grid = _tuner(trainable, sweep, layout, plan, capacity, restorable, searcher).fit()
         except KeyboardInterrupt:  # a second Ctrl+C: Tune skipped its last save; still account for every receipt
             interrupted.seen = True
         except Exception as exc:  # noqa: BLE001 - e.g. Tune cannot save its state on a full disk: a line, then the

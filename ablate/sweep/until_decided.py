@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
@@ -176,14 +177,10 @@ def settled_blocks(receipts: Iterable[Receipt]) -> list[Receipt]:
     if not receipts:
         return receipts
     running = max(receipts, key=lambda r: r.identity.created_at).identity.sweep_id
-    arms: dict[tuple[str, str, int], int] = {}
+    arms = Counter((r.identity.sweep_id, r.identity.block_id, r.identity.attempt) for r in receipts)
     latest: dict[tuple[str, str], int] = {}
-    for r in receipts:
-        ident = r.identity
-        arms[(ident.sweep_id, ident.block_id, ident.attempt)] = arms.get((ident.sweep_id, ident.block_id,
-                                                                          ident.attempt), 0) + 1
-        latest[(ident.sweep_id, ident.block_id)] = max(latest.get((ident.sweep_id, ident.block_id), ident.attempt),
-                                                       ident.attempt)
+    for sweep, block, attempt in arms:
+        latest[(sweep, block)] = max(latest.get((sweep, block), attempt), attempt)
     settled = {block for block, attempt in latest.items() if block[0] != running or arms[(*block, attempt)] >= 2}
     return [r for r in receipts if (r.identity.sweep_id, r.identity.block_id) in settled]
 
