@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -15,6 +18,10 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Accepted receipt payloads are remembered per machine (ablate.receipts.accepted): never in the user's cache.
+if "ABLATE_CACHE_DIR" not in os.environ:
+    os.environ["ABLATE_CACHE_DIR"] = tempfile.mkdtemp(prefix="ablate-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["ABLATE_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
 from ablate.parallel import fork_map
+from ablate.receipts.accepted import AcceptedPayloads, payload_key
 from ablate.receipts.schema import InvalidReceipt, Receipt, validate_receipt
 from ablate.receipts.store import digest_problem
 from ablate.tracking.mapping import TAG
@@ -67,15 +68,19 @@ def parse_receipt(data: Union[bytes, str]) -> Receipt:
     return receipt
 
 
-def _from_payload(run: Any) -> Optional[Outcome]:
-    """The run's receipt from its payload tags; None when it has none."""
-    tags = run.data.tags
+def _payload(run: Any) -> Union[bytes, Outcome, None]:
+    """The run's payload bytes; None when it has none; the run's outcome when its payload tags are damaged."""
     try:
-        data = payload_json(tags)
-        if data is None:
-            return None
+        return payload_json(run.data.tags)
+    except PayloadError as exc:
+        return Outcome(run, reason=f"{exc} ({WHERE}; receipt.json is the authoritative copy)")
+
+
+def _checked(run: Any, data: bytes) -> Outcome:
+    """The receipt in ``data`` checked in full, then against its run's tags."""
+    try:
         receipt = parse_receipt(data)
-        check_against_run(receipt, tags)
+        check_against_run(receipt, run.data.tags)
     except (PayloadError, InvalidReceipt, json.JSONDecodeError, UnicodeDecodeError) as exc:
         return Outcome(run, reason=f"{exc} ({WHERE}; receipt.json is the authoritative copy)")
     except Exception as exc:  # noqa: BLE001 - JSON of the wrong shape for the validator: refused, never a crash
@@ -83,9 +88,21 @@ def _from_payload(run: Any) -> Optional[Outcome]:
     return Outcome(run, receipt=receipt)
 
 
-def _payload_result(run: Any) -> Optional[tuple[Optional[Receipt], Optional[str]]]:
-    outcome = _from_payload(run)
-    return None if outcome is None else (outcome.receipt, outcome.reason)
+def _already_accepted(run: Any, data: bytes) -> Optional[Outcome]:
+    """The receipt in ``data``, which these checks accepted before (``ablate.receipts.accepted``): parsed into its
+    model, as ``validate_receipt`` parses it, and checked against this run's tags; None if anything fails (the
+    full checks then run and say why)."""
+    try:
+        receipt = Receipt.model_validate(json.loads(data))
+        check_against_run(receipt, run.data.tags)
+    except Exception:  # noqa: BLE001 - never the reason given: the full checks give it
+        return None
+    return Outcome(run, receipt=receipt)
+
+
+def _check_result(item: tuple[Any, bytes]) -> tuple[Optional[Receipt], Optional[str]]:
+    outcome = _checked(*item)
+    return outcome.receipt, outcome.reason
 
 
 def _from_artifact(run: Any, tracking_uri: str, tmp: Path) -> Outcome:
@@ -109,19 +126,35 @@ def read_arm_runs(runs: list[Any], tracking_uri: str, use_payload: bool = True,
     reads every receipt from its ``receipt.json`` (the authoritative copy)."""
     outcomes: list[Optional[Outcome]] = []
     pending: list[tuple[int, Any]] = []
-    logged = [run for run in runs if run.data.tags.get(TAG + "logged") == "1"]
-    # Checking a receipt (schema, re-derived figures, digest) is ~0.5 ms of pure Python: 10,000 of them are split
-    # over the CPUs. Only the receipt or the reason comes back, never the run with its payload tags.
-    found = iter(fork_map(_payload_result, logged, min_share=PARALLEL_MIN_SHARE) if use_payload else [])
+    to_check: list[tuple[int, Any, bytes]] = []
+    accepted = AcceptedPayloads.open() if use_payload else None
     for run in runs:
         if run.data.tags.get(TAG + "logged") != "1":
             outcomes.append(Outcome(run, reason="incomplete run (logging was interrupted); run a sync"))
             continue
-        result = next(found, None)
-        outcome = None if result is None else Outcome(run, receipt=result[0], reason=result[1])
-        if outcome is None:
+        data = _payload(run) if use_payload else None
+        if data is None:
             pending.append((len(outcomes), run))
-        outcomes.append(outcome)
+        elif isinstance(data, Outcome):
+            outcomes.append(data)
+            continue
+        elif payload_key(data) in accepted:
+            outcome = _already_accepted(run, data)
+            if outcome is None:
+                to_check.append((len(outcomes), run, data))
+            outcomes.append(outcome)
+            continue
+        else:
+            to_check.append((len(outcomes), run, data))
+        outcomes.append(None)
+    # Checking a receipt (schema, re-derived figures, digest) is ~0.8 ms of pure Python: the ones not accepted
+    # before are split over the CPUs. Only the receipt or the reason comes back, never the run with its payload tags.
+    checked = fork_map(_check_result, [(run, data) for _, run, data in to_check], min_share=PARALLEL_MIN_SHARE)
+    for (index, run, data), (receipt, reason) in zip(to_check, checked):
+        outcomes[index] = Outcome(run, receipt=receipt, reason=reason)
+    if accepted is not None:
+        accepted.add(payload_key(data) for (_, _, data), (receipt, _) in zip(to_check, checked) if receipt)
+        accepted.save()
     if pending:
         with tempfile.TemporaryDirectory(prefix="ablate-receipts-") as tmp, \
                 ThreadPoolExecutor(max_workers=max(1, min(threads, len(pending)))) as pool:

@@ -1,0 +1,133 @@
+"""Receipt payloads accepted once are not checked again (``ablate.receipts.accepted``), on a real SQLite store:
+the second read returns exactly what the full checks return, a changed payload or a payload on the wrong run is
+checked in full and refused, other checking code never hits, and a damaged or unwritable cache only costs time."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sweeps_common import fresh_mlflow_uri, log_campaign
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "promote"))
+
+from promote_sim import Sim, moe, simulate  # noqa: E402
+
+from ablate import parallel  # noqa: E402
+from ablate.receipts import accepted  # noqa: E402
+from ablate.receipts.store import seal  # noqa: E402
+from ablate.tracking import bulk_read, payload  # noqa: E402
+from ablate.tracking.mlflow_store import load_receipts_from_mlflow  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[Any], dict[str, str]]:
+    """A real SQLite store with 12 logged receipts; (uri, receipts, receipt id -> run id)."""
+    receipts = [seal(r) for r in simulate(Sim(features=[moe(1.05)], hosts=3, blocks_per_host=2, rounds=1),
+                                          seed=11)][:12]
+    uri = fresh_mlflow_uri(tmp_path_factory.mktemp("accepted"))
+    client, _ = log_campaign(uri, receipts)
+    return uri, receipts, {rid: run.info.run_id for rid, run in client.arm_runs().items()}
+
+
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
+    """Receipt ids given the full checks, in this process (no forking), with an empty cache of its own."""
+    monkeypatch.setenv(parallel.PROCESSES_ENV, "1")
+    monkeypatch.setenv(accepted.CACHE_ENV, str(tmp_path / "cache"))
+    calls: list[str] = []
+    real = bulk_read.parse_receipt
+
+    def recording(data: bytes) -> Any:
+        calls.append(json.loads(data)["identity"]["receipt_id"])
+        return real(data)
+
+    monkeypatch.setattr(bulk_read, "parse_receipt", recording)
+    return calls
+
+
+def _dumps(read: tuple[list[Any], list, dict]) -> list[str]:
+    return sorted(r.model_dump_json() for r in read[0])
+
+
+def test_a_second_read_checks_nothing_again_and_returns_the_same_receipts(store, counted) -> None:
+    uri, receipts, _ = store
+    first = load_receipts_from_mlflow(uri, "ablate")
+    assert sorted(counted) == sorted(r.identity.receipt_id for r in receipts)
+    counted.clear()
+    second = load_receipts_from_mlflow(uri, "ablate")
+    assert counted == []
+    assert _dumps(second) == _dumps(first) == sorted(r.model_dump_json() for r in receipts)
+    assert second[1] == first[1] == [] and second[2] == first[2]
+
+
+def test_a_changed_payload_and_a_payload_on_another_run_are_checked_in_full(store, counted, tmp_path) -> None:
+    uri, receipts, runs = store
+    load_receipts_from_mlflow(uri, "ablate")  # every payload accepted and remembered
+    counted.clear()
+    target, donor, edited_one = receipts[0], receipts[1], receipts[2]
+    from ablate.tracking.mlflow_store import TrackingClient
+
+    client = TrackingClient(uri, "ablate").client
+    original = {rid: client.get_run(runs[rid]).data.tags for rid in (target.identity.receipt_id,
+                                                                      edited_one.identity.receipt_id)}
+    try:
+        # The donor's accepted bytes on the target's run: a cache hit by content, refused by the run's own tags.
+        for key, value in payload.payload_tags(donor).items():
+            client.set_tag(runs[target.identity.receipt_id], key, value)
+        edited = json.loads(edited_one.model_dump_json())
+        edited["quality"]["loss_final"] = 0.001  # digest kept: new bytes, never accepted
+        for key, value in payload.encode_json(json.dumps(edited).encode()).items():
+            client.set_tag(runs[edited_one.identity.receipt_id], key, value)
+        read, rejected, _ = load_receipts_from_mlflow(uri, "ablate")
+    finally:
+        for rid, tags in original.items():
+            for key, value in tags.items():
+                if key.startswith(payload.PAYLOAD_TAG):
+                    client.set_tag(runs[rid], key, value)
+    # Checked in full: the donor's bytes (on the target's run) and the edited bytes; nothing else.
+    assert sorted(counted) == sorted([donor.identity.receipt_id, edited_one.identity.receipt_id])
+    reasons = " | ".join(why for _, why in rejected)
+    assert len(rejected) == 2 and "does not match the run's ablate.receipt_id" in reasons
+    assert "content does not match its digest" in reasons
+    assert {r.identity.receipt_id for r in read} == \
+        {r.identity.receipt_id for r in receipts} - {target.identity.receipt_id, edited_one.identity.receipt_id}
+
+
+def test_other_checking_code_damage_and_off_all_check_in_full(store, counted, monkeypatch, tmp_path) -> None:
+    uri, receipts, _ = store
+    every = sorted(r.identity.receipt_id for r in receipts)
+    load_receipts_from_mlflow(uri, "ablate")
+    files = list((tmp_path / "cache").glob("accepted-*.bin"))
+    assert len(files) == 1
+    counted.clear()
+
+    with monkeypatch.context() as other:
+        other.setattr(accepted, "checking_fingerprint", lambda: "other-code")
+        load_receipts_from_mlflow(uri, "ablate")
+    assert sorted(counted) == every, "a change to the checking code never hits an entry made by other code"
+
+    counted.clear()
+    files[0].write_bytes(files[0].read_bytes()[:-7])  # cut mid-entry: read as empty, rewritten whole
+    read = load_receipts_from_mlflow(uri, "ablate")
+    assert sorted(counted) == every and len(read[0]) == len(receipts)
+    counted.clear()
+    load_receipts_from_mlflow(uri, "ablate")
+    assert counted == []
+
+    counted.clear()
+    monkeypatch.setenv(accepted.CACHE_ENV, accepted.OFF)
+    load_receipts_from_mlflow(uri, "ablate")
+    load_receipts_from_mlflow(uri, "ablate")
+    assert sorted(counted) == sorted(every * 2)
+
+    counted.clear()
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("a file where the cache directory would go")
+    monkeypatch.setenv(accepted.CACHE_ENV, str(blocked))
+    read = load_receipts_from_mlflow(uri, "ablate")
+    assert sorted(counted) == every and len(read[0]) == len(receipts) and read[1] == []
+
