@@ -7,8 +7,9 @@ receipts the previous promotion had already checked.
 
 Why it is exact: whether a payload is a valid receipt depends only on its bytes and on the code that checks them.
 An entry is the sha256 of the exact payload bytes, in a file named by the checking code's fingerprint (the source
-of ``ablate.receipts`` and of the payload reader, the Python and pydantic versions): other bytes or other code
-never hit. Only acceptances are kept (a refused payload is checked again, and says why, every time). The one check
+of the validator and of the payload reader, the Python and pydantic versions): other bytes or other code never hit.
+Only payloads that are exactly the accepted model's own JSON are kept (``bulk_read._check_result``), so the reader
+rebuilds the very model that was checked; only acceptances are kept (a refused payload is checked again, and says why, every time). The one check
 that depends on the clock, a ``created_at`` in the future, only ever turns from refused to accepted. A hit still
 parses the payload into its model and checks it against its run's tags (``bulk_read``).
 

@@ -131,3 +131,28 @@ def test_other_checking_code_damage_and_off_all_check_in_full(store, counted, mo
     read = load_receipts_from_mlflow(uri, "ablate")
     assert sorted(counted) == every and len(read[0]) == len(receipts) and read[1] == []
 
+
+
+def test_a_valid_payload_in_other_json_spelling_is_checked_in_full_every_time(store, counted) -> None:
+    """Only a payload that is exactly its model's own JSON is remembered: pydantic's parser rebuilds such a payload
+    into the very model that was checked; other spellings (spacing, key order, duplicate keys) take the checks."""
+    uri, receipts, runs = store
+    from ablate.tracking.mlflow_store import TrackingClient
+
+    client = TrackingClient(uri, "ablate").client
+    chosen = receipts[4]
+    rid = chosen.identity.receipt_id
+    original = client.get_run(runs[rid]).data.tags
+    spelled = json.dumps(json.loads(chosen.model_dump_json()), indent=1).encode()  # other spacing, same content
+    try:
+        for key, value in payload.encode_json(spelled).items():
+            client.set_tag(runs[rid], key, value)
+        first = load_receipts_from_mlflow(uri, "ablate")
+        second = load_receipts_from_mlflow(uri, "ablate")
+    finally:
+        for key, value in original.items():
+            if key.startswith(payload.PAYLOAD_TAG):
+                client.set_tag(runs[rid], key, value)
+    assert sorted(counted) == sorted([r.identity.receipt_id for r in receipts] + [rid])
+    assert first[1] == second[1] == []
+    assert _dumps(first) == _dumps(second) == sorted(r.model_dump_json() for r in receipts)
