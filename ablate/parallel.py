@@ -26,6 +26,13 @@ PROCESSES_ENV = "ABLATE_PROCESSES"
 
 
 _allowed = False
+_in_child = False
+
+
+def in_forked_child() -> bool:
+    """True inside a ``fork_map`` child: a function whose result is costly to pickle may send back less there and
+    let the caller rebuild it (``bulk_read``: a checked receipt is re-parsed from its bytes faster than it unpickles)."""
+    return _in_child
 
 
 @contextlib.contextmanager
@@ -62,7 +69,8 @@ def fork_map(fn: Callable[[T], R], items: Sequence[T], processes: Optional[int] 
     """``[fn(item) for item in items]``. Inside ``forking()`` the items are dealt round-robin (a share's cost does not
     depend on where the costly items sit) over up to ``processes`` processes, this one included, with at least
     ``min_share`` items each. ``fn`` must not depend on state it changes (a child's changes are lost) and its
-    results must pickle."""
+    results must pickle. A result may be sent back lighter from a child (``in_forked_child``) when the caller
+    rebuilds what it left out."""
     count = min(processes or usable_processes(), len(items) // max(1, min_share)) if _allowed else 1
     if count < 2 or not hasattr(os, "fork"):
         return [fn(item) for item in items]
@@ -105,6 +113,8 @@ def _fork_child(fn: Callable[[T], R], items: Sequence[T], share: range, path: Pa
         return None
     if pid:
         return pid
+    global _in_child
+    _in_child = True
     code = 1
     try:
         values = [fn(items[index]) for index in share]

@@ -1,27 +1,28 @@
-"""Receipt payloads this machine has already checked and accepted, so reading the same store again skips their
+"""Receipt payloads already checked and accepted, remembered per user, so reading the same store again skips their
 checks.
 
 Why: checking a receipt (schema, re-derived figures, digest) is ~0.8 ms of pure Python, and every ``ablate promote``
 reads the whole experiment again: 10,000 receipts were 7 s of a 25 s promotion on two cores, almost all of them
 receipts the previous promotion had already checked.
 
-Why it is exact: whether a payload is a valid receipt depends only on its bytes and on the code that checks them.
-An entry is the sha256 of the exact payload bytes, in a file named by the checking code's fingerprint (the source
-of the validator and of the payload reader, the Python and pydantic versions): other bytes or other code never hit.
-Only payloads that are exactly the accepted model's own JSON are kept (``bulk_read._check_result``), so the reader
-rebuilds the very model that was checked; only acceptances are kept (a refused payload is checked again, and says why, every time). The one check
-that depends on the clock, a ``created_at`` in the future, only ever turns from refused to accepted. A hit still
-parses the payload into its model and checks it against its run's tags (``bulk_read``).
+Why it is exact: whether a payload is a valid receipt depends only on its bytes, on the code that checks them and on
+the clock. An entry is the sha256 of the exact payload bytes, in a file named by the checking code's fingerprint
+(the source of the validator and of the payload reader as they were when the reader was imported, the Python and
+pydantic versions): other bytes or other code never hit. Only payloads that are exactly the accepted model's own JSON
+are kept (``bulk_read._check_result``), so the reader rebuilds the very model that was checked, and the clock's
+check (``schema.in_the_future``) is repeated on every hit. A hit is also checked against its run's tags.
 
 The file lives in ``$ABLATE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/ablate``, else ``~/.cache/ablate``); ``off``
-turns it off. It is trusted like the installed code beside it: whoever can write one can write the other. An
-unreadable or damaged file counts as empty; one that cannot be written is left as it is.
+turns it off. Whoever can write the file decides which payloads skip the checks, so a file (or directory) owned by
+another user, or writable by group or others, is ignored; so is a damaged one. A cache that cannot be opened or
+written only costs time. New entries are appended (a sweep driver adds a few per block), in one write each.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -35,6 +36,7 @@ _CHECKING_CODE = ("ablate/receipts/schema.py", "ablate/receipts/derive.py", "abl
                   "ablate/tracking/payload.py", "ablate/tracking/bulk_read.py")
 """What decides whether a payload is accepted: the validator, the derivations it re-computes, the digest check,
 the payload decoder and the parse in the reader."""
+_ROOT = Path(__file__).resolve().parents[2]
 
 
 def cache_dir() -> Optional[Path]:
@@ -47,11 +49,13 @@ def cache_dir() -> Optional[Path]:
     return (Path(base) if base else Path.home() / ".cache") / "ablate"
 
 
-def checking_fingerprint() -> str:
+def checking_fingerprint(root: Path = _ROOT) -> str:
+    """The fingerprint of the checking code under ``root``. Taken once, when the reader is imported
+    (``bulk_read.CHECKING_FINGERPRINT``): a long-running driver whose checkout is edited meanwhile keeps writing
+    under the code it runs, never under the new code's name."""
     import pydantic
     import pydantic_core
 
-    root = Path(__file__).resolve().parents[2]
     digest = hashlib.sha256()
     for name in _CHECKING_CODE:
         digest.update(name.encode() + b"\0" + (root / name).read_bytes() + b"\0")
@@ -65,17 +69,24 @@ def payload_key(data: bytes) -> bytes:
 
 
 class AcceptedPayloads:
-    """The keys (``payload_key``) of payloads accepted under this checking code; ``add`` then ``save``."""
+    """The keys (``payload_key``) of payloads accepted under one checking code; ``add`` then ``save``."""
 
     def __init__(self, path: Optional[Path]) -> None:
         self.path = path
-        self._known = _read(path) if path is not None else set()
+        self._known = _read(path)[0] if path is not None else set()
         self._new: set[bytes] = set()
 
     @classmethod
-    def open(cls) -> "AcceptedPayloads":
-        directory = cache_dir()
-        return cls(None if directory is None else directory / f"accepted-{checking_fingerprint()}.bin")
+    def open(cls, fingerprint: Optional[str]) -> "AcceptedPayloads":
+        """The cache of the code with ``fingerprint``; a disabled one when it is off, when there is no fingerprint
+        (the checking code's source is not installed) or no cache directory (no home)."""
+        try:
+            directory = cache_dir()
+        except (RuntimeError, OSError):  # Path.home() without HOME and without a passwd entry
+            directory = None
+        if directory is None or fingerprint is None:
+            return cls(None)
+        return cls(directory / f"accepted-{fingerprint}.bin")
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._known
@@ -84,31 +95,73 @@ class AcceptedPayloads:
         self._new.update(key for key in keys if key not in self._known)
 
     def save(self) -> None:
-        """Writes the new keys beside those already in the file (another reader may have added some since it was
-        opened); atomically, so a reader never sees half a file."""
+        """Appends the new keys in one write; a missing, damaged or misaligned file is written anew instead
+        (atomically: a reader never sees half a file)."""
         if self.path is None or not self._new:
             return
-        keys = _read(self.path) | self._known | self._new
+        new = b"".join(sorted(self._new))
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=self.path.parent, prefix=".accepted-", delete=False) as handle:
-                handle.write(_MAGIC + b"".join(sorted(keys)))
-            os.replace(handle.name, self.path)
-        except OSError:  # read-only or full cache directory: the next read checks everything again
-            try:
-                os.unlink(handle.name)
-            except (OSError, UnboundLocalError):
-                pass
+            known, aligned = _read(self.path)
+            if aligned:
+                descriptor = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+                try:
+                    os.write(descriptor, new)
+                finally:
+                    os.close(descriptor)
+            else:
+                _write_new(self.path, b"".join(sorted(known)) + new)
+                _prune(self.path)
+        except OSError:  # read-only or full cache directory: the next read checks these again
             return
-        self._known, self._new = keys, set()
+        self._known |= self._new
+        self._new = set()
 
 
-def _read(path: Path) -> set[bytes]:
+KEEP_OTHER_FILES = 4
+"""Files of other checking code kept beside the current one (the most recently written): an edited checkout makes a
+new fingerprint each time, and an old file is only useful to code that may come back (a switched branch)."""
+
+
+def _prune(current: Path) -> None:
+    others = sorted((p for p in current.parent.glob("accepted-*.bin") if p != current),
+                    key=lambda p: p.stat().st_mtime, reverse=True)
+    for stale in others[KEEP_OTHER_FILES:]:
+        stale.unlink(missing_ok=True)
+
+
+def _trusted(path: Path) -> bool:
+    """Only this user can have written it: owned by us, not writable by group or others (nor its directory)."""
+    for item in (path, path.parent):
+        info = item.stat()
+        if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return False
+    return True
+
+
+def _read(path: Path) -> tuple[set[bytes], bool]:
+    """(keys, whether new keys may be appended): nothing from a file that is missing, not ours, damaged or of
+    another format; a torn last entry (an interrupted append) is left out and the file is rewritten on the next
+    save."""
     try:
+        if not _trusted(path):
+            return set(), False
         data = path.read_bytes()
     except OSError:
-        return set()
+        return set(), False
+    if not data.startswith(_MAGIC):
+        return set(), False
     body = data[len(_MAGIC):]
-    if not data.startswith(_MAGIC) or len(body) % _DIGEST_BYTES:
-        return set()  # damaged or another format: as if empty, rewritten whole on the next save
-    return {body[i:i + _DIGEST_BYTES] for i in range(0, len(body), _DIGEST_BYTES)}
+    whole = len(body) - len(body) % _DIGEST_BYTES
+    return {body[i:i + _DIGEST_BYTES] for i in range(0, whole, _DIGEST_BYTES)}, whole == len(body)
+
+
+def _write_new(path: Path, body: bytes) -> None:
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    handle = tempfile.NamedTemporaryFile(dir=path.parent, prefix=".accepted-", delete=False)  # mode 0600
+    try:
+        with handle:
+            handle.write(_MAGIC + body)
+        os.replace(handle.name, path)
+    finally:
+        if os.path.exists(handle.name):  # not replaced: an error or an interrupt on the way
+            os.unlink(handle.name)

@@ -630,6 +630,13 @@ def schema_major(version: str) -> int:
                              f"{sorted(SUPPORTED_MAJORS)}") from exc
 
 
+def in_the_future(created_at: str) -> bool:
+    """Whether a UTC ISO-8601 ``created_at`` lies beyond this machine's clock (plus ``FUTURE_SLACK``): the one check
+    whose answer depends on when and where it runs, so it is repeated on every payload remembered as accepted
+    (``ablate.receipts.accepted``), which another machine's clock may have passed."""
+    return dt.datetime.fromisoformat(created_at) > dt.datetime.now(dt.timezone.utc) + FUTURE_SLACK
+
+
 def validate_receipt(obj: dict[str, Any] | Receipt) -> Receipt:
     """Parse and check one receipt; raise ``InvalidReceipt`` naming what is wrong."""
     if isinstance(obj, Receipt):
@@ -665,7 +672,7 @@ def validate_receipt(obj: dict[str, Any] | Receipt) -> Receipt:
         # trainer writes (ISO-8601 UTC, +00:00).
         raise InvalidReceipt(f"identity.created_at {receipt.identity.created_at!r} is not an ISO-8601 date and time "
                              f"with a UTC offset of +00:00 (e.g. 2026-11-22T18:07:17+00:00)")
-    if moment > dt.datetime.now(dt.timezone.utc) + FUTURE_SLACK:
+    if in_the_future(receipt.identity.created_at):
         raise InvalidReceipt(f"identity.created_at {receipt.identity.created_at!r} is in the future: no arm has run "
                              f"then")
     errors = figure_errors(receipt)

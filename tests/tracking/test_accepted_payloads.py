@@ -102,21 +102,31 @@ def test_other_checking_code_damage_and_off_all_check_in_full(store, counted, mo
     every = sorted(r.identity.receipt_id for r in receipts)
     load_receipts_from_mlflow(uri, "ablate")
     files = list((tmp_path / "cache").glob("accepted-*.bin"))
-    assert len(files) == 1
+    assert len(files) == 1 and files[0].stat().st_mode & 0o077 == 0
     counted.clear()
 
     with monkeypatch.context() as other:
-        other.setattr(accepted, "checking_fingerprint", lambda: "other-code")
+        other.setattr(bulk_read, "CHECKING_FINGERPRINT", "other-code")
         load_receipts_from_mlflow(uri, "ablate")
     assert sorted(counted) == every, "a change to the checking code never hits an entry made by other code"
 
     counted.clear()
-    files[0].write_bytes(files[0].read_bytes()[:-7])  # cut mid-entry: read as empty, rewritten whole
+    files[0].write_bytes(files[0].read_bytes()[:-7])  # an interrupted append: the torn last entry is left out
     read = load_receipts_from_mlflow(uri, "ablate")
-    assert sorted(counted) == every and len(read[0]) == len(receipts)
+    assert len(counted) == 1 and len(read[0]) == len(receipts)
     counted.clear()
-    load_receipts_from_mlflow(uri, "ablate")
+    load_receipts_from_mlflow(uri, "ablate")  # the misaligned file was written anew, whole
     assert counted == []
+
+    counted.clear()
+    files[0].write_bytes(b"not a cache file" + files[0].read_bytes())
+    load_receipts_from_mlflow(uri, "ablate")
+    assert sorted(counted) == every
+
+    counted.clear()
+    files[0].chmod(0o666)  # anyone could have added keys: not trusted
+    load_receipts_from_mlflow(uri, "ablate")
+    assert sorted(counted) == every
 
     counted.clear()
     monkeypatch.setenv(accepted.CACHE_ENV, accepted.OFF)
@@ -131,6 +141,65 @@ def test_other_checking_code_damage_and_off_all_check_in_full(store, counted, mo
     read = load_receipts_from_mlflow(uri, "ablate")
     assert sorted(counted) == every and len(read[0]) == len(receipts) and read[1] == []
 
+    counted.clear()
+    monkeypatch.delenv(accepted.CACHE_ENV)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("HOME", raising=False)
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    read = load_receipts_from_mlflow(uri, "ablate")
+    assert sorted(counted) == every and len(read[0]) == len(receipts)
+
+
+def test_a_remembered_payload_is_held_to_this_machines_clock(tmp_path, counted, monkeypatch) -> None:
+    """The future-time check depends on the clock that reads: a payload accepted where the clock (or the slack) let
+    it pass is refused on a hit where the full checks would refuse it (a cache shared by machines, a clock set
+    back)."""
+    import datetime as dt
+
+    from ablate.receipts import schema
+
+    soon = (dt.datetime.now(dt.timezone.utc) + dt.timedelta(minutes=30)).isoformat(timespec="seconds")
+    receipts = [seal(r.model_copy(update={"identity": r.identity.model_copy(update={"created_at": soon})}))
+                for r in simulate(Sim(features=[moe(1.05)], hosts=3, blocks_per_host=1, rounds=1), seed=3)][:4]
+    uri = fresh_mlflow_uri(tmp_path / "clock")
+    log_campaign(uri, receipts)
+    first = load_receipts_from_mlflow(uri, "ablate")
+    assert len(first[0]) == 4 and first[1] == []
+    counted.clear()
+    monkeypatch.setattr(schema, "FUTURE_SLACK", dt.timedelta(0))  # this reader's clock: 30 min is the future
+    read, rejected, _ = load_receipts_from_mlflow(uri, "ablate")
+    assert read == [] and len(rejected) == 4 and all("in the future" in why for _, why in rejected)
+    assert len(counted) == 4, "every remembered payload went back to the full checks, which gave the reason"
+
+
+def test_the_fingerprint_follows_every_checking_module(tmp_path) -> None:
+    root = tmp_path / "tree"
+    for name in accepted._CHECKING_CODE:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes((accepted._ROOT / name).read_bytes())
+    seen = {accepted.checking_fingerprint(root)}
+    assert seen == {accepted.checking_fingerprint()}
+    for name in accepted._CHECKING_CODE:
+        with open(root / name, "a") as handle:
+            handle.write("\n# edited\n")
+        seen.add(accepted.checking_fingerprint(root))
+    assert len(seen) == 1 + len(accepted._CHECKING_CODE)
+
+
+def test_payloads_checked_in_forked_children_are_remembered_too(store, monkeypatch, tmp_path) -> None:
+    uri, receipts, _ = store
+    monkeypatch.setenv(parallel.PROCESSES_ENV, "2")
+    monkeypatch.setattr(bulk_read, "PARALLEL_MIN_SHARE", 1)
+    monkeypatch.setenv(accepted.CACHE_ENV, str(tmp_path / "cache"))
+    with parallel.forking():
+        forked = load_receipts_from_mlflow(uri, "ablate")
+    (path,) = (tmp_path / "cache").glob("accepted-*.bin")
+    assert len(accepted._read(path)[0]) == len(receipts)
+    assert _dumps(forked) == sorted(r.model_dump_json() for r in receipts)
 
 
 def test_a_valid_payload_in_other_json_spelling_is_checked_in_full_every_time(store, counted) -> None:
@@ -156,3 +225,23 @@ def test_a_valid_payload_in_other_json_spelling_is_checked_in_full_every_time(st
     assert sorted(counted) == sorted([r.identity.receipt_id for r in receipts] + [rid])
     assert first[1] == second[1] == []
     assert _dumps(first) == _dumps(second) == sorted(r.model_dump_json() for r in receipts)
+
+
+def test_files_of_older_checking_code_are_pruned(tmp_path) -> None:
+    import os
+    import time
+
+    directory = tmp_path / "cache"
+    directory.mkdir(mode=0o700)
+    now = time.time()
+    for age in range(7):  # seven files of other code, the oldest last
+        path = directory / f"accepted-old{age}.bin"
+        path.write_bytes(b"")
+        os.utime(path, (now - 3600 * (age + 1), now - 3600 * (age + 1)))
+    cache = accepted.AcceptedPayloads(directory / "accepted-current.bin")
+    cache.add([accepted.payload_key(b"{}")])
+    cache.save()
+    left = sorted(p.name for p in directory.iterdir())
+    assert left == sorted(["accepted-current.bin"] + [f"accepted-old{age}.bin"
+                                                     for age in range(accepted.KEEP_OTHER_FILES)])
+    assert accepted.payload_key(b"{}") in accepted.AcceptedPayloads(directory / "accepted-current.bin")
