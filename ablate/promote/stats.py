@@ -28,9 +28,6 @@ _CUMSUM_CHUNK_ELEMENTS = 65_536
 _CATEGORY_CHUNK_ELEMENTS = 2_000_000
 _LADDER_CHUNK_ROWS = 256
 """Resamples bisected together: their (rows x n) gathers stay in cache (measured faster than 1,024)."""
-_DENSE_MAX_ELEMENTS = 250_000
-"""Largest (resamples x pairs) cumulative-weight matrix built at once by ``_hl_by_categories`` (2 MB); beyond it,
-bisection."""
 _LADDER_MAX_ELEMENTS = 8_000_000
 """Largest ladder (distinct averages x blocks) built: 32 MB of int32 (and 64 MB more while it is counted), ~250
 blocks; beyond it the cumulative sum, as before (n=250, 10,000 resamples: 0.3 s against 5.8 s)."""
@@ -128,14 +125,6 @@ def _hl_by_categories(pairs: _SortedPairs, counts: np.ndarray) -> np.ndarray:
     weights = np.where(cat_diag, ca * (ca + 1.0) * 0.5, ca * cb)  # (B, categories)
     total = weights @ cum[:, -1]
     out = np.zeros(counts.shape[0])
-    if counts.shape[0] * pairs.size <= _DENSE_MAX_ELEMENTS:
-        # Every resample's cumulative weight at every sorted pair in one product: a few resamples (the distinct
-        # ones of a cluster bootstrap over a few hosts) cost ~1/3 of the bisection's ~100 small numpy calls. The
-        # weights are whole numbers far below 2**53, so the sums are exact in any order: the same positions.
-        dense = weights @ cum  # (B, pairs)
-        for rank in _median_positions(np.rint(total).astype(np.int64)):
-            out += pairs.values[np.argmax(dense > rank[:, None], axis=1)] * 0.5
-        return out
     for rank in _median_positions(np.rint(total).astype(np.int64)):
         # Smallest sorted position whose cumulative weight exceeds the rank (vectorised bisection).
         lo = np.zeros(counts.shape[0], dtype=np.int64)

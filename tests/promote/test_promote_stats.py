@@ -17,20 +17,9 @@ def _expanded_hl(x: np.ndarray, cluster: np.ndarray, counts: np.ndarray) -> floa
     return hodges_lehmann(picked)
 
 
-@pytest.mark.parametrize("dense_max", [0, 10**9], ids=["bisection", "dense"])
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(-50, 50), min_size=1, max_size=14), st.integers(1, 14), st.integers(0, 2**31))
-def test_weighted_median_equals_brute_force(dense_max: int, values: list[int], num_clusters: int, seed: int) -> None:
-    from ablate.promote import stats
-
-    before, stats._DENSE_MAX_ELEMENTS = stats._DENSE_MAX_ELEMENTS, dense_max  # each way of the category method
-    try:
-        _check_weighted_median(values, num_clusters, seed)
-    finally:
-        stats._DENSE_MAX_ELEMENTS = before
-
-
-def _check_weighted_median(values: list[int], num_clusters: int, seed: int) -> None:
+def test_weighted_median_equals_brute_force(values: list[int], num_clusters: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     x = np.asarray(values, dtype=float) / 10  # ties are common: the median must still be exact
     k = min(num_clusters, x.size)
