@@ -26,6 +26,9 @@ import numpy as np
 _CUMSUM_CHUNK_ELEMENTS = 65_536
 """Rows of the B x P weight matrix are processed in cache-sized chunks (measured: 6x faster than 2M-element ones)."""
 _CATEGORY_CHUNK_ELEMENTS = 2_000_000
+_CATEGORY_MAX_ELEMENTS = 16_000_000
+"""Largest (categories x pairs) table of cumulative counts the category method builds (128 MB); beyond it, the
+ladder or the cumulative sum (found in review)."""
 _LADDER_CHUNK_ROWS = 256
 """Resamples bisected together: their (rows x n) gathers stay in cache (measured faster than 1,024)."""
 _LADDER_MAX_ELEMENTS = 8_000_000
@@ -226,7 +229,8 @@ def _hl_chunks(pairs: _SortedPairs, counts: np.ndarray) -> np.ndarray:
     num_categories = 2 * k + k * (k - 1) // 2
     steps = math.log2(max(pairs.size, 2)) + 1
     bisection_cost = num_categories * 2 * steps
-    if bisection_cost < 6 * pairs.size:
+    # The category method holds a (categories x pairs) table: ~100 hosts and 700 blocks would be 10 GB of it.
+    if bisection_cost < 6 * pairs.size and num_categories * pairs.size <= _CATEGORY_MAX_ELEMENTS:
         return _in_chunks(_hl_by_categories, pairs, counts, max(1, _CATEGORY_CHUNK_ELEMENTS // num_categories))
     blocks = int(pairs.cluster_sizes.sum())
     # Per resample: the cumulative sum touches every pair, the ladder ~2 gathers per block and bisection step

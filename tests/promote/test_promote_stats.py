@@ -143,3 +143,22 @@ def test_host_level_t_never_takes_coinciding_host_means_as_certain() -> None:
     # Deterministic twins (no spread at all) are decided by where they sit.
     assert host_level_t(np.full(6, 0.02), hosts[:6], 0.01)[0] == 0.0
     assert host_level_t(np.full(6, 0.005), hosts[:6], 0.01)[0] == 1.0
+
+
+def test_many_hosts_never_build_the_category_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """~100 hosts x 700 blocks made a 10 GB (categories x pairs) table: past its cap another exact method runs."""
+    from ablate.promote import stats
+
+    rng = np.random.default_rng(4)
+    x = rng.integers(-20, 20, size=30).astype(float) / 10
+    cluster = np.arange(30) % 10
+    counts = rng.multinomial(10, np.full(10, 0.1), size=12)
+    want = [_expanded_hl(x, cluster, row) for row in counts]
+    np.testing.assert_allclose(hl_from_counts(x, cluster, counts), want)  # categories: within the cap
+
+    def refused(*_: object) -> None:
+        raise AssertionError("the category table was built past its cap")
+
+    monkeypatch.setattr(stats, "_CATEGORY_MAX_ELEMENTS", 1000)
+    monkeypatch.setattr(stats, "_hl_by_categories", refused)
+    np.testing.assert_allclose(hl_from_counts(x, cluster, counts), want)

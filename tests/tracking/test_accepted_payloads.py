@@ -195,8 +195,18 @@ def test_payloads_checked_in_forked_children_are_remembered_too(store, monkeypat
     monkeypatch.setenv(parallel.PROCESSES_ENV, "2")
     monkeypatch.setattr(bulk_read, "PARALLEL_MIN_SHARE", 1)
     monkeypatch.setenv(accepted.CACHE_ENV, str(tmp_path / "cache"))
+    from_children: list[str] = []
+    real = bulk_read._rebuilt
+
+    def recording(run, data, result):
+        if result[0] is None and result[2]:  # sent back as nothing by a child: re-parsed here
+            from_children.append(run.data.tags["ablate.receipt_id"])
+        return real(run, data, result)
+
+    monkeypatch.setattr(bulk_read, "_rebuilt", recording)
     with parallel.forking():
         forked = load_receipts_from_mlflow(uri, "ablate")
+    assert len(from_children) == len(receipts) // 2, "the child checked half and sent those back as nothing"
     (path,) = (tmp_path / "cache").glob("accepted-*.bin")
     assert len(accepted._read(path)[0]) == len(receipts)
     assert _dumps(forked) == sorted(r.model_dump_json() for r in receipts)
