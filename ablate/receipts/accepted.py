@@ -15,7 +15,8 @@ check (``schema.in_the_future``) is repeated on every hit. A hit is also checked
 The file lives in ``$ABLATE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/ablate``, else ``~/.cache/ablate``); ``off``
 turns it off. Whoever can write the file decides which payloads skip the checks, so a file (or directory) owned by
 another user, or writable by group or others, is ignored; so is a damaged one. A cache that cannot be opened or
-written only costs time. New entries are appended (a sweep driver adds a few per block), in one write each.
+written only costs time. New entries are appended, in one write each. Only reads of many runs use the cache
+(``bulk_read.CACHE_MIN_RUNS``): opening it reads all of it.
 """
 
 from __future__ import annotations

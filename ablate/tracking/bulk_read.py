@@ -38,6 +38,8 @@ try:
     """Of the checking code as imported (``ablate.receipts.accepted``); None without its source: no cache."""
 except OSError:
     CHECKING_FINGERPRINT = None
+CACHE_MIN_RUNS = 100
+"""Reads of fewer runs than this neither consult nor feed ``ablate.receipts.accepted``."""
 PARALLEL_MIN_SHARE = 500
 """Fewer receipts per process than this are checked in this process: a fork and the pickled results back cost
 more than they save."""
@@ -148,7 +150,10 @@ def read_arm_runs(runs: list[Any], tracking_uri: str, use_payload: bool = True,
     outcomes: list[Optional[Outcome]] = []
     pending: list[tuple[int, Any]] = []
     to_check: list[tuple[int, Any, bytes]] = []
-    accepted = AcceptedPayloads.open(CHECKING_FINGERPRINT) if use_payload else None
+    # Opening the cache reads all of it (100,000 remembered receipts: 3 MB, ~30 ms): a read of a few runs (the
+    # sweep driver answering a block, after each arm) checks them instead, as before the cache.
+    remember = use_payload and len(runs) >= CACHE_MIN_RUNS
+    accepted = AcceptedPayloads.open(CHECKING_FINGERPRINT) if remember else None
     for run in runs:
         if run.data.tags.get(TAG + "logged") != "1":
             outcomes.append(Outcome(run, reason="incomplete run (logging was interrupted); run a sync"))
@@ -159,7 +164,7 @@ def read_arm_runs(runs: list[Any], tracking_uri: str, use_payload: bool = True,
         elif isinstance(data, Outcome):
             outcomes.append(data)
             continue
-        elif payload_key(data) in accepted:
+        elif accepted is not None and payload_key(data) in accepted:
             outcome = _already_accepted(run, data)
             if outcome is None:
                 to_check.append((len(outcomes), run, data))

@@ -38,6 +38,7 @@ def counted(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
     """Receipt ids given the full checks, in this process (no forking), with an empty cache of its own."""
     monkeypatch.setenv(parallel.PROCESSES_ENV, "1")
     monkeypatch.setenv(accepted.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(bulk_read, "CACHE_MIN_RUNS", 1)  # these stores are small
     calls: list[str] = []
     real = bulk_read.parse_receipt
 
@@ -194,6 +195,7 @@ def test_payloads_checked_in_forked_children_are_remembered_too(store, monkeypat
     uri, receipts, _ = store
     monkeypatch.setenv(parallel.PROCESSES_ENV, "2")
     monkeypatch.setattr(bulk_read, "PARALLEL_MIN_SHARE", 1)
+    monkeypatch.setattr(bulk_read, "CACHE_MIN_RUNS", 1)
     monkeypatch.setenv(accepted.CACHE_ENV, str(tmp_path / "cache"))
     from_children: list[str] = []
     real = bulk_read._rebuilt
@@ -255,3 +257,14 @@ def test_files_of_older_checking_code_are_pruned(tmp_path) -> None:
     assert left == sorted(["accepted-current.bin"] + [f"accepted-old{age}.bin"
                                                      for age in range(accepted.KEEP_OTHER_FILES)])
     assert accepted.payload_key(b"{}") in accepted.AcceptedPayloads(directory / "accepted-current.bin")
+
+
+def test_a_read_of_a_few_runs_leaves_the_cache_alone(store, counted, monkeypatch, tmp_path) -> None:
+    """The sweep driver reads one or two runs per answered block: opening (all of) the cache would cost more than
+    checking them, so such reads neither consult nor feed it."""
+    uri, receipts, _ = store
+    monkeypatch.setattr(bulk_read, "CACHE_MIN_RUNS", len(receipts) + 1)
+    load_receipts_from_mlflow(uri, "ablate")
+    load_receipts_from_mlflow(uri, "ablate")
+    assert sorted(counted) == sorted(2 * [r.identity.receipt_id for r in receipts])
+    assert not (tmp_path / "cache").exists()
