@@ -124,7 +124,10 @@ def _check_result(item: tuple[Any, bytes]) -> tuple[Optional[Receipt], Optional[
 def _rebuilt(run: Any, data: bytes, result: tuple[Optional[Receipt], Optional[str], bool]) -> Outcome:
     receipt, reason, canonical = result
     if receipt is None and canonical:
-        receipt = Receipt.model_validate_json(data)  # checked in full by the child: the very model it accepted
+        try:
+            receipt = Receipt.model_validate_json(data)  # checked in full by the child: the very model it accepted
+        except Exception:  # noqa: BLE001 - cannot happen to the model's own JSON; if it does, check it here
+            return _checked(run, data)
     return Outcome(run, receipt=receipt, reason=reason)
 
 
