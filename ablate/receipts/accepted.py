@@ -100,6 +100,8 @@ class AcceptedPayloads:
         (atomically: a reader never sees half a file)."""
         if self.path is None or not self._new:
             return
+        if self.path.parent.exists() and not _private(self.path.parent):
+            return  # never read from such a directory: writing there would only rewrite the file on every read
         new = b"".join(sorted(self._new))
         try:
             known, aligned = _read(self.path)
@@ -130,13 +132,15 @@ def _prune(current: Path) -> None:
         stale.unlink(missing_ok=True)
 
 
+def _private(item: Path) -> bool:
+    """Owned by this user and not writable by group or others."""
+    info = item.stat()
+    return info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
 def _trusted(path: Path) -> bool:
-    """Only this user can have written it: owned by us, not writable by group or others (nor its directory)."""
-    for item in (path, path.parent):
-        info = item.stat()
-        if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            return False
-    return True
+    """Only this user can have written it: the file and its directory are private."""
+    return _private(path) and _private(path.parent)
 
 
 def _read(path: Path) -> tuple[set[bytes], bool]:

@@ -88,7 +88,7 @@ def _checked(run: Any, data: bytes) -> Outcome:
     try:
         receipt = parse_receipt(data)
         check_against_run(receipt, run.data.tags)
-    except (PayloadError, InvalidReceipt, json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (InvalidReceipt, json.JSONDecodeError, UnicodeDecodeError) as exc:
         return Outcome(run, reason=f"{exc} ({WHERE}; receipt.json is the authoritative copy)")
     except Exception as exc:  # noqa: BLE001 - JSON of the wrong shape for the validator: refused, never a crash
         return Outcome(run, reason=f"not a receipt: {type(exc).__name__}: {exc} ({WHERE})")

@@ -5,6 +5,7 @@ checked in full and refused, other checking code never hits, and a damaged or un
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,14 @@ def test_other_checking_code_damage_and_off_all_check_in_full(store, counted, mo
     assert sorted(counted) == every
 
     counted.clear()
+    files[0].parent.chmod(0o777)  # anyone could swap the file: neither read nor written
+    os.utime(files[0], ns=(10**18, 10**18))  # a rewrite or an append would stamp it now
+    load_receipts_from_mlflow(uri, "ablate")
+    load_receipts_from_mlflow(uri, "ablate")
+    assert sorted(counted) == sorted(every * 2) and files[0].stat().st_mtime_ns == 10**18
+    files[0].parent.chmod(0o700)
+
+    counted.clear()
     monkeypatch.setenv(accepted.CACHE_ENV, accepted.OFF)
     load_receipts_from_mlflow(uri, "ablate")
     load_receipts_from_mlflow(uri, "ablate")
@@ -240,7 +249,6 @@ def test_a_valid_payload_in_other_json_spelling_is_checked_in_full_every_time(st
 
 
 def test_files_of_older_checking_code_are_pruned(tmp_path) -> None:
-    import os
     import time
 
     directory = tmp_path / "cache"
