@@ -56,7 +56,11 @@ def start_mlflow_server(backend: Path, artifacts: Path, log: Path, port: int | N
     command = [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{backend}",
                "--artifacts-destination", str(artifacts), "--host", "127.0.0.1", "--port", str(port),
                "--workers", "1"]
-    server = subprocess.Popen(command, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+    # No job-execution runner (MLflow's huey consumer for GenAI scorer jobs, a second process importing MLflow
+    # beside the server's): nothing here submits jobs, and on 2 cores it costs 2-4 s of every start.
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    server = subprocess.Popen(command, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
+                              env=env)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         assert server.poll() is None, log.read_text()[-2000:]

@@ -161,12 +161,19 @@ def _leaks(haystacks: dict[str, bytes]) -> dict[str, list[str]]:
 def test_tracking_server_outage_spools_and_sync_restores_exactly(tmp_path: Path) -> None:
     """The sweep's driver starts its own local Ray, the embedded default, so everything it starts inherits the
     driver's environment with the planted secrets (an attached cluster, like the ``ray_address`` fixture, never
-    sees it); ``RAY_TMPDIR`` puts that Ray's session logs where the test greps them."""
-    backend, artifacts, server_log = tmp_path / "server.db", tmp_path / "artifacts", tmp_path / "server.log"
+    sees it); ``RAY_TMPDIR`` puts that Ray's session logs where the test greps them.
+
+    The feature is one whose arms both run eager (moe_dispatch), not fused_residual, whose candidate compiles
+    with Inductor on CPU (12-15 s a block on 2 cores): nothing here is about compiling. Two blocks, run one at a
+    time, keep the second block's receipts after the outage whatever the first one's timing."""
+    # The server's store starts as the empty, migrated schema that fresh_mlflow_uri copies for every test (the
+    # server would otherwise run the same migrations itself on its first start, 3-6 s on 2 cores).
+    backend = Path(fresh_mlflow_uri(tmp_path / "server").removeprefix("sqlite:///"))
+    artifacts, server_log = tmp_path / "artifacts", tmp_path / "server.log"
     port = closed_port()
     uri = f"http://ablate:{URI_PASSWORD}@127.0.0.1:{port}"
     plain_uri = f"http://127.0.0.1:{port}"
-    campaign = tiny_smoke(tmp_path / "campaign", name="outage", steps=4, features={"fused_residual": ["on"]},
+    campaign = tiny_smoke(tmp_path / "campaign", name="outage", steps=4, features={"moe_dispatch": ["jagged"]},
                           blocks=2, aa_blocks=0, resources={"cpus_per_worker": 1, "max_concurrent_blocks": 1})
     storage = tmp_path / "runs"
     server = start_mlflow_server(backend, artifacts, server_log, port)[0]

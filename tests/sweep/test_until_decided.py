@@ -6,6 +6,7 @@ The judge is the promotion rule itself (``promote`` under a sequential policy); 
 
 from __future__ import annotations
 
+import os
 import pickle
 import signal
 import subprocess
@@ -126,11 +127,15 @@ def _policy_file(directory: Path, **overrides: object) -> Path:
 
 
 def test_until_decided_runs_only_undecided_tests_resumes_after_ctrl_c_and_stops_when_all_are_decided(
-        tmp_path: Path) -> None:
+        ray_address: str, tmp_path: Path) -> None:
     """Real rounds through the CLI: a fixed sweep first gives moe_dispatch its capped evidence; `ablate sweep
     --until-decided` on the campaign with both features then runs mamba_scan's blocks (and the A/A block) only.
     Ctrl+C once its first block is in; `--until-decided --resume` continues that same round (Tune restores the
-    searcher: no block twice, moe_dispatch still left out) and the campaign stops once mamba_scan is capped too."""
+    searcher: no block twice, moe_dispatch still left out) and the campaign stops once mamba_scan is capped too.
+
+    Every driver (the fixed sweep here, each CLI run through ``RAY_ADDRESS``) attaches to the one local Ray runtime
+    of the ``ray_address`` fixture, as drivers submitted to a cluster do: a local runtime started per driver costs
+    10-20 s of a 2-core host each time, and starting Ray is not what this test is about."""
     uri = fresh_mlflow_uri(tmp_path)
     storage = str(tmp_path / "storage")
     policy = _policy_file(tmp_path, **{"evidence.min_rounds": 1, "evidence.min_blocks_per_round": 2,
@@ -151,9 +156,10 @@ def test_until_decided_runs_only_undecided_tests_resumes_after_ctrl_c_and_stops_
     def this_round() -> list:
         return [r for r in load_receipts(receipts_dir)[0] if r.identity.sweep_id != first.sweep_id]
 
+    env = {**os.environ, "RAY_ADDRESS": ray_address}
     log_path = tmp_path / "driver.log"
     with log_path.open("w") as log:
-        driver = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        driver = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 300
         while len(this_round()) < 2:  # the round's first block (an interleaved pair writes both at its end)
@@ -173,12 +179,12 @@ def test_until_decided_runs_only_undecided_tests_resumes_after_ctrl_c_and_stops_
 
     # Resumed without --until-decided, Tune would bring the searcher back while the receipts claimed a fixed
     # schedule: refused before anything runs.
-    plain = subprocess.run(command[:5] + command[8:] + ["--resume"], cwd=REPO, capture_output=True, text=True,
-                           timeout=120)
+    plain = subprocess.run(command[:5] + command[8:] + ["--resume"], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=120)
     said = " ".join((plain.stdout + plain.stderr).split())  # the console wraps long lines
     assert plain.returncode == 2 and "it is an --until-decided round" in said, said[-2000:]
 
-    resumed = subprocess.run(command + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=400)
+    resumed = subprocess.run(command + ["--resume"], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     output = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, output[-4000:]
     assert "stopped: every speed test of the campaign is decided" in output, output[-4000:]
@@ -194,7 +200,7 @@ def test_until_decided_runs_only_undecided_tests_resumes_after_ctrl_c_and_stops_
     assert "--defaults " in " ".join(output.split()), "promote reads the campaign's defaults, as the judge did"
 
     # Run again: every test is already decided, so nothing is planned, started or logged.
-    again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "0 round(s) this run" in again.stdout, again.stdout[-2000:] + again.stderr
     assert {r.identity.sweep_id for r in this_round()} == {round_id}
 
