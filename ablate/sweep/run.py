@@ -12,7 +12,9 @@ The pieces:
 3. The trial, ``ablate.sweep.trial.run_block``: both arms through ``trainers.run_arm``, receipts via
    ``tune.report``; a crashed arm fails the trial and ``tune.FailureConfig`` reruns the block as a new attempt.
 4. On the driver, ``_Recorder`` writes every receipt to the campaign dir and hands it to one MLflow writer thread
-   (or the spool), waiting for that thread when ``MAX_TRACKING_BACKLOG`` receipts are queued (bounded memory);
+   (or the spool), waiting for that thread when ``MAX_TRACKING_BACKLOG`` receipts are queued (bounded memory).
+   That thread also opens the sweep in MLflow, as its first job, while Tune starts the first trials: a store's
+   start-up (MLflow's imports, a new database's migrations: 3-5 s on 2 CPUs) is off the first block's path;
    ``SweepProgress`` draws the progress line. Both hang off one picklable relay callback, because Tune pickles
    its callbacks into the experiment and ``Tuner.restore`` would otherwise bring back stale ones.
 5. ``--resume``: ``Tuner.restore`` of the sweep named in ``LATEST``. Finished blocks are not rerun, including
@@ -44,6 +46,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional
 
@@ -141,6 +144,20 @@ class _Recorder(Callback):
         self.waited_at = -math.inf
         """time.monotonic() when the last such wait ended (``_BacklogWaitLines``)."""
 
+    def open_tracking(self, opening: Callable[[], Any]) -> None:
+        """``opening`` (``_open_tracking``, which never raises) as the writer's first job: every receipt is logged
+        after it, in the order taken."""
+        self._writer.submit(opening)
+
+    def track_later(self, receipt: Receipt) -> None:
+        """``receipt`` (already on disk) to MLflow or the spool on the writer thread, behind what is queued."""
+        if not self._backlog.acquire(blocking=False):  # MAX_TRACKING_BACKLOG receipts wait for MLflow already
+            waiting = time.monotonic()
+            self._backlog.acquire()
+            self.waited_at = time.monotonic()
+            self.backlog_wait_s += self.waited_at - waiting
+        self._writer.submit(self._track, receipt)
+
     def _track(self, receipt: Receipt) -> None:
         try:
             if self.store.log_receipt(receipt) is None and (self.layout.local_dir / SPOOL_FILE).is_file():
@@ -196,12 +213,7 @@ class _Recorder(Callback):
                                 "time_to_first_step_s": receipt.steps.time_to_first_step_s,
                                 "wall_s": receipt.time.wall_s})
         self._write(receipt)
-        if not self._backlog.acquire(blocking=False):  # MAX_TRACKING_BACKLOG receipts wait for MLflow already
-            waiting = time.monotonic()
-            self._backlog.acquire()
-            self.waited_at = time.monotonic()
-            self.backlog_wait_s += self.waited_at - waiting
-        self._writer.submit(self._track, receipt)
+        self.track_later(receipt)
 
     def _write(self, receipt: Receipt) -> None:
         """The receipt into the campaign dir, or a fallback dir (then named in the summary); never raises."""
@@ -515,14 +527,25 @@ _TUNE_ENV = {"RAY_AIR_NEW_OUTPUT": "0", "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS": "1
 loggers beyond the ones ``_tuner`` names."""
 
 
+def _open_tracking(store: MlflowStore, *args: Any, **kwargs: Any) -> None:
+    """``store.open_sweep`` on the writer thread, MLflow's import included (1-2 s on 2 CPUs, whose first import
+    sets the "mlflow" logger to INFO: it is quietened again here, as ``_quiet_libraries`` does)."""
+    try:
+        import mlflow  # noqa: F401
+    except Exception:  # noqa: BLE001 - open_sweep's own import fails the same way: it names why and spools
+        pass
+    else:
+        logging.getLogger("mlflow").setLevel(logging.WARNING)
+    store.open_sweep(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def _quiet_libraries() -> Iterator[None]:
     """One progress display and one summary: Ray Tune's own console (the experiment box, result paths, a
     TensorBoard hint, INFO lines) and MLflow's INFO lines stay out of it. The legacy reporter honours
     ``verbose=0`` (the new one still prints its box), so it is selected for this call (``_TUNE_ENV``); warnings still
-    print."""
-    import mlflow  # noqa: F401  (its import configures the "mlflow" logger at INFO: import first, then quieten)
-
+    print. MLflow is imported later, by the writer thread that opens the sweep (``_open_tracking``): off the
+    first block's path."""
     saved_env = {name: os.environ.get(name) for name in _TUNE_ENV}
     loggers = [logging.getLogger(name) for name in _CHATTY_LOGGERS]
     levels = [logger.level for logger in loggers]
@@ -662,6 +685,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
     sweep_id = plan.sweep_id
     started_ray = ensure_ray()
     store: Optional[MlflowStore] = None
+    recorder: Optional[_Recorder] = None
     try:
         sweep.resources = gpu_resources(sweep.lane, sweep.resources, ray.cluster_resources().get("GPU", 0.0))
         need = block_need(plan.blocks, sweep.resources)
@@ -693,12 +717,15 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         store = MlflowStore(uri, sweep.tracking.experiment, layout.local_dir)
         for what, why in plan.skipped:
             log.warning("not run: %s: %s", what, why)
-        store.open_sweep(sweep_id, sweep.name, params,
-                         tags={"ablate.lane_keys": ",".join(plan.lane_keys()), "ablate.design": plan.design,
-                               "ablate.storage": shown(layout.storage),
-                               # What the plan refused before any arm ran: promotion reports list it.
-                               SKIPPED_TAG: json.dumps([[w, r] for w, r in plan.skipped])[:MAX_TAG_CHARS],
-                               NODE_CHECK_TAG: json.dumps(node_checks)[:MAX_TAG_CHARS]})
+        recorder = _Recorder(layout, store, start_clock(sweep_id))
+        parent_tags = {"ablate.lane_keys": ",".join(plan.lane_keys()), "ablate.design": plan.design,
+                       "ablate.storage": shown(layout.storage),
+                       # What the plan refused before any arm ran: promotion reports list it.
+                       SKIPPED_TAG: json.dumps([[w, r] for w, r in plan.skipped])[:MAX_TAG_CHARS],
+                       NODE_CHECK_TAG: json.dumps(node_checks)[:MAX_TAG_CHARS]}
+        # Off the main thread: Tune starts the first trials meanwhile. os.environ is whole again by now
+        # (``ensure_ray`` scrubs it only inside ``ray.init``), so MLflow sees the driver's own settings.
+        recorder.open_tracking(partial(_open_tracking, store, sweep_id, sweep.name, params, tags=parent_tags))
         if resume:  # under the lock: no other driver writes here
             for leftover, action in settle_unfinished_writes(layout.receipts_dir):
                 log.info("%s: a receipt write a killed process never finished: %s", leftover.name, action)
@@ -707,15 +734,15 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         earlier = ([r for r in with_fallbacks(layout.local_dir, sweep.name) if r.identity.sweep_id == sweep_id]
                    if resume else [])
         for receipt in earlier:
-            # Receipts a killed driver wrote (or spooled) but never logged: MLflow catches up before new work.
-            store.log_receipt(receipt)
+            # Receipts a killed driver wrote (or spooled) but never logged: MLflow catches up before new work (the
+            # writer logs in the order taken; one it finds logged already costs no write).
+            recorder.track_later(receipt)
         completed, next_attempt = block_progress(earlier, sweep_id)
         if resume:
             attempts = max(next_attempt.values(), default=0) + sweep.max_failures + 2
             for rid in clear_interrupted_scratch(layout.receipts_dir, sweep_id, [b.block_id for b in plan.blocks],
                                                  attempts):
                 log.info("removed the scratch of arm %s: the killed driver's attempt never wrote its receipt", rid)
-        recorder = _Recorder(layout, store, start_clock(sweep_id))
         expected = searcher.expected_blocks() if searcher is not None else len(plan.blocks)
         display = SweepProgress(expected, title=sweep_id, live=None if progress else False)
         _LIVE[sweep_id] = [recorder] + ([display] if progress else [])
@@ -795,6 +822,8 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
             resume_command=resume_command, campaign_file=str(path), interrupted=interrupted.seen or bool(stopped), caught_up=caught_up,
             fallbacks=recorder.fallbacks, unsaved=recorder.unsaved, spools=dict(store.spool_paths), fatal=fatal)
     finally:
+        if recorder is not None:
+            recorder.flush()  # the writer may still be opening the sweep, which starts the monitor stopped here
         if store is not None:
             store.stop_monitor()  # interrupted or not: the parent run stays resumable, the sampler thread ends
         if started_ray:

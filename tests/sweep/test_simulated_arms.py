@@ -65,8 +65,8 @@ def test_no_cli_or_campaign_path_turns_simulation_on() -> None:
 
 def test_an_until_decided_round_interrupted_before_tune_started_resumes_with_its_searcher(
         ray_address: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Ctrl+C while MLflow or Ray started (the round's metadata written, no Tune state yet): the resume used to run
-    # every planned block as a grid, the decided tests' included.
+    # Ctrl+C while Ray started or the sweep was being set up (the round's metadata written, no Tune state yet):
+    # the resume used to run every planned block as a grid, the decided tests' included.
     from ablate.sweep import run as sweep_run
     from ablate.sweep.until_decided import DECIDED, Standing, UntilDecidedSearcher, block_keys
 
@@ -88,16 +88,16 @@ def test_an_until_decided_round_interrupted_before_tune_started_resumes_with_its
                                                                      state=DECIDED, verdict="HOLD", why="decided")})))
         return made[-1]
 
-    opened = sweep_run.MlflowStore.open_sweep
+    started = sweep_run.start_clock
 
-    def interrupted(self: object, *args: object, **kwargs: object) -> None:
-        raise KeyboardInterrupt
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt  # the main thread's last step before Tune (MLflow opens on the writer thread)
 
-    monkeypatch.setattr(sweep_run.MlflowStore, "open_sweep", interrupted)
+    monkeypatch.setattr(sweep_run, "start_clock", interrupted)
     with pytest.raises(KeyboardInterrupt):
         run_sweep(campaign, tracking_uri=uri, storage=storage, progress=False, simulate_arms=True,
                   searcher_factory=factory)
-    monkeypatch.setattr(sweep_run.MlflowStore, "open_sweep", opened)
+    monkeypatch.setattr(sweep_run, "start_clock", started)
     summary = run_sweep(campaign, resume=True, tracking_uri=uri, storage=storage, progress=False,
                         simulate_arms=True, searcher_factory=factory)
     assert len(made) == 2, "the resume built a searcher: Tune had saved none to restore"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from xml.etree import ElementTree
@@ -141,6 +142,49 @@ def test_unreachable_store_spools_and_sync_replays_exactly_once(receipts: list[R
     assert all(tip.startswith(f"{block_id} {label}: ") for tip, (block_id, label, _, _) in zip(tips, rows))
     assert log_pngs(uri, "exp", [parent.info.run_id]) == {parent.info.run_id: "summary.png"}  # matplotlib on demand
     assert "summary.png" in {a.path for a in client.client.list_artifacts(parent.info.run_id)}
+
+
+def test_the_driver_opens_the_sweep_on_its_writer_thread_and_logs_receipts_after_it(
+        receipts: list[Receipt], tmp_path: Path) -> None:
+    """The sweep's MLflow start-up is the writer's first job, so Tune starts trials meanwhile: the driver hands the
+    opening over without waiting, receipts queued behind it land under its parent run, and a store that turns out
+    unreachable spools them, as before."""
+    from ablate.sweep.layout import Layout
+    from ablate.sweep.run import _Recorder
+
+    uri = fresh_mlflow_uri(tmp_path)
+    layout = Layout.for_campaign("smoke", str(tmp_path / "runs"))
+    store = MlflowStore(uri, "exp", layout.local_dir)
+    recorder = _Recorder(layout, store)
+    gate, opened_on = threading.Event(), []
+
+    def opening() -> None:  # the real opening, held until the receipts are queued
+        gate.wait(60)
+        opened_on.append(threading.current_thread())
+        store.open_sweep("track-1", "smoke", {"design": "x"}, {}, system_metrics=False)
+
+    recorder.open_tracking(opening)
+    for receipt in receipts:
+        recorder.track_later(receipt)
+    assert store.parent_run_id is None and not opened_on, "the caller did not wait for the store"
+    gate.set()
+    recorder.flush()
+    assert opened_on and opened_on[0] is not threading.current_thread() and store.online
+    client = TrackingClient(uri, "exp")
+    arms = client.arm_runs("track-1")
+    assert set(arms) == {r.identity.receipt_id for r in receipts} and store.spooled == 0
+    blocks = {run.data.tags["mlflow.parentRunId"] for run in arms.values()}
+    assert [client.client.get_run(b).data.tags["mlflow.parentRunId"] for b in blocks] == [store.parent_run_id]
+
+    down = MlflowStore(f"http://127.0.0.1:{closed_port()}", "exp", tmp_path / "down")
+    late = _Recorder(Layout.for_campaign("smoke", str(tmp_path / "down-runs")), down)
+    late.open_tracking(lambda: down.open_sweep("track-1", "smoke", {}, {}, system_metrics=False))
+    for receipt in receipts:
+        late.track_later(receipt)
+    late.flush()
+    assert not down.online and down.spooled == len(receipts)
+    spooled, rejected = load_receipts(tmp_path / "down" / SPOOL_FILE)
+    assert rejected == [] and {r.identity.receipt_id for r in spooled} == {r.identity.receipt_id for r in receipts}
 
 
 def test_sync_reports_every_file_it_could_not_read(receipts: list[Receipt], tmp_path: Path) -> None:
