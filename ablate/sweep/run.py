@@ -61,7 +61,7 @@ from ablate.receipts.store import (RECEIPTS_DIR, SPOOL_FILE, ReceiptNotSaved, di
 from ablate.sweep.layout import LATEST, Layout, SweepLock
 from ablate.sweep.node_check import NODE_CHECK_TAG, check_plan
 from ablate.sweep.plan import ORDERS_IN_PAIRS, ORDERS_SHUFFLED, SweepPlan, plan_sweep
-from ablate.redact import process_env_only
+from ablate.redact import process_env_only, redact_uri
 from ablate.sweep.resources import (Capacity, block_need, check_cluster, gpu_resources, local_ray_init_kwargs,
                                     tune_env_filter)
 from ablate.sweep.trial import (block_progress, clear_interrupted_scratch, run_block, start_clock, trial_dirname,
@@ -143,11 +143,19 @@ class _Recorder(Callback):
         """Driver seconds spent waiting for the MLflow writer (the backlog was full)."""
         self.waited_at = -math.inf
         """time.monotonic() when the last such wait ended (``_BacklogWaitLines``)."""
+        self._opening: Any = None
 
     def open_tracking(self, opening: Callable[[], Any]) -> None:
-        """``opening`` (``_open_tracking``, which never raises) as the writer's first job: every receipt is logged
-        after it, in the order taken."""
-        self._writer.submit(opening)
+        """``opening`` (``_open_tracking``) as the writer's first job, before any receipt is queued: every receipt
+        is logged after it, in the order taken."""
+        self._opening = self._writer.submit(opening)
+        self._opening.add_done_callback(self._opening_failed)
+
+    def _opening_failed(self, done: Any) -> None:
+        exc = None if done.cancelled() else done.exception()
+        if exc is not None:  # _open_tracking never raises; if it ever did, say so instead of spooling in silence
+            log.error("MLflow: the sweep could not be opened (%s: %s); receipts are spooled, `ablate receipts sync "
+                      "%s` replays them", type(exc).__name__, str(exc)[:300], self.layout.local_dir)
 
     def track_later(self, receipt: Receipt) -> None:
         """``receipt`` (already on disk) to MLflow or the spool on the writer thread, behind what is queued."""
@@ -158,7 +166,13 @@ class _Recorder(Callback):
             self.backlog_wait_s += self.waited_at - waiting
         self._writer.submit(self._track, receipt)
 
-    def _track(self, receipt: Receipt) -> None:
+    def catch_up(self, receipts: list[Receipt]) -> None:
+        """Receipts of this sweep a killed driver wrote but never logged, as one writer job behind the opening:
+        they are in memory already, so they take no place in the backlog and the caller does not wait."""
+        if receipts:
+            self._writer.submit(lambda: [self._track(receipt, counted=False) for receipt in receipts])
+
+    def _track(self, receipt: Receipt, counted: bool = True) -> None:
         try:
             if self.store.log_receipt(receipt) is None and (self.layout.local_dir / SPOOL_FILE).is_file():
                 self.layout.publish(self.layout.local_dir / SPOOL_FILE)
@@ -167,11 +181,21 @@ class _Recorder(Callback):
                       receipt.identity.receipt_id, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
                       self.layout.local_dir)
         finally:
-            self._backlog.release()
+            if counted:
+                self._backlog.release()
 
     def flush(self) -> None:
-        """Wait until every queued receipt is in MLflow or the spool."""
-        self._writer.shutdown(wait=True)
+        """Wait until the sweep is open in MLflow (or found unreachable) and every queued receipt is in MLflow or
+        the spool. Ctrl+C meanwhile drops what is still queued, whose receipts are on disk (``--resume`` or
+        ``ablate receipts sync`` logs them), and is raised again."""
+        if self._opening is not None and not self._opening.done():
+            log.warning("waiting for MLflow at %s to open the sweep (Ctrl+C leaves the receipts on disk for "
+                        "`ablate receipts sync %s`)", redact_uri(self.store.tracking_uri), self.layout.local_dir)
+        try:
+            self._writer.shutdown(wait=True)
+        except KeyboardInterrupt:
+            self._writer.shutdown(wait=False, cancel_futures=True)
+            raise
 
     def on_trial_start(self, trial: Any, **info: Any) -> None:
         now = time.time()
@@ -534,7 +558,7 @@ def _open_tracking(store: MlflowStore, *args: Any, **kwargs: Any) -> None:
         import mlflow  # noqa: F401
     except Exception:  # noqa: BLE001 - open_sweep's own import fails the same way: it names why and spools
         pass
-    else:
+    finally:
         logging.getLogger("mlflow").setLevel(logging.WARNING)
     store.open_sweep(*args, **kwargs)
 
@@ -700,8 +724,8 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         if simulate_arms:
             params["arms"] = "simulated"  # the parent run says so too; its receipts are refused by promotion
         # A resumed --until-decided round gets its searcher back from Tune's state; a round interrupted before
-        # Tune saved any (Ctrl+C while MLflow or Ray started) gets a fresh one: without it the resume ran every
-        # planned block as a grid, decided tests included (found in review).
+        # Tune saved any (Ctrl+C while Ray started or the sweep was set up) gets a fresh one: without it the resume
+        # ran every planned block as a grid, decided tests included (found in review).
         restorable = resume and _tune_can_restore(layout.tune_path(sweep_id))
         searcher = searcher_factory(plan) if searcher_factory is not None and not restorable else None
         if not resume:
@@ -733,10 +757,9 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         # directory: those blocks are complete (found in review: they reran, under the same receipt ids).
         earlier = ([r for r in with_fallbacks(layout.local_dir, sweep.name) if r.identity.sweep_id == sweep_id]
                    if resume else [])
-        for receipt in earlier:
-            # Receipts a killed driver wrote (or spooled) but never logged: MLflow catches up before new work (the
-            # writer logs in the order taken; one it finds logged already costs no write).
-            recorder.track_later(receipt)
+        # Receipts a killed driver wrote (or spooled) but never logged: MLflow catches up before new work (the
+        # writer logs in the order taken; one it finds logged already costs no write).
+        recorder.catch_up(earlier)
         completed, next_attempt = block_progress(earlier, sweep_id)
         if resume:
             attempts = max(next_attempt.values(), default=0) + sweep.max_failures + 2
@@ -822,9 +845,13 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
             resume_command=resume_command, campaign_file=str(path), interrupted=interrupted.seen or bool(stopped), caught_up=caught_up,
             fallbacks=recorder.fallbacks, unsaved=recorder.unsaved, spools=dict(store.spool_paths), fatal=fatal)
     finally:
-        if recorder is not None:
-            recorder.flush()  # the writer may still be opening the sweep, which starts the monitor stopped here
-        if store is not None:
-            store.stop_monitor()  # interrupted or not: the parent run stays resumable, the sampler thread ends
-        if started_ray:
-            ray.shutdown()
+        try:
+            if recorder is not None:
+                recorder.flush()  # the writer may still be opening the sweep, which starts the monitor stopped next
+        finally:
+            try:
+                if store is not None:
+                    store.stop_monitor()  # interrupted or not: the parent run stays resumable, the sampler thread ends
+            finally:
+                if started_ray:
+                    ray.shutdown()

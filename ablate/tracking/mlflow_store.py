@@ -54,6 +54,7 @@ import os
 import socket
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -386,6 +387,9 @@ class MlflowStore:
         search again for each arm."""
         self.sweep_id: Optional[str] = None
         self._monitor: Any = None
+        self._monitor_lock = threading.Lock()
+        self._monitor_closed = False
+        """Set by ``stop_monitor``: an opening still running on the sweep's writer thread starts none after it."""
 
     @property
     def online(self) -> bool:
@@ -425,16 +429,19 @@ class MlflowStore:
 
     def _start_system_metrics(self) -> None:
         """Driver-node CPU/memory/disk/network (and GPU via nvidia-ml-py) on the parent run, when available."""
-        try:
-            import psutil  # noqa: F401 - MLflow's monitor needs it
-            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+        with self._monitor_lock:
+            if self._monitor_closed:
+                return
+            try:
+                import psutil  # noqa: F401 - MLflow's monitor needs it
+                from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-            self._monitor = SystemMetricsMonitor(self.parent_run_id, sampling_interval=5,
-                                                 tracking_uri=self.tracking_uri)
-            self._monitor.start()
-        except Exception as exc:  # noqa: BLE001 - optional telemetry
-            log.info("MLflow system metrics unavailable: %s", exc)
-            self._monitor = None
+                self._monitor = SystemMetricsMonitor(self.parent_run_id, sampling_interval=5,
+                                                     tracking_uri=self.tracking_uri)
+                self._monitor.start()
+            except Exception as exc:  # noqa: BLE001 - optional telemetry
+                log.info("MLflow system metrics unavailable: %s", exc)
+                self._monitor = None
 
     def log_receipt(self, receipt: Receipt) -> Optional[str]:
         """The child run id, or None when the receipt went to the spool instead."""
@@ -459,12 +466,15 @@ class MlflowStore:
         return None
 
     def stop_monitor(self) -> None:
-        if self._monitor is not None:
+        """Stop the sampler for good: a sweep that is still being opened starts none afterwards."""
+        with self._monitor_lock:
+            self._monitor_closed = True
+            monitor, self._monitor = self._monitor, None
+        if monitor is not None:
             try:
-                self._monitor.finish()
+                monitor.finish()
             except Exception as exc:  # noqa: BLE001 - optional telemetry; a full disk must not end the sweep here
                 log.info("MLflow system metrics did not stop cleanly: %s", exc)
-            self._monitor = None
 
     def close_sweep(self, sweep_id: str, receipts: list[Receipt], failed: bool) -> None:
         """Summary plot on the parent run, which is then marked FINISHED (or FAILED when blocks errored)."""

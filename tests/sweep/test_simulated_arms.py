@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,41 @@ def test_simulated_sweep_runs_and_promotion_refuses_every_block(ray_address: str
     assert result.verdicts == [] and result.changes == [] and result.num_receipts == 16
     assert len(result.refusals) == 8
     assert all("simulated" in r.reason and "never evidence" in r.reason for r in result.refusals)
+
+
+def test_trials_start_while_the_writer_opens_the_sweep_in_mlflow(ray_address: str, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep's MLflow start-up runs on the driver's writer thread: Tune starts the first trial while the (real)
+    opening is held, every receipt still lands under the parent run it makes, and the system-metrics sampler it
+    starts is stopped with the sweep."""
+    from ablate.sweep import run as sweep_run
+
+    campaign = tiny_smoke(tmp_path / "campaign", blocks=1, aa_blocks=1)  # 2 features + A/A = 3 blocks
+    uri = fresh_mlflow_uri(tmp_path)
+    trial_started, held = threading.Event(), []
+    real_open, real_start = sweep_run.MlflowStore.open_sweep, sweep_run._Recorder.on_trial_start
+
+    def held_open(self: object, *args: object, **kwargs: object) -> object:
+        held.append(trial_started.wait(60))  # True: a trial started while the sweep was not open in MLflow yet
+        return real_open(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    def on_trial_start(self: object, trial: object, **info: object) -> None:
+        trial_started.set()
+        real_start(self, trial, **info)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sweep_run.MlflowStore, "open_sweep", held_open)
+    monkeypatch.setattr(sweep_run._Recorder, "on_trial_start", on_trial_start)
+    summary = run_sweep(campaign, tracking_uri=uri, storage=str(tmp_path / "runs"), progress=False,
+                        simulate_arms=True)
+    assert held == [True], "the driver waited for MLflow before starting Tune"
+    assert (summary.blocks_done, summary.arms_logged, summary.spooled, summary.exit_code) == (3, 6, 0, 0)
+    client = TrackingClient(uri, "ablate")
+    arms = client.arm_runs(summary.sweep_id)
+    assert set(arms) == set(summary.receipt_ids) and all(r.data.tags[TAG + "logged"] == "1" for r in arms.values())
+    blocks = {run.data.tags["mlflow.parentRunId"] for run in arms.values()}
+    assert {client.client.get_run(b).data.tags["mlflow.parentRunId"] for b in blocks} == {summary.parent_run_id}
+    assert client.client.get_run(summary.parent_run_id).info.status == "FINISHED"
+    assert not [t for t in threading.enumerate() if t.name == "SystemMetricsMonitor" and t.is_alive()]
 
 
 def test_no_cli_or_campaign_path_turns_simulation_on() -> None:

@@ -187,6 +187,23 @@ def test_the_driver_opens_the_sweep_on_its_writer_thread_and_logs_receipts_after
     assert rejected == [] and {r.identity.receipt_id for r in spooled} == {r.identity.receipt_id for r in receipts}
 
 
+def test_a_sweep_stopped_while_it_was_being_opened_starts_no_metrics_sampler(tmp_path: Path) -> None:
+    """The driver stops the system-metrics sampler when a sweep ends, possibly before its writer thread has finished
+    opening it (Ctrl+C during the opening): that opening must not start one afterwards."""
+    def samplers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "SystemMetricsMonitor" and t.is_alive()]
+
+    uri = fresh_mlflow_uri(tmp_path)
+    running = MlflowStore(uri, "exp", tmp_path / "running")
+    assert running.open_sweep("track-1", "smoke", {}, {}) is not None and len(samplers()) == 1
+    running.stop_monitor()
+    assert samplers() == []
+    stopped = MlflowStore(uri, "exp", tmp_path / "stopped")
+    stopped.stop_monitor()
+    assert stopped.open_sweep("track-2", "smoke", {}, {}) is not None and stopped.online
+    assert samplers() == []
+
+
 def test_sync_reports_every_file_it_could_not_read(receipts: list[Receipt], tmp_path: Path) -> None:
     """Before the fix a bare JSON number crashed sync with a TypeError, and a JSON object without ``identity``
     or a half-written temp file in receipts/ vanished without a word; sweep metadata it could not read too."""
