@@ -144,6 +144,8 @@ class _Recorder(Callback):
         self.waited_at = -math.inf
         """time.monotonic() when the last such wait ended (``_BacklogWaitLines``)."""
         self._opening: Any = None
+        self._dropped = False
+        """Ctrl+C while ``flush`` waited: what was still queued is dropped (its receipts are on disk)."""
 
     def open_tracking(self, opening: Callable[[], Any]) -> None:
         """``opening`` (``_open_tracking``) as the writer's first job, before any receipt is queued: every receipt
@@ -188,12 +190,15 @@ class _Recorder(Callback):
         """Wait until the sweep is open in MLflow (or found unreachable) and every queued receipt is in MLflow or
         the spool. Ctrl+C meanwhile drops what is still queued, whose receipts are on disk (``--resume`` or
         ``ablate receipts sync`` logs them), and is raised again."""
+        if self._dropped:
+            return
         if self._opening is not None and not self._opening.done():
             log.warning("waiting for MLflow at %s to open the sweep (Ctrl+C leaves the receipts on disk for "
                         "`ablate receipts sync %s`)", redact_uri(self.store.tracking_uri), self.layout.local_dir)
         try:
             self._writer.shutdown(wait=True)
         except KeyboardInterrupt:
+            self._dropped = True  # the driver's clean-up calls flush again: it must not wait a second time
             self._writer.shutdown(wait=False, cancel_futures=True)
             raise
 

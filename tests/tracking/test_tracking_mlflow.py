@@ -187,6 +187,38 @@ def test_the_driver_opens_the_sweep_on_its_writer_thread_and_logs_receipts_after
     assert rejected == [] and {r.identity.receipt_id for r in spooled} == {r.identity.receipt_id for r in receipts}
 
 
+def test_ctrl_c_while_the_driver_waits_for_an_opening_drops_the_queue_and_never_waits_again(
+        receipts: list[Receipt], tmp_path: Path) -> None:
+    """A store slow to open (an unreachable server retries for minutes): Ctrl+C during the driver's wait for its
+    writer drops the receipts still queued (they are on disk for ``ablate receipts sync``) and the driver's clean-up,
+    which flushes again, does not wait a second time."""
+    import signal
+
+    from ablate.sweep.layout import Layout
+    from ablate.sweep.run import _Recorder
+
+    store = MlflowStore(fresh_mlflow_uri(tmp_path), "exp", tmp_path / "sweep")
+    recorder = _Recorder(Layout.for_campaign("smoke", str(tmp_path / "runs")), store)
+    release = threading.Event()
+    recorder.open_tracking(lambda: release.wait(60))  # an opening that does not end on its own
+    for receipt in receipts:
+        recorder.track_later(receipt)
+    # A real SIGINT to the main thread, as Ctrl+C sends: it interrupts the wait for the writer thread.
+    main = threading.main_thread().ident
+    threading.Timer(0.5, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            recorder.flush()
+        # (Python 3.11's interrupted Thread.join already marks the writer stopped; the recorder does not rely on it.)
+        started = time.monotonic()
+        recorder.flush()
+        assert time.monotonic() - started < 1.0, "the second flush waited for the opening again"
+    finally:
+        release.set()
+    time.sleep(0.2)
+    assert store.logged == {} and store.spooled == 0, "the queued receipts were dropped, not written"
+
+
 def test_a_sweep_stopped_while_it_was_being_opened_starts_no_metrics_sampler(tmp_path: Path) -> None:
     """The driver stops the system-metrics sampler when a sweep ends, possibly before its writer thread has finished
     opening it (Ctrl+C during the opening): that opening must not start one afterwards."""
