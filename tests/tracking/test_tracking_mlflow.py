@@ -203,7 +203,9 @@ def test_ctrl_c_while_the_driver_waits_for_an_opening_drops_the_queue_and_never_
     recorder.open_tracking(lambda: release.wait(60))  # an opening that does not end on its own
     for receipt in receipts:
         recorder.track_later(receipt)
-    # A real SIGINT to the main thread, as Ctrl+C sends: it interrupts the wait for the writer thread.
+    # A real SIGINT to the main thread, as Ctrl+C sends: it interrupts the wait for the writer thread. Python's own
+    # handler, as the CLI has it (an earlier test's Ray Tune may have left its stop-the-experiment handler).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     main = threading.main_thread().ident
     threading.Timer(0.5, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
     try:
@@ -215,6 +217,7 @@ def test_ctrl_c_while_the_driver_waits_for_an_opening_drops_the_queue_and_never_
         assert time.monotonic() - started < 1.0, "the second flush waited for the opening again"
     finally:
         release.set()
+        signal.signal(signal.SIGINT, previous)
     time.sleep(0.2)
     assert store.logged == {} and store.spooled == 0, "the queued receipts were dropped, not written"
 
