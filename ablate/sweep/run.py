@@ -151,13 +151,6 @@ class _Recorder(Callback):
         """``opening`` (``_open_tracking``) as the writer's first job, before any receipt is queued: every receipt
         is logged after it, in the order taken."""
         self._opening = self._writer.submit(opening)
-        self._opening.add_done_callback(self._opening_failed)
-
-    def _opening_failed(self, done: Any) -> None:
-        exc = None if done.cancelled() else done.exception()
-        if exc is not None:  # _open_tracking never raises; if it ever did, say so instead of spooling in silence
-            log.error("MLflow: the sweep could not be opened (%s: %s); receipts are spooled, `ablate receipts sync "
-                      "%s` replays them", type(exc).__name__, str(exc)[:300], self.layout.local_dir)
 
     def track_later(self, receipt: Receipt) -> None:
         """``receipt`` (already on disk) to MLflow or the spool on the writer thread, behind what is queued."""
