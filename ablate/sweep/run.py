@@ -75,6 +75,14 @@ _LIVE: dict[str, list[Any]] = {}
 """sweep id -> the live driver callbacks of the current session (see ``_Relay``)."""
 
 
+TAKEN = "receipt_taken"
+"""Set by the recorder on an arm's Tune result once a file holds its receipt: where it went. ``_Relay`` then drops
+the receipt JSON from the result, after every live callback has read it: Tune keeps each trial's last result for
+the whole sweep (in memory and in every experiment-state snapshot), and its JSON and CSV result loggers, which run
+after ``_Relay``, would write the receipt twice more per arm. Tune lets callbacks edit a result in place; its
+scheduler and searcher saw the result before."""
+
+
 class _Relay(Callback):
     """Picklable stand-in Tune stores with the experiment (by reference: a module-level class holding only the
     sweep id); it forwards every hook to this session's live callbacks registered in ``_LIVE``."""
@@ -97,6 +105,9 @@ class _Relay(Callback):
 
     def on_trial_result(self, **info: Any) -> None:
         self._each("on_trial_result", **info)
+        result = info.get("result")
+        if isinstance(result, dict) and TAKEN in result:
+            result.pop("receipt", None)
 
     def on_trial_complete(self, **info: Any) -> None:
         self._each("on_trial_complete", **info)
@@ -227,6 +238,8 @@ class _Recorder(Callback):
             except OSError as exc:
                 log.error("block %s: the refused receipt could not be kept in rejected/ (%s)",
                           trial.config["block_id"], exc.strerror or exc)
+                return
+            result[TAKEN] = f"rejected/{where}.json.txt"
             return
         self.received.append((receipt.identity.receipt_id, receipt.identity.status))
         entry["arms"].append({k: result[k] for k in ("arm", "order", "attempt", "status", "scheduled_at",
@@ -234,11 +247,13 @@ class _Recorder(Callback):
                              | {"receipt_id": receipt.identity.receipt_id,
                                 "time_to_first_step_s": receipt.steps.time_to_first_step_s,
                                 "wall_s": receipt.time.wall_s})
-        self._write(receipt)
+        if self._write(receipt):
+            result[TAKEN] = receipt.identity.receipt_id
         self.track_later(receipt)
 
-    def _write(self, receipt: Receipt) -> None:
-        """The receipt into the campaign dir, or a fallback dir (then named in the summary); never raises."""
+    def _write(self, receipt: Receipt) -> bool:
+        """The receipt into the campaign dir, or a fallback dir (then named in the summary); never raises. False
+        when no directory took it."""
         rid = receipt.identity.receipt_id
         try:
             where, why = write_receipt_or_fallback(receipt, self.layout.receipts_dir)
@@ -246,10 +261,10 @@ class _Recorder(Callback):
             self.unsaved.append((rid, str(exc)))
             self.off_campaign.append(receipt)
             log.error("%s", exc)
-            return
+            return False
         if why is None:
             self.layout.publish(where)
-            return
+            return True
         self.fallbacks.append((rid, str(where), why))
         self.off_campaign.append(receipt)
         # The sweep's metadata beside it, so `ablate receipts sync <fallback dir>` finds the experiment name.
@@ -262,6 +277,7 @@ class _Recorder(Callback):
                 target.write_text(text)
         except OSError:
             pass  # the receipt itself is safe; sync then uses the default experiment
+        return True
 
     def on_trial_complete(self, trial: Any, **info: Any) -> None:
         self.timeline.setdefault(trial.config["block_id"], {"arms": []})["trial_ended_at"] = time.time()

@@ -187,6 +187,73 @@ def test_the_driver_opens_the_sweep_on_its_writer_thread_and_logs_receipts_after
     assert rejected == [] and {r.identity.receipt_id for r in spooled} == {r.identity.receipt_id for r in receipts}
 
 
+def test_each_receipt_leaves_its_tune_result_once_a_file_holds_it_and_every_driver_callback_read_it(
+        receipts: list[Receipt], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tune keeps every trial's last result for the whole sweep and logs each result to JSON and CSV after the
+    driver's callbacks: the receipt JSON leaves the result once a file holds it and every live callback (the
+    recorder, then the progress display) has had it; its place says where it went. When no directory takes it, it
+    stays."""
+    import tempfile
+
+    from fsfaults import inject_errno
+
+    from ablate.receipts.store import FALLBACK_ENV
+    from ablate.sweep.layout import Layout
+    from ablate.sweep.run import _LIVE, TAKEN, _Recorder, _Relay
+
+    class Trial:
+        config = {"block_id": "b000"}
+
+    class Reader:  # a live callback after the recorder, as the progress display is
+        def __init__(self) -> None:
+            self.read: list[str] = []
+
+        def on_trial_result(self, result: dict, **info: object) -> None:
+            self.read.append(json.loads(result["receipt"])["identity"]["receipt_id"])
+
+    def result(receipt: Receipt) -> dict:
+        return {"event": "arm", "block_id": "b000", "arm": receipt.identity.arm.value, "arm_index": 0, "order": 0,
+                "attempt": 0, "status": receipt.identity.status.value, "scheduled_at": 0.0, "ended_at": 0.0,
+                "node_id": "n", "host": "h", "receipt": receipt.model_dump_json()}
+
+    def relayed(recorder: _Recorder, *results: dict) -> Reader:
+        reader = Reader()
+        _LIVE["take-1"] = [recorder, reader]
+        try:
+            for one in results:
+                _Relay("take-1").on_trial_result(trial=Trial(), result=one)
+        finally:
+            _LIVE.pop("take-1")
+        return reader
+
+    layout = Layout.for_campaign("smoke", str(tmp_path / "runs"))
+    recorder = _Recorder(layout, MlflowStore(fresh_mlflow_uri(tmp_path), "exp", layout.local_dir))
+    good, tampered = result(receipts[0]), result(receipts[1])
+    tampered["receipt"] = tampered["receipt"].replace('"status":"valid"', '"status":"failed"', 1)
+    assert tampered["receipt"] != result(receipts[1])["receipt"]
+    original = tampered["receipt"]
+    reader = relayed(recorder, good, tampered)
+    assert reader.read == [receipts[0].identity.receipt_id, receipts[1].identity.receipt_id]
+    assert "receipt" not in good and good[TAKEN] == receipts[0].identity.receipt_id
+    assert (layout.receipts_dir / f"{receipts[0].identity.receipt_id}.json").is_file()
+    assert "receipt" not in tampered and tampered[TAKEN].startswith("rejected/")
+    assert (layout.local_dir / tampered[TAKEN]).read_text() == original
+
+    # No directory takes it (the campaign's and every fallback on a full disk): the result keeps the receipt.
+    monkeypatch.setenv(FALLBACK_ENV, str(tmp_path / "full" / "fallback"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "full" / "state"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "full" / "tmp"))
+    full = Layout.for_campaign("smoke", str(tmp_path / "full" / "runs"))
+    inject_errno(monkeypatch, tmp_path / "full")
+    stuck = _Recorder(full, MlflowStore(fresh_mlflow_uri(tmp_path), "exp", full.local_dir))
+    kept = result(receipts[0])
+    relayed(stuck, kept)
+    assert TAKEN not in kept and kept["receipt"] == receipts[0].model_dump_json()
+    assert [rid for rid, _ in stuck.unsaved] == [receipts[0].identity.receipt_id]
+    recorder.flush()
+    stuck.flush()
+
+
 def test_ctrl_c_while_the_driver_waits_for_an_opening_drops_the_queue_and_never_waits_again(
         receipts: list[Receipt], tmp_path: Path) -> None:
     """A store slow to open (an unreachable server retries for minutes): Ctrl+C during the driver's wait for its
