@@ -355,9 +355,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(60)
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+        stats_path.parent.mkdir(parents=True, exist_ok=True)
         stats_path.write_text(text.getvalue())
-        # --out outside the checkout (a trial run kept in /tmp): its profile is named by its absolute path.
-        record["profile"] = str(stats_path.relative_to(REPO) if stats_path.is_relative_to(REPO) else stats_path)
+        # --out outside the checkout (a trial run kept in /tmp): its profile is named as --out was.
+        record["profile"] = str(stats_path.resolve().relative_to(REPO) if stats_path.resolve().is_relative_to(REPO)
+                                else stats_path)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     history = json.loads(args.out.read_text()) if args.out.exists() else {"runs": []}
     history["runs"].append(record)

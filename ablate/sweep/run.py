@@ -76,11 +76,13 @@ _LIVE: dict[str, list[Any]] = {}
 
 
 TAKEN = "receipt_taken"
-"""Set by the recorder on an arm's Tune result once a file holds its receipt: where it went. ``_Relay`` then drops
-the receipt JSON from the result, after every live callback has read it: Tune keeps each trial's last result for
-the whole sweep (in memory and in every experiment-state snapshot), and its JSON and CSV result loggers, which run
-after ``_Relay``, would write the receipt twice more per arm. Tune lets callbacks edit a result in place; its
-scheduler and searcher saw the result before."""
+"""Set by the recorder on an arm's Tune result once the campaign directory holds its receipt (the receipt id), or
+rejected/ its refused text (that file's path). ``_Relay`` then drops the receipt JSON from the result, after every
+live callback has read it: Tune keeps each trial's last result for the whole sweep (in memory and in every
+experiment-state snapshot), and its JSON result logger, which runs after ``_Relay``, would write the receipt once
+more per arm. A receipt that only a fallback directory took (or none) stays in the result: Tune's copy, synced to the
+sweep's storage, is then one more. Tune lets callbacks edit a result in place; the scheduler's and searcher's
+``on_trial_result`` got a flattened copy before."""
 
 
 class _Relay(Callback):
@@ -252,8 +254,8 @@ class _Recorder(Callback):
         self.track_later(receipt)
 
     def _write(self, receipt: Receipt) -> bool:
-        """The receipt into the campaign dir, or a fallback dir (then named in the summary); never raises. False
-        when no directory took it."""
+        """The receipt into the campaign dir, or a fallback dir (then named in the summary); a refused write never
+        raises. True when the campaign dir took it."""
         rid = receipt.identity.receipt_id
         try:
             where, why = write_receipt_or_fallback(receipt, self.layout.receipts_dir)
@@ -277,7 +279,7 @@ class _Recorder(Callback):
                 target.write_text(text)
         except OSError:
             pass  # the receipt itself is safe; sync then uses the default experiment
-        return True
+        return False
 
     def on_trial_complete(self, trial: Any, **info: Any) -> None:
         self.timeline.setdefault(trial.config["block_id"], {"arms": []})["trial_ended_at"] = time.time()

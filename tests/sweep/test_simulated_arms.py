@@ -35,9 +35,9 @@ def test_simulated_sweep_runs_and_promotion_refuses_every_block(ray_address: str
         receipt = validate_receipt(json.loads(path.read_text()))  # the files as written, not the driver's copies
         assert receipt.identity.executor == SIMULATED_EXECUTOR and "simulated" in receipt.identity.software
 
-    # Tune's copies hold where each receipt went, never the receipt: its result logs (written after the driver
-    # took the receipt) and its experiment state, which keeps every trial's last result for the whole sweep.
-    tune_files = [p for p in Path(summary.tune_path).rglob("*") if p.is_file() and p.suffix in (".json", ".csv")]
+    # Tune's copies name each receipt, never hold it: its result log (written after the driver took the receipt)
+    # and its experiment state, which keeps every trial's last result for the whole sweep.
+    tune_files = [p for p in Path(summary.tune_path).rglob("*") if p.is_file() and p.suffix == ".json"]
     taken = [json.loads(line)["receipt_taken"] for path in tune_files if path.name == "result.json"
              for line in path.read_text().splitlines() if '"receipt_taken"' in line]
     assert sorted(taken) == sorted(summary.receipt_ids)

@@ -189,10 +189,10 @@ def test_the_driver_opens_the_sweep_on_its_writer_thread_and_logs_receipts_after
 
 def test_each_receipt_leaves_its_tune_result_once_a_file_holds_it_and_every_driver_callback_read_it(
         receipts: list[Receipt], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tune keeps every trial's last result for the whole sweep and logs each result to JSON and CSV after the
-    driver's callbacks: the receipt JSON leaves the result once a file holds it and every live callback (the
-    recorder, then the progress display) has had it; its place says where it went. When no directory takes it, it
-    stays."""
+    """Tune keeps every trial's last result for the whole sweep and logs each result to JSON after the driver's
+    callbacks: the receipt JSON leaves the result once the campaign directory (or rejected/, for a refused one) holds
+    it and every live callback (the recorder, then the progress display) has had it; its place names it. When only a
+    fallback directory, or none, takes it, it stays."""
     import tempfile
 
     from fsfaults import inject_errno
@@ -229,15 +229,27 @@ def test_each_receipt_leaves_its_tune_result_once_a_file_holds_it_and_every_driv
     layout = Layout.for_campaign("smoke", str(tmp_path / "runs"))
     recorder = _Recorder(layout, MlflowStore(fresh_mlflow_uri(tmp_path), "exp", layout.local_dir))
     good, tampered = result(receipts[0]), result(receipts[1])
-    tampered["receipt"] = tampered["receipt"].replace('"status":"valid"', '"status":"failed"', 1)
-    assert tampered["receipt"] != result(receipts[1])["receipt"]
-    original = tampered["receipt"]
+    raw = json.loads(tampered["receipt"])
+    raw["time"]["wall_s"] += 1.0  # its digest no longer matches
+    tampered["receipt"] = original = json.dumps(raw)
     reader = relayed(recorder, good, tampered)
     assert reader.read == [receipts[0].identity.receipt_id, receipts[1].identity.receipt_id]
     assert "receipt" not in good and good[TAKEN] == receipts[0].identity.receipt_id
     assert (layout.receipts_dir / f"{receipts[0].identity.receipt_id}.json").is_file()
     assert "receipt" not in tampered and tampered[TAKEN].startswith("rejected/")
     assert (layout.local_dir / tampered[TAKEN]).read_text() == original
+
+    # A full disk under the campaign's directory: a fallback takes the receipt, and the result keeps it too.
+    monkeypatch.setenv(FALLBACK_ENV, str(tmp_path / "fallback"))
+    spill = Layout.for_campaign("smoke", str(tmp_path / "spill" / "runs"))
+    with monkeypatch.context() as patch:
+        inject_errno(patch, tmp_path / "spill")
+        spilled = _Recorder(spill, MlflowStore(fresh_mlflow_uri(tmp_path), "exp", spill.local_dir))
+        kept = result(receipts[0])
+        relayed(spilled, kept)
+    assert TAKEN not in kept and kept["receipt"] == receipts[0].model_dump_json()
+    assert [rid for rid, _, _ in spilled.fallbacks] == [receipts[0].identity.receipt_id]
+    assert str(tmp_path / "fallback") in spilled.fallbacks[0][1]
 
     # No directory takes it (the campaign's and every fallback on a full disk): the result keeps the receipt.
     monkeypatch.setenv(FALLBACK_ENV, str(tmp_path / "full" / "fallback"))
@@ -250,8 +262,8 @@ def test_each_receipt_leaves_its_tune_result_once_a_file_holds_it_and_every_driv
     relayed(stuck, kept)
     assert TAKEN not in kept and kept["receipt"] == receipts[0].model_dump_json()
     assert [rid for rid, _ in stuck.unsaved] == [receipts[0].identity.receipt_id]
-    recorder.flush()
-    stuck.flush()
+    for one in (recorder, spilled, stuck):
+        one.flush()
 
 
 def test_ctrl_c_while_the_driver_waits_for_an_opening_drops_the_queue_and_never_waits_again(
