@@ -181,8 +181,9 @@ def with_fallbacks(campaign_dir: str | Path, campaign: str) -> list[Receipt]:
     return load_receipts_from(sources)[0] if sources else []
 
 
-def _atomic_write(target: Path, text: str) -> None:
-    """Write ``target`` through a temporary file and a rename; on any failure the temporary file is removed."""
+def atomic_write(target: Path, text: str) -> None:
+    """Write ``target`` through a temporary file, synced to disk, and a rename; on any failure the temporary file is
+    removed."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".receipt-", suffix=".tmp")
     try:
@@ -241,11 +242,11 @@ def write_receipt_or_fallback(receipt: Receipt, directory: str | Path) -> tuple[
     name = f"{receipt.identity.receipt_id}.json"
     directory = Path(directory)
     try:
-        _atomic_write(directory / name, text)
+        atomic_write(directory / name, text)
         return directory / name, None
     except OSError as exc:
         reason = _reason(exc)
-    return _to_fallback(receipt, f"{RECEIPTS_DIR}/{name}", lambda t: _atomic_write(t, text), directory,
+    return _to_fallback(receipt, f"{RECEIPTS_DIR}/{name}", lambda t: atomic_write(t, text), directory,
                         reason), reason
 
 

@@ -29,6 +29,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from ablate.receipts.store import atomic_write
+
 LOCAL_ROOT = "ablate_runs"
 TUNE_DIR = "_tune"
 LATEST = "LATEST"
@@ -99,6 +101,16 @@ class Layout:
         with fs.open_output_stream(target) as out:
             out.write(local_file.read_bytes())
 
+    def mirrored(self, relative_dir: str) -> set[str]:
+        """Names of the files remote storage holds in ``relative_dir`` of the campaign (one listing call)."""
+        if not self.remote:
+            return set()
+        import pyarrow.fs as pafs
+
+        fs, base = pafs.FileSystem.from_uri(f"{self.storage}/{self.campaign}")
+        selector = pafs.FileSelector(f"{base}/{relative_dir}", allow_not_found=True)
+        return {info.base_name for info in fs.get_file_info(selector) if info.type == pafs.FileType.File}
+
     def pull(self) -> None:
         """Copy the remote mirror into the local campaign dir (a resumed job starts in a fresh working dir)."""
         if not self.remote:
@@ -113,11 +125,12 @@ class Layout:
                         destination_filesystem=pafs.LocalFileSystem())
 
     def write(self, relative: str, text: str) -> Path:
+        """A campaign file, written whole and synced (a refused receipt kept in rejected/ is its only copy once Ray
+        Tune's result drops it), then mirrored."""
+        from ablate.receipts.store import atomic_write
+
         path = self.local_dir / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+        atomic_write(path, text)
         self.publish(path)
         return path
 

@@ -61,7 +61,7 @@ from ablate.receipts.store import (RECEIPTS_DIR, SPOOL_FILE, ReceiptNotSaved, di
 from ablate.sweep.layout import LATEST, Layout, SweepLock
 from ablate.sweep.node_check import NODE_CHECK_TAG, check_plan
 from ablate.sweep.plan import ORDERS_IN_PAIRS, ORDERS_SHUFFLED, SweepPlan, plan_sweep
-from ablate.redact import process_env_only, redact_uri
+from ablate.redact import process_env_only, redact_text, redact_uri
 from ablate.sweep.resources import (Capacity, block_need, check_cluster, gpu_resources, local_ray_init_kwargs,
                                     tune_env_filter)
 from ablate.sweep.trial import (block_progress, clear_interrupted_scratch, run_block, start_clock, trial_dirname,
@@ -131,6 +131,12 @@ MAX_TRACKING_BACKLOG = 32
 receipts in memory and writing them for minutes after Tune ended."""
 
 
+def _told(exc: BaseException, limit: int = 300) -> str:
+    """An exception as one line for a log or the summary: credentials and secret values redacted before it is cut
+    (a cut inside ``user:password@`` would leave the pattern nothing to match)."""
+    return redact_text(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}")[:limit]
+
+
 class _Recorder(Callback):
     """Driver-side sink: receipt -> campaign dir (+ mirror) -> MLflow or spool; keeps the block timeline.
     Lives only in ``_LIVE`` (never pickled); the other Tune hooks keep Callback's no-op defaults."""
@@ -147,6 +153,9 @@ class _Recorder(Callback):
         """(receipt id, where it is, why not in receipts/): receipts the campaign directory refused."""
         self.unsaved: list[tuple[str, str]] = []
         """(receipt id, why): receipts no directory took (still sent to MLflow or the spool)."""
+        self.unmirrored: dict[str, tuple[Path, str]] = {}
+        """Receipt id -> (its file in the campaign dir, why): receipts remote storage did not take. They stay in Tune's
+        results (synced to that storage) and ``mirror_again`` retries them once Tune has ended."""
         self.timeline: dict[str, dict[str, Any]] = {}
         # One writer thread: MLflow calls (0.15-0.3 s per arm on 2 busy cores) stay off Tune's event loop, and SQLite
         # still sees a single writer. The receipt file is written synchronously before anything is queued.
@@ -185,9 +194,8 @@ class _Recorder(Callback):
             if self.store.log_receipt(receipt) is None and (self.layout.local_dir / SPOOL_FILE).is_file():
                 self.layout.publish(self.layout.local_dir / SPOOL_FILE)
         except Exception as exc:  # noqa: BLE001 - a worker-thread error would vanish silently; the file exists
-            log.error("receipt %s: tracking failed (%s: %s); it is on disk, `ablate receipts sync %s` replays it",
-                      receipt.identity.receipt_id, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
-                      self.layout.local_dir)
+            log.error("receipt %s: tracking failed (%s); it is on disk, `ablate receipts sync %s` replays it",
+                      receipt.identity.receipt_id, _told(exc), self.layout.local_dir)
         finally:
             if counted:
                 self._backlog.release()
@@ -237,9 +245,9 @@ class _Recorder(Callback):
             # Kept verbatim for forensics; never a receipt (promotion and sync read receipts/ only).
             try:
                 self.layout.write(f"rejected/{where}.json.txt", result["receipt"])
-            except OSError as exc:
-                log.error("block %s: the refused receipt could not be kept in rejected/ (%s)",
-                          trial.config["block_id"], exc.strerror or exc)
+            except Exception as exc:  # noqa: BLE001 - a local OSError, or remote storage refusing its mirror
+                log.error("block %s: the refused receipt could not be kept in rejected/ (%s); Ray Tune's result keeps "
+                          "it", trial.config["block_id"], _told(exc))
                 return
             result[TAKEN] = f"rejected/{where}.json.txt"
             return
@@ -265,8 +273,7 @@ class _Recorder(Callback):
             log.error("%s", exc)
             return False
         if why is None:
-            self.layout.publish(where)
-            return True
+            return self._mirror(rid, where)
         self.fallbacks.append((rid, str(where), why))
         self.off_campaign.append(receipt)
         # The sweep's metadata beside it, so `ablate receipts sync <fallback dir>` finds the experiment name.
@@ -280,6 +287,44 @@ class _Recorder(Callback):
         except OSError:
             pass  # the receipt itself is safe; sync then uses the default experiment
         return False
+
+    def _mirror(self, rid: str, path: Path, tell: bool = True) -> bool:
+        """``path`` (a receipt in the campaign dir) into remote storage; True once it is there (or storage is local).
+        A storage fault costs the mirror, never the sweep: raised here, it would stop Tune and every later block."""
+        try:
+            self.layout.publish(path)
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises OSError, ArrowException or others, by filesystem
+            why = _told(exc)
+            self.unmirrored[rid] = (path, why)
+            if tell:
+                log.error("receipt %s is in %s but not in storage %s (%s); Ray Tune's result keeps it, and the "
+                          "sweep's end tries again", rid, path.parent, redact_uri(self.layout.storage), why)
+            return False
+        self.unmirrored.pop(rid, None)
+        return True
+
+    def mirror_again(self) -> list[tuple[str, str, str]]:
+        """Retry the receipts remote storage refused, up to the first it still refuses (storage that is down would
+        cost its timeout once per receipt); (receipt id, local file, why) of those left (the summary names them)."""
+        for rid, (path, _) in list(self.unmirrored.items()):
+            if not self._mirror(rid, path, tell=False):
+                break
+        return [(rid, str(path), why) for rid, (path, why) in self.unmirrored.items()]
+
+    def mirror_missing(self, receipts: list[Receipt]) -> None:
+        """On resume: the campaign dir's receipts of this sweep that remote storage lacks (an earlier session's
+        mirror failed, or its driver died before retrying) are mirrored now, or left for ``mirror_again``."""
+        if not self.layout.remote or not receipts:
+            return
+        try:
+            there, why = self.layout.mirrored(RECEIPTS_DIR), "not in storage when the sweep resumed"
+        except Exception as exc:  # noqa: BLE001 - storage unreadable: each one is tried (and bounded) below
+            there, why = set(), _told(exc)
+        for receipt in receipts:
+            path = self.layout.receipts_dir / f"{receipt.identity.receipt_id}.json"
+            if path.name not in there and path.is_file():
+                self.unmirrored[receipt.identity.receipt_id] = (path, why)
+        self.mirror_again()
 
     def on_trial_complete(self, trial: Any, **info: Any) -> None:
         self.timeline.setdefault(trial.config["block_id"], {"arms": []})["trial_ended_at"] = time.time()
@@ -323,6 +368,10 @@ class SweepSummary:
     fallbacks: list[tuple[str, str, str]] = field(default_factory=list)
     """(receipt id, where it is, why) for receipts the campaign directory refused."""
     unsaved: list[tuple[str, str]] = field(default_factory=list)
+    unmirrored: list[tuple[str, str, str]] = field(default_factory=list)
+    """(receipt id, file in the campaign dir, why) for receipts remote storage refused, retried at the sweep's end."""
+    storage: str = ""
+    """Where the campaign's files are kept (redacted): the campaign dir, or the remote storage it is mirrored to."""
     spools: dict[str, Optional[str]] = field(default_factory=dict)
     """Spool file -> why it is a fallback spool (None: the campaign's own)."""
     fatal: Optional[str] = None
@@ -338,7 +387,7 @@ class SweepSummary:
     @property
     def exit_code(self) -> int:
         return 1 if (self.blocks_errored or self.blocks_done < self.blocks_total or self.fallbacks or self.unsaved
-                     or self.fatal) else 0
+                     or self.unmirrored or self.fatal) else 0
 
     def __rich__(self) -> str:
         return self.render()
@@ -369,6 +418,14 @@ class SweepSummary:
                 lines.append(f"next:     ablate receipts sync {Path(home).parent}{into}   (MLflow), and once "
                              f"{self.sweep_dir}/receipts takes writes again: mv {home}/*.json {self.sweep_dir}/receipts/")
         lines += [f"error:    receipt {rid} was not saved anywhere: {why}" for rid, why in self.unsaved]
+        if self.unmirrored:
+            # The local copy and MLflow hold them; a --resume from another machine pulls the storage, which lacks them.
+            reasons = sorted({why for _, _, why in self.unmirrored})
+            names = sorted(Path(path).name for _, path, _ in self.unmirrored)
+            more = f" and {len(names) - 10} more" if len(names) > 10 else ""
+            lines.append(f"error:    {len(names)} receipt(s) are in {self.sweep_dir}/receipts but not in storage "
+                         f"{self.storage} ({'; '.join(reasons)}); copy them to {self.storage}/{Path(self.sweep_dir).name}"
+                         f"/receipts/ before resuming this sweep on another machine: {' '.join(names[:10])}{more}")
         if self.caught_up:
             lines.append(f"note:     {self.caught_up} receipt(s) on disk the driver had not received (arms that "
                          f"finished as it stopped) were {'spooled' if self.spooled else 'logged to MLflow'} at the end")
@@ -776,6 +833,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         # Receipts a killed driver wrote (or spooled) but never logged: MLflow catches up before new work (the
         # writer logs in the order taken; one it finds logged already costs no write).
         recorder.catch_up(earlier)
+        recorder.mirror_missing(earlier)
         completed, next_attempt = block_progress(earlier, sweep_id)
         if resume:
             attempts = max(next_attempt.values(), default=0) + sweep.max_failures + 2
@@ -806,7 +864,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
             interrupted.seen = True
         except Exception as exc:  # noqa: BLE001 - e.g. Tune cannot save its state on a full disk: a line, then the
             # receipts are accounted for as after any other end (the traceback is kept at debug level)
-            fatal = f"Ray Tune stopped: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:500]}"
+            fatal = f"Ray Tune stopped: {_told(exc, 500)}"
             log.debug("Ray Tune stopped", exc_info=True)
         finally:
             tune_log.removeFilter(interrupted)
@@ -824,6 +882,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
             # write a receipt after the catch-up below (on a cluster, --resume or `receipts sync` picks those up).
             ray.shutdown()
         results = list(grid) if grid is not None else []
+        unmirrored = recorder.mirror_again()
         errors = {(r.config or {}).get("block_id", Path(r.path).name): str(r.error).splitlines()[0]
                   for r in results if r.error}
         if grid is None:  # Tune stopped before handing back its results: the driver's own timeline says which erred
@@ -859,7 +918,8 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
             spooled=store.spooled, offline_reason=store.offline_reason, elapsed_s=time.monotonic() - started,
             receipt_ids=[rid for rid, _ in mine], timeline=recorder.timeline, errors=errors,
             resume_command=resume_command, campaign_file=str(path), interrupted=interrupted.seen or bool(stopped), caught_up=caught_up,
-            fallbacks=recorder.fallbacks, unsaved=recorder.unsaved, spools=dict(store.spool_paths), fatal=fatal)
+            fallbacks=recorder.fallbacks, unsaved=recorder.unsaved, unmirrored=unmirrored,
+            storage=redact_uri(layout.storage), spools=dict(store.spool_paths), fatal=fatal)
     finally:
         try:
             if recorder is not None:

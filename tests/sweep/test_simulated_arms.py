@@ -102,6 +102,32 @@ def test_trials_start_while_the_writer_opens_the_sweep_in_mlflow(ray_address: st
     assert not [t for t in threading.enumerate() if t.name == "SystemMetricsMonitor" and t.is_alive()]
 
 
+def test_a_storage_mirror_that_refuses_receipts_costs_the_mirror_never_the_sweep(
+        ray_address: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Remote storage (``file://``, as a bucket would be) whose receipts directory cannot be made: every block still
+    runs, each receipt is in the campaign dir, in MLflow and in Tune's result (which Tune syncs to that storage), and
+    the summary names the receipts the mirror lacks, with exit code 1."""
+    campaign = tiny_smoke(tmp_path / "campaign", blocks=1, aa_blocks=1)  # 3 blocks
+    mirror = tmp_path / "bucket" / "ablate" / "smoke"
+    mirror.mkdir(parents=True)
+    (mirror / "receipts").write_text("a file where the mirror's receipts directory goes\n")
+    monkeypatch.chdir(tmp_path)  # the campaign dir of a sweep with remote storage is under the working directory
+    uri = fresh_mlflow_uri(tmp_path)
+    summary = run_sweep(campaign, tracking_uri=uri, storage=f"file://{tmp_path / 'bucket'}/ablate", progress=False,
+                        simulate_arms=True)
+    assert (summary.blocks_done, summary.blocks_total, summary.fatal, summary.arms_logged) == (3, 3, None, 6)
+    assert summary.exit_code == 1 and sorted(rid for rid, _, _ in summary.unmirrored) == sorted(summary.receipt_ids)
+    on_disk, _ = load_receipts(Path(summary.sweep_dir) / "receipts")
+    assert {r.identity.receipt_id for r in on_disk} == set(summary.receipt_ids)
+    assert set(TrackingClient(uri, "ablate").arm_runs(summary.sweep_id)) == set(summary.receipt_ids)
+    kept = [json.loads(json.loads(line)["receipt"])["identity"]["receipt_id"]
+            for path in (tmp_path / "bucket" / "ablate" / "_tune").rglob("result.json")
+            for line in path.read_text().splitlines() if '"event": "arm"' in line]
+    assert sorted(kept) == sorted(summary.receipt_ids)
+    line = next(line for line in summary.render().splitlines() if "not in storage" in line)
+    assert "6 receipt(s)" in line and "FileExistsError" in line and f"{mirror}/receipts/" in line
+
+
 def test_no_cli_or_campaign_path_turns_simulation_on() -> None:
     # Only a Python caller of run_sweep (tests, benchmarks) can ask for no-op arms.
     assert "simulate" not in (REPO / "ablate" / "cli.py").read_text()

@@ -266,6 +266,111 @@ def test_each_receipt_leaves_its_tune_result_once_a_file_holds_it_and_every_driv
         one.flush()
 
 
+def test_a_receipt_remote_storage_refuses_stays_in_its_tune_result_and_is_mirrored_once_storage_takes_it(
+        receipts: list[Receipt], tmp_path: Path) -> None:
+    """Remote storage (here ``file://``) that refuses the mirror: the receipt is in the campaign dir, the driver's
+    hook does not raise (raised there, it would stop Tune and every later block), Tune's result keeps the receipt
+    (Tune syncs it to that storage), and the sweep's end mirrors it once storage takes writes again."""
+    from ablate.sweep.layout import Layout
+    from ablate.sweep.run import _LIVE, TAKEN, _Recorder, _Relay
+
+    class Trial:
+        config = {"block_id": "b000"}
+
+    def result(receipt: Receipt) -> dict:
+        return {"event": "arm", "block_id": "b000", "arm": receipt.identity.arm.value, "arm_index": 0, "order": 0,
+                "attempt": 0, "status": receipt.identity.status.value, "scheduled_at": 0.0, "ended_at": 0.0,
+                "node_id": "n", "host": "h", "receipt": receipt.model_dump_json()}
+
+    layout = Layout.for_campaign("smoke", f"file://{tmp_path / 'bucket'}/ablate", cwd=tmp_path / "job")
+    mirror = tmp_path / "bucket" / "ablate" / "smoke"
+    mirror.mkdir(parents=True)
+    for blocked in ("receipts", "rejected"):  # a file where each mirror directory goes: the filesystem refuses it
+        (mirror / blocked).write_text("not a directory\n")
+    recorder = _Recorder(layout, MlflowStore(fresh_mlflow_uri(tmp_path), "exp", layout.local_dir))
+    good, tampered = result(receipts[0]), result(receipts[1])
+    raw = json.loads(tampered["receipt"])
+    raw["time"]["wall_s"] += 1.0
+    tampered["receipt"] = json.dumps(raw)
+    _LIVE["mirror-1"] = [recorder]
+    try:
+        for one in (good, tampered):
+            _Relay("mirror-1").on_trial_result(trial=Trial(), result=one)
+    finally:
+        _LIVE.pop("mirror-1")
+    rid = receipts[0].identity.receipt_id
+    local = layout.receipts_dir / f"{rid}.json"
+    assert local.is_file() and recorder.received == [(rid, receipts[0].identity.status)]
+    assert TAKEN not in good and good["receipt"] == receipts[0].model_dump_json()
+    assert TAKEN not in tampered and tampered["receipt"] == json.dumps(raw), "rejected/'s mirror refused it too"
+    assert list(recorder.unmirrored) == [rid] and "receipts" in recorder.unmirrored[rid][1]
+    assert recorder.mirror_again() == [(rid, str(local), recorder.unmirrored[rid][1])]  # still refused
+
+    (mirror / "receipts").unlink()
+    assert recorder.mirror_again() == [] and recorder.unmirrored == {}
+    assert (mirror / "receipts" / f"{rid}.json").read_bytes() == local.read_bytes()
+    recorder.flush()
+
+
+def test_a_resumed_sweep_mirrors_what_storage_lacks_and_no_storage_error_leaks_a_secret(
+        receipts: list[Receipt], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A resumed sweep finds receipts of an earlier session in the campaign dir that remote storage lacks (its
+    mirror failed, or its driver died first): they are mirrored before new work. A storage error of any kind (not
+    only OSError) never stops the driver, and what it logs or keeps is redacted (a bucket URI with a key in it)."""
+    import logging
+
+    import pyarrow
+
+    from ablate.sweep.layout import Layout
+    from ablate.sweep.run import _LIVE, TAKEN, _Recorder, _Relay
+
+    remote = f"file://{tmp_path / 'bucket'}/ablate"
+    layout = Layout.for_campaign("smoke", remote, cwd=tmp_path / "job")
+    for receipt in receipts:
+        write_receipt(receipt, layout.receipts_dir)
+    layout.publish(layout.receipts_dir / f"{receipts[0].identity.receipt_id}.json")  # the one mirrored in time
+    assert layout.mirrored("receipts") == {f"{receipts[0].identity.receipt_id}.json"}
+    recorder = _Recorder(layout, MlflowStore(fresh_mlflow_uri(tmp_path), "exp", layout.local_dir))
+    recorder.mirror_missing(receipts)
+    assert recorder.unmirrored == {}
+    mirror = tmp_path / "bucket" / "ablate" / "smoke" / "receipts"
+    assert {p.name: p.read_bytes() for p in mirror.iterdir()} == \
+        {p.name: p.read_bytes() for p in layout.receipts_dir.iterdir()}
+
+    # Storage that fails with a non-OSError whose text quotes the bucket URI with its key.
+    secret = "sup3r-s3cret-key"
+
+    def refuse(self: Layout, local_file: Path) -> None:
+        raise pyarrow.lib.ArrowInvalid(f"cannot open s3://AKIA1234:{secret}@bucket/ablate/{local_file.name}")
+
+    monkeypatch.setattr(Layout, "publish", refuse)
+    again = _Recorder(layout, MlflowStore(fresh_mlflow_uri(tmp_path), "exp", layout.local_dir))
+    good = {"event": "arm", "block_id": "b000", "arm": "baseline", "arm_index": 0, "order": 0, "attempt": 1,
+            "status": receipts[1].identity.status.value, "scheduled_at": 0.0, "ended_at": 0.0, "node_id": "n",
+            "host": "h", "receipt": receipts[1].model_dump_json()}
+    bad = dict(good, receipt=good["receipt"].replace('"wall_s":', '"wall_s": 1e-3 +', 1))  # not JSON: rejected/
+
+    class Trial:
+        config = {"block_id": "b000"}
+
+    _LIVE["mirror-2"] = [again]
+    try:
+        with caplog.at_level(logging.INFO):
+            for one in (good, bad):
+                _Relay("mirror-2").on_trial_result(trial=Trial(), result=one)
+            again.mirror_missing(receipts)
+            left = again.mirror_again()
+    finally:
+        _LIVE.pop("mirror-2")
+    assert TAKEN not in good and "receipt" in good and TAKEN not in bad and "receipt" in bad
+    assert [rid for rid, _, _ in left] == [receipts[1].identity.receipt_id]  # the rest were in storage already
+    assert all(why.startswith("ArrowInvalid: ") and "bucket" in why and secret not in why for _, _, why in left)
+    assert "ArrowInvalid" in caplog.text and secret not in caplog.text
+    again.flush()
+    recorder.flush()
+
+
 def test_ctrl_c_while_the_driver_waits_for_an_opening_drops_the_queue_and_never_waits_again(
         receipts: list[Receipt], tmp_path: Path) -> None:
     """A store slow to open (an unreachable server retries for minutes): Ctrl+C during the driver's wait for its
