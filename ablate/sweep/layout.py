@@ -127,8 +127,6 @@ class Layout:
     def write(self, relative: str, text: str) -> Path:
         """A campaign file, written whole and synced (a refused receipt kept in rejected/ is its only copy once Ray
         Tune's result drops it), then mirrored."""
-        from ablate.receipts.store import atomic_write
-
         path = self.local_dir / relative
         atomic_write(path, text)
         self.publish(path)
