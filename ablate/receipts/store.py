@@ -181,11 +181,11 @@ def with_fallbacks(campaign_dir: str | Path, campaign: str) -> list[Receipt]:
     return load_receipts_from(sources)[0] if sources else []
 
 
-def atomic_write(target: Path, text: str) -> None:
-    """Write ``target`` through a temporary file, synced to disk, and a rename; on any failure the temporary file is
-    removed."""
+def atomic_write(target: Path, text: str, prefix: str = ".receipt-") -> None:
+    """Write ``target`` through a temporary file (``<prefix>*.tmp``, which ``settle_unfinished_writes`` knows for
+    receipts), synced to disk, and a rename; on any failure the temporary file is removed."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".receipt-", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=prefix, suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)

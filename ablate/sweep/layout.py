@@ -128,7 +128,7 @@ class Layout:
         """A campaign file, written whole and synced (a refused receipt kept in rejected/ is its only copy once Ray
         Tune's result drops it), then mirrored."""
         path = self.local_dir / relative
-        atomic_write(path, text)
+        atomic_write(path, text, prefix=f".{path.name}-")  # not a receipt's: a resume leaves it alone
         self.publish(path)
         return path
 

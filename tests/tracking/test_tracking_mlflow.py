@@ -187,6 +187,18 @@ def test_the_driver_opens_the_sweep_on_its_writer_thread_and_logs_receipts_after
     assert rejected == [] and {r.identity.receipt_id for r in spooled} == {r.identity.receipt_id for r in receipts}
 
 
+class _Trial:
+    """What the driver's hooks read of a Tune trial."""
+    config = {"block_id": "b000"}
+
+
+def _arm_result(receipt: Receipt, attempt: int = 0) -> dict:
+    """The Tune result a trial reports for one arm (``ablate.sweep.trial.run_block``)."""
+    return {"event": "arm", "block_id": "b000", "arm": receipt.identity.arm.value, "arm_index": 0, "order": 0,
+            "attempt": attempt, "status": receipt.identity.status.value, "scheduled_at": 0.0, "ended_at": 0.0,
+            "node_id": "n", "host": "h", "receipt": receipt.model_dump_json()}
+
+
 def test_each_receipt_leaves_its_tune_result_once_a_file_holds_it_and_every_driver_callback_read_it(
         receipts: list[Receipt], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tune keeps every trial's last result for the whole sweep and logs each result to JSON after the driver's
@@ -201,9 +213,6 @@ def test_each_receipt_leaves_its_tune_result_once_a_file_holds_it_and_every_driv
     from ablate.sweep.layout import Layout
     from ablate.sweep.run import _LIVE, TAKEN, _Recorder, _Relay
 
-    class Trial:
-        config = {"block_id": "b000"}
-
     class Reader:  # a live callback after the recorder, as the progress display is
         def __init__(self) -> None:
             self.read: list[str] = []
@@ -211,24 +220,19 @@ def test_each_receipt_leaves_its_tune_result_once_a_file_holds_it_and_every_driv
         def on_trial_result(self, result: dict, **info: object) -> None:
             self.read.append(json.loads(result["receipt"])["identity"]["receipt_id"])
 
-    def result(receipt: Receipt) -> dict:
-        return {"event": "arm", "block_id": "b000", "arm": receipt.identity.arm.value, "arm_index": 0, "order": 0,
-                "attempt": 0, "status": receipt.identity.status.value, "scheduled_at": 0.0, "ended_at": 0.0,
-                "node_id": "n", "host": "h", "receipt": receipt.model_dump_json()}
-
     def relayed(recorder: _Recorder, *results: dict) -> Reader:
         reader = Reader()
         _LIVE["take-1"] = [recorder, reader]
         try:
             for one in results:
-                _Relay("take-1").on_trial_result(trial=Trial(), result=one)
+                _Relay("take-1").on_trial_result(trial=_Trial(), result=one)
         finally:
             _LIVE.pop("take-1")
         return reader
 
     layout = Layout.for_campaign("smoke", str(tmp_path / "runs"))
     recorder = _Recorder(layout, MlflowStore(fresh_mlflow_uri(tmp_path), "exp", layout.local_dir))
-    good, tampered = result(receipts[0]), result(receipts[1])
+    good, tampered = _arm_result(receipts[0]), _arm_result(receipts[1])
     raw = json.loads(tampered["receipt"])
     raw["time"]["wall_s"] += 1.0  # its digest no longer matches
     tampered["receipt"] = original = json.dumps(raw)
@@ -245,7 +249,7 @@ def test_each_receipt_leaves_its_tune_result_once_a_file_holds_it_and_every_driv
     with monkeypatch.context() as patch:
         inject_errno(patch, tmp_path / "spill")
         spilled = _Recorder(spill, MlflowStore(fresh_mlflow_uri(tmp_path), "exp", spill.local_dir))
-        kept = result(receipts[0])
+        kept = _arm_result(receipts[0])
         relayed(spilled, kept)
     assert TAKEN not in kept and kept["receipt"] == receipts[0].model_dump_json()
     assert [rid for rid, _, _ in spilled.fallbacks] == [receipts[0].identity.receipt_id]
@@ -258,7 +262,7 @@ def test_each_receipt_leaves_its_tune_result_once_a_file_holds_it_and_every_driv
     full = Layout.for_campaign("smoke", str(tmp_path / "full" / "runs"))
     inject_errno(monkeypatch, tmp_path / "full")
     stuck = _Recorder(full, MlflowStore(fresh_mlflow_uri(tmp_path), "exp", full.local_dir))
-    kept = result(receipts[0])
+    kept = _arm_result(receipts[0])
     relayed(stuck, kept)
     assert TAKEN not in kept and kept["receipt"] == receipts[0].model_dump_json()
     assert [rid for rid, _ in stuck.unsaved] == [receipts[0].identity.receipt_id]
@@ -274,28 +278,20 @@ def test_a_receipt_remote_storage_refuses_stays_in_its_tune_result_and_is_mirror
     from ablate.sweep.layout import Layout
     from ablate.sweep.run import _LIVE, TAKEN, _Recorder, _Relay
 
-    class Trial:
-        config = {"block_id": "b000"}
-
-    def result(receipt: Receipt) -> dict:
-        return {"event": "arm", "block_id": "b000", "arm": receipt.identity.arm.value, "arm_index": 0, "order": 0,
-                "attempt": 0, "status": receipt.identity.status.value, "scheduled_at": 0.0, "ended_at": 0.0,
-                "node_id": "n", "host": "h", "receipt": receipt.model_dump_json()}
-
     layout = Layout.for_campaign("smoke", f"file://{tmp_path / 'bucket'}/ablate", cwd=tmp_path / "job")
     mirror = tmp_path / "bucket" / "ablate" / "smoke"
     mirror.mkdir(parents=True)
     for blocked in ("receipts", "rejected"):  # a file where each mirror directory goes: the filesystem refuses it
         (mirror / blocked).write_text("not a directory\n")
     recorder = _Recorder(layout, MlflowStore(fresh_mlflow_uri(tmp_path), "exp", layout.local_dir))
-    good, tampered = result(receipts[0]), result(receipts[1])
+    good, tampered = _arm_result(receipts[0]), _arm_result(receipts[1])
     raw = json.loads(tampered["receipt"])
     raw["time"]["wall_s"] += 1.0
     tampered["receipt"] = json.dumps(raw)
     _LIVE["mirror-1"] = [recorder]
     try:
         for one in (good, tampered):
-            _Relay("mirror-1").on_trial_result(trial=Trial(), result=one)
+            _Relay("mirror-1").on_trial_result(trial=_Trial(), result=one)
     finally:
         _LIVE.pop("mirror-1")
     rid = receipts[0].identity.receipt_id
@@ -346,19 +342,14 @@ def test_a_resumed_sweep_mirrors_what_storage_lacks_and_no_storage_error_leaks_a
 
     monkeypatch.setattr(Layout, "publish", refuse)
     again = _Recorder(layout, MlflowStore(fresh_mlflow_uri(tmp_path), "exp", layout.local_dir))
-    good = {"event": "arm", "block_id": "b000", "arm": "baseline", "arm_index": 0, "order": 0, "attempt": 1,
-            "status": receipts[1].identity.status.value, "scheduled_at": 0.0, "ended_at": 0.0, "node_id": "n",
-            "host": "h", "receipt": receipts[1].model_dump_json()}
+    good = _arm_result(receipts[1], attempt=1)
     bad = dict(good, receipt=good["receipt"].replace('"wall_s":', '"wall_s": 1e-3 +', 1))  # not JSON: rejected/
-
-    class Trial:
-        config = {"block_id": "b000"}
 
     _LIVE["mirror-2"] = [again]
     try:
         with caplog.at_level(logging.INFO):
             for one in (good, bad):
-                _Relay("mirror-2").on_trial_result(trial=Trial(), result=one)
+                _Relay("mirror-2").on_trial_result(trial=_Trial(), result=one)
             again.mirror_missing(receipts)
             left = again.mirror_again()
     finally:
