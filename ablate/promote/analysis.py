@@ -474,7 +474,8 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
         verdict.loss_bounds = (quantile(loss_theta, alpha), quantile(loss_theta, 1 - alpha))
     if test.kind == "tax":
         verdict.budget = policy.taxes.budget(test.feature)
-        if verdict.ci95 is not None:
+        # Unknown ("–") on fewer blocks than any verdict stands on: one block's ratio is both ends of its interval.
+        if verdict.ci95 is not None and verdict.n_blocks >= policy.evidence.min_blocks:
             verdict.within_budget = verdict.ci95[0] >= 1.0 - verdict.budget
         mem = [b.candidate.peak_memory / b.baseline.peak_memory for b in usable
                if b.candidate.peak_memory and b.baseline.peak_memory]

@@ -57,7 +57,7 @@ def _validated(receipts: Iterable[Receipt | Mapping[str, Any]]) -> tuple[list[Re
         else:
             try:
                 receipt = validate_receipt(dict(item))
-            except InvalidReceipt as exc:
+            except (InvalidReceipt, ValueError, TypeError) as exc:  # pydantic's errors are ValueErrors
                 rid = (item.get("identity") or {}).get("receipt_id") if isinstance(item, Mapping) else None
                 rejected.append(from_identity(str(rid or f"receipts[{index}]"), str(exc), item))
                 continue
@@ -121,9 +121,13 @@ def _lane_facts(blocks: list[Block]) -> dict[str, Any]:
             "threads": threads, "world_size": int(lane.get("engine.workers") or 1),
             "horizon_steps": blocks[-1].horizon_steps if blocks else 0,
             "startup_share": statistics.median(shares) if shares else None,
-            "startup_s": statistics.median([a.startup_s for a in arms if a.startup_s is not None])
-            if arms else None,
-            "wall_s": statistics.median([a.wall_s for a in arms if a.wall_s]) if arms else None}
+            "startup_s": _median_or_none([a.startup_s for a in arms if a.startup_s is not None]),
+            "wall_s": _median_or_none([a.wall_s for a in arms if a.wall_s])}
+
+
+def _median_or_none(values: list[float]) -> Optional[float]:
+    # A lane of failed arms only may record neither (the validator waives a failed arm's time accounting).
+    return statistics.median(values) if values else None
 
 
 def _git(blocks: list[Block]) -> dict[str, Any]:
@@ -149,6 +153,19 @@ def _with_partner_fingerprints(unread: list[UnreadArm], valid: list[Receipt]) ->
             partners[(ident.sweep_id, ident.block_id, ident.attempt)] = ident.software_fingerprint
     return [dataclasses.replace(arm, software_fingerprint=partners[arm.block])
             if arm.software_fingerprint is None and arm.block in partners else arm for arm in unread]
+
+
+def _unseen_as_unknown(unread: list[UnreadArm], valid: list[Receipt]) -> list[UnreadArm]:
+    """An unread arm under a fingerprint no read receipt of its lane has may be newer software than any read: it
+    concerns the lane's current test (fingerprint unknown), so unreadable newest sweeps cannot make older software's
+    evidence the current one (found in review: the newest round's runs deleted, the older rounds promoted). An
+    unread arm of a fingerprint seen among read ones keeps it: superseded evidence holds nothing."""
+    seen: dict[str, set[str]] = defaultdict(set)
+    for receipt in valid:
+        seen[receipt.identity.lane_key].add(receipt.identity.software_fingerprint)
+    return [dataclasses.replace(arm, software_fingerprint=None)
+            if arm.software_fingerprint is not None and arm.software_fingerprint not in seen[arm.lane_key] else arm
+            for arm in unread]
 
 
 def _left_out_arms(left_out: Iterable[Receipt], blocks: list[Block]) -> list[UnreadArm]:
@@ -186,7 +203,8 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     rejected = list(rejected) + invalid
     # A damaged copy of a receipt that was read in another copy leaves no arm unread.
     read = {r.identity.receipt_id for r in valid}
-    unread = _with_partner_fingerprints([arm for arm in unread_arms(rejected) if arm.receipt_id not in read], valid)
+    unread = _unseen_as_unknown(_with_partner_fingerprints(
+        [arm for arm in unread_arms(rejected) if arm.receipt_id not in read], valid), valid)
     unread += [arm for arm in _left_out_arms(left_out, blocks + bundle_blocks) if arm.receipt_id not in read]
     tests, calibrations, lanes = organise(blocks, policy, refusals, unread)
     flags = startup_outliers(blocks)

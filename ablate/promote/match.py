@@ -44,10 +44,12 @@ _SHARED_IDENTITY = ("sweep_id", "campaign", "lane_key", "feature", "kind", "host
 # ``identity.feature`` of a bundle block: the candidate arm runs every value of ``feature_value`` (a mapping
 # feature -> value, two or more registered speed features) together, against ``baseline_value`` (feature -> old
 # value); nothing else in the lane differs. Judged by ``ablate.promote.bundle``, never a promotion test itself.
-_OBSERVED_IDENTITY = ("software_fingerprint", "hardware_fingerprint")
-"""Fingerprints of what an arm's worker observed (its hardware is hashed into both): an arm whose worker died before
-reporting (a kill, a segfault, a timeout) has none, so these are compared through their parts instead (software
-versions here; code, host and lane above), and its failure stays in the block as a loss."""
+_OBSERVED_IDENTITY = ("software_fingerprint", "hardware_fingerprint", "pairing")
+"""What an arm's worker observed (its hardware is hashed into both fingerprints; whether it took turns with its
+partner): an arm whose worker died before reporting (a kill, a segfault, a timeout) has no fingerprint and is
+written as not paired, so these are compared through their parts instead (software versions here; code, host and
+lane above), and its failure stays in the block as a loss (found in review: an interleaved block whose candidate
+crashed was refused for "arms differ in pairing", its failure dropped, and the test promoted)."""
 FAILURE_CODE = "ARM_FAILED"
 """The only code a failed arm is spared at the gate: it *is* the failure, which counts as a loss instead."""
 
@@ -476,6 +478,12 @@ def _select_attempt(receipts: list[Receipt]) -> tuple[dict[int, Receipt], dict[s
             return {}, {}, False, f"two receipts for arm_index {ident.arm_index} attempt {ident.attempt}: {ids}"
         by_attempt[ident.attempt][ident.arm_index] = receipt
     attempts = sorted(by_attempt)
+    # A retry cut off after one arm that did not fail (the driver killed, the node preempted) measured nothing:
+    # the block stands on the attempts before it, whose failed candidate is still a loss (found in review: the
+    # block was refused for its missing partner, which dropped the earlier crashes and promoted the test).
+    while len(attempts) > 1 and len(by_attempt[attempts[-1]]) == 1 and \
+            next(iter(by_attempt[attempts[-1]].values())).identity.status.value != "failed":
+        attempts.pop()
     chosen = dict(by_attempt[attempts[-1]])
     cross = False
     if len(chosen) == 1 and next(iter(chosen.values())).identity.status.value == "failed":

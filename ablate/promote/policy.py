@@ -290,7 +290,8 @@ _RANGES: dict[str, tuple[float, bool, float, bool, str]] = {
     "consistency.min_win_fraction": (0.0, False, 1.0, True, "a fraction in (0, 1]"),
     "order.max_effect_in_thresholds": (0.0, False, math.inf, False, "a positive multiple of the threshold"),
     "order.alpha": _OPEN_FRACTION,
-    "quality.alpha": _OPEN_FRACTION,
+    "quality.alpha": (0.0, False, 0.5, False, "a probability in (0, 0.5): the loss bounds are its quantile and "
+                                              "1 minus it, which cross at 0.5"),
     "quality.spread_quantile": _OPEN_FRACTION,
     "quality.min_epsilon": (0.0, True, math.inf, False, "a loss difference >= 0"),
     "failures.max_candidate_rate": (0.0, True, 1.0, True, "a fraction in [0, 1]"),

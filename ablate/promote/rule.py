@@ -87,14 +87,6 @@ def _reject_clauses(v: FeatureVerdict, policy: Policy,
         found = v.counter_violations
         return Clause("exact_counters", not found, "; ".join(found[:3]) if found else "no counter above baseline")
 
-    def flaky() -> Clause:
-        f = v.failures["candidate"]
-        significant = v.fisher_p < policy.failures.fisher_alpha
-        return Clause("not_flaky", not significant,
-                      f"candidate fails more often than baseline ({f['failed']}/{f['arms']} vs "
-                      f"{v.failures['baseline']['failed']}/{v.failures['baseline']['arms']}, Fisher p="
-                      f"{v.fisher_p:.3g})" if significant else f"Fisher p={v.fisher_p:.3g}")
-
     # A REJECT stands on as much evidence as a PROMOTE would: enough blocks and hosts, and a calibrated lane.
     # It also demotes a promoted default on revalidation, so one or two blocks must never carry it.
     # Nor on a --sweep selection that left some of the test's arms out: it would choose the REJECT.
@@ -103,6 +95,23 @@ def _reject_clauses(v: FeatureVerdict, policy: Policy,
         (v.aa_blocks < policy.threshold.min_aa_blocks,
          f"{v.aa_blocks} A/A block(s) < {policy.threshold.min_aa_blocks}"),
         (bool(v.left_out_arms), f"{len(v.left_out_arms)} arm(s) in sweeps the --sweep selection left out")) if short]
+
+    def flaky() -> Clause:
+        f, b = v.failures["candidate"], v.failures["baseline"]
+        significant = v.fisher_p < policy.failures.fisher_alpha
+        shown = f"candidate fails more often than baseline ({f['failed']}/{f['arms']} vs {b['failed']}/{b['arms']}, " \
+                f"Fisher p={v.fisher_p:.3g})"
+        # Failures on one host are that host's fact until other hosts fail too (found in review: 4 failed arms
+        # on one host rejected, and on revalidation would demote, a global default). The PROMOTE side still
+        # holds such a test (failure_rate), so nothing flaky is promoted while the evidence grows.
+        # (A calibration says nothing of failures; a --sweep selection that left arms out holds below, by name.)
+        thin = [why for short, why in (
+            (v.n_hosts < policy.evidence.min_hosts, f"{v.n_hosts} host(s) < {policy.evidence.min_hosts}"),
+            (f["arms"] < policy.evidence.min_blocks, f"{f['arms']} candidate arm(s) < {policy.evidence.min_blocks}"))
+            if short]
+        if significant and thin:
+            return Clause("not_flaky", True, f"{shown}, but too little evidence to reject on: {'; '.join(thin)}")
+        return Clause("not_flaky", not significant, shown if significant else f"Fisher p={v.fisher_p:.3g}")
 
     def quality() -> Clause:
         # Evidence first: a bootstrap of one loss delta returns it as both bounds, and an uncalibrated lane's
@@ -353,6 +362,18 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
         if v.loss_bounds is None:
             ok = not policy.quality.require_loss
             return Clause("quality_non_inferior", ok, f"no {policy.quality.metric} recorded on both arms")
+        # As much evidence as the speed decision stands on: a bootstrap of one loss delta returns it as both
+        # bounds, so one block with a loss recorded on both arms promoted a feature that made the loss worse
+        # whenever the other arms lacked it (found in review: 3 of 10 such campaigns).
+        floor = policy.sequential.min_blocks if sprt is not None else ev.min_blocks
+        if v.loss_blocks < floor:
+            thin = (f"{policy.quality.metric} on both arms in {v.loss_blocks} of {v.n_blocks} block(s), fewer than "
+                    f"{floor}")
+            if policy.quality.require_loss:
+                return Clause("quality_non_inferior", False, f"{thin}: too few to show the loss is not worse; "
+                                                             f"record the loss on every arm")
+            return Clause("quality_non_inferior", True, f"{thin}: too few to judge, counted as none "
+                                                        f"(quality.require_loss is false)")
         upper = v.loss_bounds[1]
         return Clause("quality_non_inferior", upper <= v.epsilon,
                       f"loss delta {v.loss_delta:+.4g}, upper bound {upper:+.4g} vs epsilon {v.epsilon:.4g}")

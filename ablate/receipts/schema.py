@@ -508,7 +508,12 @@ def derived_figure_errors(receipt: "Receipt") -> list[str]:
         errors.append(f"steps.total/steady ({st.total}/{st.steady}) do not match the per-step records "
                       f"({len(steps)}/{len(steady)})")
     setup = time.badput_s.get("setup", 0.0)
-    horizon = int(receipt.requested.lane.get("budget.horizon_steps", 0) or 0)
+    stated = receipt.requested.lane.get("budget.horizon_steps", 0)
+    try:
+        horizon = int(stated or 0)
+    except (TypeError, ValueError):  # the lane is a free-form mapping: its value is checked here, not by the schema
+        errors.append(f"requested.lane budget.horizon_steps is {stated!r}; allowed: a positive whole number of steps")
+        return errors
     if horizon <= 0:
         errors.append("requested.lane has no positive budget.horizon_steps")
         return errors

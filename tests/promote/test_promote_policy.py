@@ -47,3 +47,8 @@ def test_nonsense_values_are_refused() -> None:
     with pytest.raises(ValueError, match=r"policy evidence.min_blocks: got 7.5; allowed: an integer"):
         with_overrides(policy, {"evidence.min_blocks": 7.5})
     assert with_overrides(policy, {"bootstrap.resamples": 500}).bootstrap.resamples == 500
+    # The loss bounds are the alpha and 1 - alpha quantiles: from 0.5 on they cross, and the clause read the wrong one.
+    for alpha in (0.5, 0.9):
+        with pytest.raises(ValueError, match=rf"policy quality.alpha: got {alpha}; allowed: a probability in \(0, 0.5\)"):
+            with_overrides(policy, {"quality.alpha": alpha})
+    assert with_overrides(policy, {"quality.alpha": 0.1}).quality.alpha == 0.1

@@ -508,3 +508,117 @@ def test_a_loss_difference_on_thin_evidence_never_rejects_a_win(policy: Policy) 
     assert v.verdict == HOLD, v.reason
     detail = next(c.detail for c in v.clauses if c.name == "quality_not_worse")
     assert "too little evidence to reject on" in detail
+
+
+def _without_loss(receipts: list[Receipt], keep: int) -> list[Receipt]:
+    """The campaign with the LM loss recorded on only the first ``keep`` candidate arms."""
+    for arm in candidates(receipts)[keep:]:
+        if arm.identity.feature is not None:
+            arm.quality.lm_loss_final = None
+    return receipts
+
+
+def test_a_loss_recorded_in_too_few_blocks_never_shows_quality(policy: Policy) -> None:
+    # Hole: one block with a loss on both arms was bootstrapped into an interval of one value, so a feature that
+    # makes the loss worse (0.008 > epsilon) promoted whenever the other arms lacked the loss (seed 2 did).
+    receipts = _without_loss(simulate(Sim(features=[moe(1.05, loss_effect=0.008)], **QUIET), 2), keep=1)
+    v = verdict_of(run(receipts, policy))
+    assert v.loss_blocks == 1 and v.n_blocks == 12
+    assert v.verdict == HOLD and failing(v) == ["quality_non_inferior"], v.reason
+    assert "in 1 of 12 block(s), fewer than 8" in v.reason
+    # Enough blocks with a loss: the interval decides again (here: worse, so the REJECT side says so).
+    v = verdict_of(run(_without_loss(simulate(Sim(features=[moe(1.05, loss_effect=0.008)], **QUIET), 2), keep=12),
+                       policy))
+    assert v.loss_blocks == 12 and v.verdict == REJECT and failing(v) == ["quality_not_worse"]
+
+
+def test_without_require_loss_a_thin_loss_counts_as_none(policy: Policy) -> None:
+    lenient = with_overrides(policy, {"quality.require_loss": False})
+    v = verdict_of(run(_without_loss(simulate(Sim(features=[moe(1.05)], **QUIET), 0), keep=1), lenient))
+    clause = next(c for c in v.clauses if c.name == "quality_non_inferior")
+    assert clause.passed and "too few to judge, counted as none" in clause.detail
+    assert v.verdict == PROMOTE, v.reason
+
+
+def test_candidate_failures_on_one_host_hold_instead_of_rejecting(policy: Policy) -> None:
+    # Hole: 4 of 4 candidates failing on one host rejected the feature (Fisher p=0.014), and a REJECT demotes a
+    # promoted default on revalidation: one host's crash decided for every lane of the shape.
+    receipts = simulate(Sim(features=[moe(1.05)], hosts=1, blocks_per_host=4, rounds=1, **QUIET), 0)
+    for arm in candidates(receipts):
+        if arm.identity.feature is not None:
+            _failed(arm)
+    v = verdict_of(run(receipts, policy))
+    flaky = next(c for c in v.clauses if c.name == "not_flaky")
+    assert v.fisher_p < policy.failures.fisher_alpha, "the premise: the failures are significant"
+    assert flaky.passed and "too little evidence to reject on: 1 host(s) < 3; 4 candidate arm(s) < 8" in flaky.detail
+    assert v.verdict == HOLD, v.reason
+
+
+def test_a_tax_on_one_block_is_neither_within_nor_over_budget(policy: Policy) -> None:
+    stp = FeatureTruth("stp", "on", "off", 0.97)
+    v = verdict_of(run(simulate(Sim(features=[stp], hosts=1, blocks_per_host=1, rounds=1, aa_per_host=0), 0), policy),
+                   "stp")
+    assert v.verdict == TAX_REPORTED and v.n_blocks == 1 and v.within_budget is None
+    v = verdict_of(run(simulate(Sim(features=[stp], **QUIET), 0), policy), "stp")
+    assert v.n_blocks == 12 and v.within_budget is True
+
+
+def test_an_interleaved_block_whose_candidate_died_unobserved_counts_the_failure(policy: Policy) -> None:
+    # Hole: the dead arm is written "sequential" (no result says it took turns), its partner "interleaved": the
+    # block was refused for "arms differ in pairing", the crash left the counts, and the test promoted.
+    receipts = simulate(Sim(features=[moe(1.05)], blocks_per_host=3, **QUIET), 0)
+    for arm in receipts:
+        arm.identity.pairing = "interleaved"
+    for arm in candidates(receipts)[:4]:
+        _died_unobserved(arm)
+        arm.identity.pairing = "sequential"
+    result = run(receipts, policy)
+    v = verdict_of(result)
+    assert not result.refusals and v.failures["candidate"] == {"failed": 4, "arms": 18}
+    assert v.verdict != PROMOTE and "failure_rate" in failing(v)
+
+
+def test_a_retry_cut_off_after_its_baseline_keeps_the_earlier_crash_as_a_loss(policy: Policy) -> None:
+    # Hole: the latest attempt held one valid baseline (the driver was killed before its candidate's receipt),
+    # the block was refused for its missing partner, and the crashed candidates of attempt 0 left the evidence.
+    receipts = simulate(Sim(features=[moe(1.10)], **QUIET), 0)
+    retries = []
+    for cand in candidates(receipts)[:6]:
+        _failed(cand)
+        base = next(r for r in receipts if r.identity.sweep_id == cand.identity.sweep_id
+                    and r.identity.block_id == cand.identity.block_id and r is not cand)
+        retry = base.model_copy(deep=True)
+        retry.identity.attempt = 1
+        retry.identity.receipt_id = base.identity.receipt_id + "-t1"
+        retry.steps.step_s = [s * 1.01 for s in retry.steps.step_s]  # its own measurement, not a replay
+        retries.append(retry)
+    result = run(receipts + retries, policy)
+    v = verdict_of(result)
+    assert not [r for r in result.refusals if "partner arm is missing" in r.reason]
+    assert v.failures["candidate"]["failed"] == 6 and v.verdict != PROMOTE, v.reason
+
+
+def test_a_lane_of_failed_arms_without_start_up_times_is_reported_not_a_crash(policy: Policy) -> None:
+    # The validator waives a failed arm's time accounting: a lane whose only block crashed on both arms before
+    # start-up was timed raised StatisticsError and lost the report of every other lane.
+    receipts = simulate(Sim(features=[moe(1.05)], **QUIET), 0)
+    lane_receipts = simulate(Sim(features=[moe(1.05)], hosts=1, blocks_per_host=1, rounds=1, aa_per_host=0), 1)
+    for arm in lane_receipts:
+        _failed(arm)
+        arm.time.badput_s.pop("startup", None)
+        arm.identity.lane_key = "lane-crashed"
+        arm.identity.receipt_id += "-x"
+        arm.identity.sweep_id = "other-sweep"
+    result = run(receipts + lane_receipts, policy)
+    crashed = next(lane for lane in result.lanes if lane.lane_key == "lane-crashed")
+    (healthy,) = [v for v in result.verdicts if v.lane_key != "lane-crashed"]
+    assert crashed.startup_s is None and crashed.wall_s is not None and healthy.verdict == PROMOTE
+
+
+def test_a_receipt_dict_of_the_wrong_type_is_rejected_not_a_crash(policy: Policy) -> None:
+    receipts = simulate(Sim(features=[moe(1.05)], **QUIET), 0)
+    bad = receipts[0].model_dump(mode="json")
+    bad["requested"]["lane"]["budget.horizon_steps"] = "abc"
+    result = run([bad] + receipts[1:], policy)
+    assert len(result.rejected) == 1 and result.rejected[0][0] == receipts[0].identity.receipt_id
+    assert "budget.horizon_steps is 'abc'; allowed: a positive whole number" in result.rejected[0][1]

@@ -256,8 +256,9 @@ def test_a_sweep_selection_never_chooses_a_gate_or_flakiness_reject(policy: Poli
     # The selection kept the round whose candidates crashed (Fisher rejects on it alone); all rounds together hold.
     from ablate.receipts.schema import Code, Disqualifier, Status
 
-    receipts = simulate(Sim(features=[moe(1.05)], hosts=3, blocks_per_host=2, rounds=3, **QUIET), 4)
-    for arm in [r for r in receipts if r.identity.sweep_id == "sim-r1" and r.identity.arm.value == "candidate"][:4]:
+    # Enough candidate arms in r1 (9) and hosts (3) that a REJECT may stand on r1's evidence alone.
+    receipts = simulate(Sim(features=[moe(1.05)], hosts=3, blocks_per_host=3, rounds=3, **QUIET), 4)
+    for arm in [r for r in receipts if r.identity.sweep_id == "sim-r1" and r.identity.arm.value == "candidate"][:6]:
         arm.identity.status = Status.failed
         arm.projection = None
         arm.disqualifiers.append(Disqualifier(code=Code.ARM_FAILED))
@@ -267,3 +268,31 @@ def test_a_sweep_selection_never_chooses_a_gate_or_flakiness_reject(policy: Poli
     (v,) = promote(kept, policy_path=policy, defaults_path=DEFAULTS,
                    left_out=[r for r in receipts if r.identity.sweep_id != "sim-r1"]).verdicts
     assert v.verdict == "HOLD" and "not_flaky would reject" in v.reason and "left out" in v.reason
+
+
+def test_unreadable_newest_software_does_not_make_the_older_evidence_current(policy: Policy, tmp_path: Path) -> None:
+    # Rounds 1-2 under old software win by 10%; round 3, under new software, is 5% slower. With round 3's runs
+    # deleted (or its files damaged) the old fingerprint became the lane's current one and promoted, while round
+    # 3's unread arms, under a fingerprint no read block had, concerned no test.
+    old = simulate(Sim(features=[moe(1.10)], rounds=2, fingerprints=["fp-old"] * 2, **QUIET), 0)
+    new = [r for r in simulate(Sim(features=[moe(0.95)], rounds=3, fingerprints=["fp-old", "fp-old", "fp-new"],
+                                   **QUIET), 1) if r.identity.sweep_id == "sim-r3"]
+    (v,) = promote(old + new, policy_path=policy, defaults_path=DEFAULTS).verdicts
+    assert v.verdict == "HOLD" and v.software_fingerprint == "fp-new", "the premise: the new software decides"
+    from ablate.tracking.mapping import receipt_tags
+
+    deleted = [from_run_tags(f"run {r.identity.receipt_id}", "arm run is deleted in MLflow", receipt_tags(r), TAG)
+               for r in new]
+    (v,) = promote(old, policy_path=policy, defaults_path=DEFAULTS, rejected=deleted).verdicts
+    assert v.verdict == "HOLD" and _failing(v)[0] == "every_arm_read" and len(v.unread_arms) == len(new)
+    paths = _written(old + new, tmp_path)
+    for receipt in new:
+        _damage(paths[receipt.identity.receipt_id])
+    loaded, rejected = load_receipts(tmp_path)
+    (v,) = promote(loaded, policy_path=policy, defaults_path=DEFAULTS, rejected=rejected).verdicts
+    assert v.verdict == "HOLD" and _failing(v)[0] == "every_arm_read", v.reason
+    # An unread arm of superseded software (its fingerprint among the read ones) still holds nothing.
+    victim = next(r for r in old if r.identity.sweep_id == "sim-r1" and r.identity.feature)
+    line = from_run_tags(f"run {victim.identity.receipt_id}", "deleted", receipt_tags(victim), TAG)
+    (v,) = promote(old + new, policy_path=policy, defaults_path=DEFAULTS, rejected=[line]).verdicts
+    assert v.software_fingerprint == "fp-new" and not v.unread_arms
