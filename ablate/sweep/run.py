@@ -328,9 +328,23 @@ class _Recorder(Callback):
 
     def on_trial_complete(self, trial: Any, **info: Any) -> None:
         self.timeline.setdefault(trial.config["block_id"], {"arms": []})["trial_ended_at"] = time.time()
+        _lighten(trial)
 
     def on_trial_error(self, trial: Any, **info: Any) -> None:
         self.timeline.setdefault(trial.config["block_id"], {"arms": []})["trial_errored_at"] = time.time()
+        _lighten(trial)
+
+
+def _lighten(trial: Any) -> None:
+    """Drop an ended trial's running metric statistics. Tune keeps every trial for the whole experiment, and each
+    kept a min/max/mean and two moving-average windows (``deque``) per number it ever reported, plus their JSON in
+    its cached state: ~30 KB of the ~55 KB a block's trial holds (measured on 240 simulated blocks). Nothing reads
+    them here (no scheduler, no best-trial query); the last result, its status and its checkpoint stay. A Tune
+    without these attributes is left as it is."""
+    metadata = getattr(trial, "run_metadata", None)
+    if metadata is not None and hasattr(metadata, "metric_n_steps") and hasattr(metadata, "metric_analysis"):
+        metadata.metric_n_steps = {}  # assignment invalidates the cached JSON state: the next snapshot is smaller
+        metadata.metric_analysis = {}
 
 
 @dataclass

@@ -41,8 +41,13 @@ def test_simulated_sweep_runs_and_promotion_refuses_every_block(ray_address: str
     taken = [json.loads(line)["receipt_taken"] for path in tune_files if path.name == "result.json"
              for line in path.read_text().splitlines() if '"receipt_taken"' in line]
     assert sorted(taken) == sorted(summary.receipt_ids)
-    assert any(p.name.startswith("experiment_state") for p in tune_files)
     assert not [p.name for p in tune_files if b"schema_version" in p.read_bytes()], "a receipt in Tune's files"
+    # Tune keeps every trial for the sweep: each ended one keeps its last result, not its running statistics
+    # (a min/max/mean and two moving-average windows per reported number).
+    state = max((p for p in tune_files if p.name.startswith("experiment_state")), key=lambda p: p.stat().st_mtime)
+    kept = [json.loads(metadata) for _, metadata in json.loads(state.read_text())["trial_data"]]
+    assert len(kept) == 8 and all(m["last_result"].get("event") == "arm" for m in kept)
+    assert [(m["metric_analysis"], m["metric_n_steps"]) for m in kept] == [({}, {})] * 8
 
     client = TrackingClient(uri, "ablate")
     (parent,) = client.search([f"tags.`{TAG}role` = '{ROLE_SWEEP}'"])
