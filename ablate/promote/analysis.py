@@ -140,6 +140,8 @@ class FeatureVerdict:
     counter_violations: list[str] = field(default_factory=list)
     failures: dict[str, dict[str, int]] = field(default_factory=dict)
     fisher_p: float = 1.0
+    failure_hosts: int = 0
+    """Hosts on which a candidate arm of the test failed (this attempt or an earlier one of its block)."""
     suspicious: bool = False
     amdahl: dict[str, Any] = field(default_factory=dict)
     inert_reason: Optional[str] = None
@@ -376,6 +378,7 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
                           "rounds": sorted({b.round_id for b in test.superseded})}
     verdict.failures = _failures(blocks)
     f = verdict.failures
+    verdict.failure_hosts = len({b.host for b in blocks if b.candidate.failed or b.earlier_failures.get("candidate")})
     verdict.fisher_p = fisher_more_failures(f["candidate"]["failed"], f["candidate"]["arms"],
                                             f["baseline"]["failed"], f["baseline"]["arms"])
     verdict.disqualifiers = _disqualifiers(blocks)

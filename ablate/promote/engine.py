@@ -155,14 +155,16 @@ def _with_partner_fingerprints(unread: list[UnreadArm], valid: list[Receipt]) ->
             if arm.software_fingerprint is None and arm.block in partners else arm for arm in unread]
 
 
-def _unseen_as_unknown(unread: list[UnreadArm], valid: list[Receipt]) -> list[UnreadArm]:
-    """An unread arm under a fingerprint no read receipt of its lane has may be newer software than any read: it
+def _unseen_as_unknown(unread: list[UnreadArm], blocks: list[Block]) -> list[UnreadArm]:
+    """An unread arm under a fingerprint no matched block of its lane has may be newer software than any read: it
     concerns the lane's current test (fingerprint unknown), so unreadable newest sweeps cannot make older software's
-    evidence the current one (found in review: the newest round's runs deleted, the older rounds promoted). An
-    unread arm of a fingerprint seen among read ones keeps it: superseded evidence holds nothing."""
+    evidence the current one (found in review: the newest round's runs deleted, or only its baselines readable and
+    so refused unpaired, and the older rounds promoted). An unread arm of a fingerprint among the matched blocks'
+    keeps it: superseded evidence holds nothing. One with no time to place it (a deleted run, a damaged file) of
+    software older than every matched block is held too: restore it, or purge it (``mlflow gc``)."""
     seen: dict[str, set[str]] = defaultdict(set)
-    for receipt in valid:
-        seen[receipt.identity.lane_key].add(receipt.identity.software_fingerprint)
+    for block in blocks:
+        seen[block.lane_key].add(block.software_fingerprint)
     return [dataclasses.replace(arm, software_fingerprint=None)
             if arm.software_fingerprint is not None and arm.software_fingerprint not in seen[arm.lane_key] else arm
             for arm in unread]
@@ -204,7 +206,7 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     # A damaged copy of a receipt that was read in another copy leaves no arm unread.
     read = {r.identity.receipt_id for r in valid}
     unread = _unseen_as_unknown(_with_partner_fingerprints(
-        [arm for arm in unread_arms(rejected) if arm.receipt_id not in read], valid), valid)
+        [arm for arm in unread_arms(rejected) if arm.receipt_id not in read], valid), blocks)
     unread += [arm for arm in _left_out_arms(left_out, blocks + bundle_blocks) if arm.receipt_id not in read]
     tests, calibrations, lanes = organise(blocks, policy, refusals, unread)
     flags = startup_outliers(blocks)

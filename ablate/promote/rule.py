@@ -101,12 +101,14 @@ def _reject_clauses(v: FeatureVerdict, policy: Policy,
         significant = v.fisher_p < policy.failures.fisher_alpha
         shown = f"candidate fails more often than baseline ({f['failed']}/{f['arms']} vs {b['failed']}/{b['arms']}, " \
                 f"Fisher p={v.fisher_p:.3g})"
-        # Failures on one host are that host's fact until other hosts fail too (found in review: 4 failed arms
-        # on one host rejected, and on revalidation would demote, a global default). The PROMOTE side still
-        # holds such a test (failure_rate), so nothing flaky is promoted while the evidence grows.
-        # (A calibration says nothing of failures; a --sweep selection that left arms out holds below, by name.)
+        # Failures on fewer hosts than a PROMOTE needs are those hosts' fact until others fail too (found in
+        # review: 4 failed arms on one host, then 5 on one of three, rejected a feature, and on revalidation would
+        # demote a global default). The PROMOTE side still holds such a test (failure_rate), so nothing flaky is
+        # promoted while the evidence grows. (A calibration says nothing of failures; a --sweep selection that
+        # left arms out holds below, by name.)
         thin = [why for short, why in (
-            (v.n_hosts < policy.evidence.min_hosts, f"{v.n_hosts} host(s) < {policy.evidence.min_hosts}"),
+            (v.failure_hosts < policy.evidence.min_hosts,
+             f"candidate failures on {v.failure_hosts} host(s) < {policy.evidence.min_hosts}"),
             (f["arms"] < policy.evidence.min_blocks, f"{f['arms']} candidate arm(s) < {policy.evidence.min_blocks}"))
             if short]
         if significant and thin:
@@ -372,8 +374,13 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
             if policy.quality.require_loss:
                 return Clause("quality_non_inferior", False, f"{thin}: too few to show the loss is not worse; "
                                                              f"record the loss on every arm")
-            return Clause("quality_non_inferior", True, f"{thin}: too few to judge, counted as none "
-                                                        f"(quality.require_loss is false)")
+            # Counted as none, as no loss at all would be, unless what little there is looks worse (found in
+            # review: a 5% worse loss on 7 of 12 blocks promoted, the REJECT side being too thin to reject on).
+            worse = v.loss_bounds[1] > v.epsilon
+            return Clause("quality_non_inferior", not worse,
+                          f"{thin}: " + (f"too few to show the loss is not worse, and its upper bound "
+                                         f"{v.loss_bounds[1]:+.4g} is above epsilon {v.epsilon:.4g}" if worse else
+                                         "too few to judge, counted as none (quality.require_loss is false)"))
         upper = v.loss_bounds[1]
         return Clause("quality_non_inferior", upper <= v.epsilon,
                       f"loss delta {v.loss_delta:+.4g}, upper bound {upper:+.4g} vs epsilon {v.epsilon:.4g}")

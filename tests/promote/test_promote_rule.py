@@ -532,12 +532,18 @@ def test_a_loss_recorded_in_too_few_blocks_never_shows_quality(policy: Policy) -
     assert v.loss_blocks == 12 and v.verdict == REJECT and failing(v) == ["quality_not_worse"]
 
 
-def test_without_require_loss_a_thin_loss_counts_as_none(policy: Policy) -> None:
+def test_without_require_loss_a_thin_loss_counts_as_none_unless_it_looks_worse(policy: Policy) -> None:
     lenient = with_overrides(policy, {"quality.require_loss": False})
     v = verdict_of(run(_without_loss(simulate(Sim(features=[moe(1.05)], **QUIET), 0), keep=1), lenient))
     clause = next(c for c in v.clauses if c.name == "quality_non_inferior")
     assert clause.passed and "too few to judge, counted as none" in clause.detail
     assert v.verdict == PROMOTE, v.reason
+    # A 5% worse loss on 7 of 12 blocks: too thin for the REJECT side, so the PROMOTE side must hold it (found in
+    # review: "counted as none" promoted it).
+    v = verdict_of(run(_without_loss(simulate(Sim(features=[moe(1.05, loss_effect=0.05)], **QUIET), 0), keep=7),
+                       lenient))
+    assert v.loss_blocks == 7 and v.loss_bounds[0] > v.epsilon, "the premise: the thin loss looks clearly worse"
+    assert v.verdict == HOLD and failing(v) == ["quality_non_inferior"] and "is above epsilon" in v.reason
 
 
 def test_candidate_failures_on_one_host_hold_instead_of_rejecting(policy: Policy) -> None:
@@ -550,8 +556,24 @@ def test_candidate_failures_on_one_host_hold_instead_of_rejecting(policy: Policy
     v = verdict_of(run(receipts, policy))
     flaky = next(c for c in v.clauses if c.name == "not_flaky")
     assert v.fisher_p < policy.failures.fisher_alpha, "the premise: the failures are significant"
-    assert flaky.passed and "too little evidence to reject on: 1 host(s) < 3; 4 candidate arm(s) < 8" in flaky.detail
+    assert flaky.passed and "too little evidence to reject on: candidate failures on 1 host(s) < 3; 4 candidate " \
+                            "arm(s) < 8" in flaky.detail
     assert v.verdict == HOLD, v.reason
+    # Three hosts, but every failure on one of them: still that host's fact. Spread over the hosts: a REJECT.
+    receipts = simulate(Sim(features=[moe(1.05)], hosts=3, blocks_per_host=4, rounds=2, **QUIET), 0)
+    hosts = sorted({arm.identity.host for arm in candidates(receipts)})
+    for arm in [arm for arm in candidates(receipts) if arm.identity.host == hosts[0]][:5]:
+        _failed(arm)
+    v = verdict_of(run(receipts, policy))
+    assert v.fisher_p < policy.failures.fisher_alpha and v.n_hosts == 3 and v.failure_hosts == 1
+    assert v.verdict == HOLD and "candidate failures on 1 host(s) < 3" in next(
+        c.detail for c in v.clauses if c.name == "not_flaky")
+    receipts = simulate(Sim(features=[moe(1.05)], hosts=3, blocks_per_host=4, rounds=2, **QUIET), 0)
+    for host in hosts:
+        for arm in [arm for arm in candidates(receipts) if arm.identity.host == host][:2]:
+            _failed(arm)
+    v = verdict_of(run(receipts, policy))
+    assert v.failure_hosts == 3 and v.verdict == REJECT and failing(v) == ["not_flaky"], v.reason
 
 
 def test_a_tax_on_one_block_is_neither_within_nor_over_budget(policy: Policy) -> None:

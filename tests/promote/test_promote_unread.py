@@ -256,9 +256,11 @@ def test_a_sweep_selection_never_chooses_a_gate_or_flakiness_reject(policy: Poli
     # The selection kept the round whose candidates crashed (Fisher rejects on it alone); all rounds together hold.
     from ablate.receipts.schema import Code, Disqualifier, Status
 
-    # Enough candidate arms in r1 (9) and hosts (3) that a REJECT may stand on r1's evidence alone.
+    # Enough candidate arms in r1 (9), failing on every host (3), that a REJECT may stand on r1's evidence alone.
     receipts = simulate(Sim(features=[moe(1.05)], hosts=3, blocks_per_host=3, rounds=3, **QUIET), 4)
-    for arm in [r for r in receipts if r.identity.sweep_id == "sim-r1" and r.identity.arm.value == "candidate"][:6]:
+    r1 = [r for r in receipts if r.identity.sweep_id == "sim-r1" and r.identity.arm.value == "candidate"]
+    by_host = {host: [r for r in r1 if r.identity.host == host] for host in sorted({r.identity.host for r in r1})}
+    for arm in [arm for arms in by_host.values() for arm in arms[:2]]:
         arm.identity.status = Status.failed
         arm.projection = None
         arm.disqualifiers.append(Disqualifier(code=Code.ARM_FAILED))
@@ -288,6 +290,15 @@ def test_unreadable_newest_software_does_not_make_the_older_evidence_current(pol
     paths = _written(old + new, tmp_path)
     for receipt in new:
         _damage(paths[receipt.identity.receipt_id])
+    loaded, rejected = load_receipts(tmp_path)
+    (v,) = promote(loaded, policy_path=policy, defaults_path=DEFAULTS, rejected=rejected).verdicts
+    assert v.verdict == "HOLD" and _failing(v)[0] == "every_arm_read", v.reason
+    # Only the newest round's baselines (and one arm of each A/A block) readable: refused unpaired, they made
+    # no block, so their fingerprint is not the lane's current one and the older rounds decided (found in review).
+    for receipt in new:
+        if receipt.identity.arm.value == "baseline" or (receipt.identity.arm.value == "aa"
+                                                        and receipt.identity.arm_index == 1):
+            _written([receipt], tmp_path)  # the intact copy back
     loaded, rejected = load_receipts(tmp_path)
     (v,) = promote(loaded, policy_path=policy, defaults_path=DEFAULTS, rejected=rejected).verdicts
     assert v.verdict == "HOLD" and _failing(v)[0] == "every_arm_read", v.reason
