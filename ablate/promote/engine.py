@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import re
 import statistics
 from collections import Counter, defaultdict
@@ -31,7 +32,7 @@ from ablate.parallel import fork_map
 from ablate.promote.analysis import analyse
 from ablate.promote.bundle import check_bundles, held_keys
 from ablate.promote.defaults_writer import find_revalidations, plan_changes
-from ablate.promote.evidence import organise, startup_outliers
+from ablate.promote.evidence import epoch_s, organise, startup_outliers
 from ablate.promote.match import BUNDLE, Block, match_blocks
 from ablate.promote.policy import Policy, load_policy
 from ablate.promote.report import LaneSummary, PromotionResult
@@ -160,14 +161,27 @@ def _unseen_as_unknown(unread: list[UnreadArm], blocks: list[Block]) -> list[Unr
     concerns the lane's current test (fingerprint unknown), so unreadable newest sweeps cannot make older software's
     evidence the current one (found in review: the newest round's runs deleted, or only its baselines readable and
     so refused unpaired, and the older rounds promoted). An unread arm of a fingerprint among the matched blocks'
-    keeps it: superseded evidence holds nothing. One with no time to place it (a deleted run, a damaged file) of
-    software older than every matched block is held too: restore it, or purge it (``mlflow gc``)."""
+    keeps it: superseded evidence holds nothing; so does one written before the lane's newest matched block (the
+    block whose software is current), whatever its fingerprint. One that cannot be placed in time (an arm run
+    logged before runs carried ``ablate.created_at``) holds the current test: restore it, or purge it."""
     seen: dict[str, set[str]] = defaultdict(set)
+    newest: dict[str, float] = {}
     for block in blocks:
         seen[block.lane_key].add(block.software_fingerprint)
+        newest[block.lane_key] = max(newest.get(block.lane_key, -math.inf), epoch_s(block.created_at))
     return [dataclasses.replace(arm, software_fingerprint=None)
-            if arm.software_fingerprint is not None and arm.software_fingerprint not in seen[arm.lane_key] else arm
+            if arm.software_fingerprint is not None and arm.software_fingerprint not in seen[arm.lane_key]
+            and not _written_before(arm.created_at, newest.get(arm.lane_key)) else arm
             for arm in unread]
+
+
+def _written_before(stamp: Optional[str], moment: Optional[float]) -> bool:
+    if stamp is None or moment is None:
+        return False
+    try:
+        return epoch_s(stamp) < moment
+    except (TypeError, ValueError):  # what survives of a damaged receipt: no time to go by
+        return False
 
 
 def _left_out_arms(left_out: Iterable[Receipt], blocks: list[Block]) -> list[UnreadArm]:

@@ -30,6 +30,10 @@ class UnreadArm:
     software_fingerprint: Optional[str]
     """None when unknown: the arm then counts for the lane's current fingerprint."""
     receipt_id: str = ""
+    created_at: Optional[str] = None
+    """When its receipt was written, where what survives says (a receipt's identity; an arm run's
+    ``ablate.created_at`` tag, written since 2026-11-24): places an arm of unseen software before or after the
+    lane's newest read block (``ablate.promote.engine``)."""
     left_out: bool = False
     """Readable, but outside the sweeps a ``promote --sweep`` selection kept (``from_left_out``)."""
     block: Optional[tuple[str, str, int]] = None
@@ -114,6 +118,7 @@ def from_identity(origin: str, reason: str, raw: Any) -> Rejection:
     return Rejection(origin, reason, UnreadArm(
         origin=origin, lane_key=lane_key, feature=feature if isinstance(feature, str) and feature else None,
         software_fingerprint=fingerprint, receipt_id=_text(identity.get("receipt_id")) or "",
+        created_at=_text(identity.get("created_at")),
         block=_block(fingerprint, identity.get("sweep_id"), identity.get("block_id"), identity.get("attempt"))))
 
 
@@ -129,6 +134,7 @@ def from_run_tags(origin: str, reason: str, tags: Mapping[str, str], prefix: str
     return Rejection(origin, reason, UnreadArm(
         origin=origin, lane_key=lane_key, feature=None if feature in (None, AA_FEATURE) else feature,
         software_fingerprint=fingerprint, receipt_id=_text(tags.get(prefix + "receipt_id")) or "",
+        created_at=_text(tags.get(prefix + "created_at")),
         block=_block(fingerprint, tags.get(prefix + "sweep_id"), tags.get(prefix + "block_id"),
                      tags.get(prefix + "attempt"))))
 

@@ -92,7 +92,7 @@ def receipt_tags(receipt: Receipt) -> dict[str, str]:
         "arm": ident.arm.value, "arm_index": str(ident.arm_index), "order": str(ident.order),
         "feature": ident.feature or "A/A", "feature_value": str(ident.feature_value),
         "baseline_value": str(ident.baseline_value), "kind": ident.kind, "attempt": str(ident.attempt),
-        "status": ident.status.value, "host": ident.host, "node_id": ident.node_id or "", "executor": ident.executor,
+        "status": ident.status.value, "created_at": ident.created_at, "host": ident.host, "node_id": ident.node_id or "", "executor": ident.executor,
         "software_fingerprint": ident.software_fingerprint, "git_sha": ident.git_sha or "",
         "disqualifiers": ",".join(sorted(receipt.codes())) or "none", "device": receipt.requested.device,
         "compile.requested": receipt.observed.compile.posture_requested,

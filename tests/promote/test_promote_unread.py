@@ -307,3 +307,23 @@ def test_unreadable_newest_software_does_not_make_the_older_evidence_current(pol
     line = from_run_tags(f"run {victim.identity.receipt_id}", "deleted", receipt_tags(victim), TAG)
     (v,) = promote(old + new, policy_path=policy, defaults_path=DEFAULTS, rejected=[line]).verdicts
     assert v.software_fingerprint == "fp-new" and not v.unread_arms
+
+
+def test_deleted_runs_of_superseded_software_hold_nothing_once_placed_in_time(policy: Policy) -> None:
+    # Round 1 ran software no round since has run; its runs were deleted. Written before the lane's newest block,
+    # they are superseded whatever their fingerprint (found in review: they held the current test for good). A
+    # run logged before arm runs carried the ablate.created_at tag cannot be placed: it holds, conservatively.
+    from ablate.tracking.mapping import receipt_tags
+
+    receipts = simulate(Sim(features=[moe(1.10)], rounds=3, fingerprints=["fp-ancient", "fp-new", "fp-new"],
+                            **QUIET), 0)
+    ancient = [r for r in receipts if r.identity.sweep_id == "sim-r1"]
+    rest = [r for r in receipts if r.identity.sweep_id != "sim-r1"]
+    lines = [from_run_tags(f"run {r.identity.receipt_id}", "deleted", receipt_tags(r), TAG) for r in ancient]
+    assert all(line.unread.created_at for line in lines)
+    (v,) = promote(rest, policy_path=policy, defaults_path=DEFAULTS, rejected=lines).verdicts
+    assert v.verdict == "PROMOTE" and v.software_fingerprint == "fp-new" and not v.unread_arms, v.reason
+    untimed = [from_run_tags(f"run {r.identity.receipt_id}", "deleted",
+                             {k: t for k, t in receipt_tags(r).items() if k != TAG + "created_at"}, TAG) for r in ancient]
+    (v,) = promote(rest, policy_path=policy, defaults_path=DEFAULTS, rejected=untimed).verdicts
+    assert v.verdict == "HOLD" and _failing(v)[0] == "every_arm_read"
