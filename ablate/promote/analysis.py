@@ -378,7 +378,7 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
                           "rounds": sorted({b.round_id for b in test.superseded})}
     verdict.failures = _failures(blocks)
     f = verdict.failures
-    verdict.failure_hosts = len({b.host for b in blocks if b.candidate.failed or b.earlier_failures.get("candidate")})
+    verdict.failure_hosts = len({host for b in blocks for host in b.failure_hosts})
     verdict.fisher_p = fisher_more_failures(f["candidate"]["failed"], f["candidate"]["arms"],
                                             f["baseline"]["failed"], f["baseline"]["arms"])
     verdict.disqualifiers = _disqualifiers(blocks)

@@ -38,7 +38,7 @@ from ablate.promote.policy import Policy, load_policy
 from ablate.promote.report import LaneSummary, PromotionResult
 from ablate.promote.rule import decide_all
 from ablate.receipts.rejection import UnreadArm, from_identity, from_left_out, unread_arms
-from ablate.receipts.schema import InvalidReceipt, Receipt, validate_receipt
+from ablate.receipts.schema import InvalidReceipt, Receipt, utc_moment, validate_receipt
 
 ANALYSE_MIN_SHARE = 4
 """Fewer tests per process than this are measured in this process (a fork costs more than a few tests)."""
@@ -176,12 +176,10 @@ def _unseen_as_unknown(unread: list[UnreadArm], blocks: list[Block]) -> list[Unr
 
 
 def _written_before(stamp: Optional[str], moment: Optional[float]) -> bool:
-    if stamp is None or moment is None:
-        return False
-    try:
-        return epoch_s(stamp) < moment
-    except (TypeError, ValueError):  # what survives of a damaged receipt: no time to go by
-        return False
+    # Only a stamp the validator would accept places an arm (found in review: a receipt refused for a local time
+    # without its offset was read as UTC, hours early, and its newer software held nothing).
+    written = utc_moment(stamp)
+    return written is not None and moment is not None and written.timestamp() < moment
 
 
 def _left_out_arms(left_out: Iterable[Receipt], blocks: list[Block]) -> list[UnreadArm]:

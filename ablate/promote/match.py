@@ -131,6 +131,8 @@ class Block:
     earlier_gated: tuple[ArmView, ...] = ()
     """Candidate arms of earlier attempts (a retried block) that carry a gated code: each gates its test as the
     standing candidate's would, although only the latest attempt's pair is measured."""
+    failure_hosts: tuple[str, ...] = ()
+    """Hosts of the block's failed candidate arms, each its own (a retry may run on another node than ``host``)."""
 
     @property
     def is_aa(self) -> bool:
@@ -578,6 +580,8 @@ def _make_block(block_id: str, receipts: list[Receipt], policy: Policy) -> Block
         candidate=cand_view, created_at=min(base_view.created_at, cand_view.created_at),
         lane=base.requested.lane, family_share=dict(base.family_share),
         layer_counts=dict(base.requested.layer_counts), earlier_failures=earlier_failed,
+        failure_hosts=tuple(sorted({r.identity.host for r in receipts if r.identity.arm.value == "candidate"
+                                    and r.identity.status.value == "failed"})),
         horizon_steps=int(base.requested.lane.get("budget.horizon_steps") or 0),
         tokens_per_step=base.requested.tokens_per_step, schedule=ident.schedule, earlier_gated=earlier_gated,
         device_class=base_view.device_class if base_view.device_class else cand_view.device_class)

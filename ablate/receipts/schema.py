@@ -635,6 +635,18 @@ def schema_major(version: str) -> int:
                              f"{sorted(SUPPORTED_MAJORS)}") from exc
 
 
+def utc_moment(stamp: Any) -> Optional[dt.datetime]:
+    """The moment an ``identity.created_at`` names, when it is on the one clock the trainer writes (an ISO-8601
+    date and time with a UTC offset of +00:00); None for anything else, which places nothing in time."""
+    if not isinstance(stamp, str) or "T" not in stamp:
+        return None
+    try:
+        moment = dt.datetime.fromisoformat(stamp)
+    except ValueError:
+        return None
+    return moment if moment.tzinfo is not None and moment.utcoffset() == dt.timedelta(0) else None
+
+
 def in_the_future(created_at: str) -> bool:
     """Whether a UTC ISO-8601 ``created_at`` lies beyond this machine's clock (plus ``FUTURE_SLACK``): the one check
     whose answer depends on when and where it runs, so it is repeated on every payload remembered as accepted
@@ -670,8 +682,7 @@ def validate_receipt(obj: dict[str, Any] | Receipt) -> Receipt:
         dt.datetime.fromisoformat(receipt.identity.created_at)
     except ValueError:
         raise InvalidReceipt(f"identity.created_at {receipt.identity.created_at!r} is not an ISO-8601 time") from None
-    moment = dt.datetime.fromisoformat(receipt.identity.created_at)
-    if moment.tzinfo is None or moment.utcoffset() != dt.timedelta(0) or "T" not in receipt.identity.created_at:
+    if utc_moment(receipt.identity.created_at) is None:
         # Rounds are told apart by these times and receipts are ordered by them (the newest picks a lane's current
         # software): a bare date, a time without its offset or one in another zone is not on the one clock the
         # trainer writes (ISO-8601 UTC, +00:00).

@@ -574,6 +574,25 @@ def test_candidate_failures_on_one_host_hold_instead_of_rejecting(policy: Policy
             _failed(arm)
     v = verdict_of(run(receipts, policy))
     assert v.failure_hosts == 3 and v.verdict == REJECT and failing(v) == ["not_flaky"], v.reason
+    # Each failure counts on its own host: an earlier attempt's crash on host 0 of a block its retry ran on host 1
+    # was counted on host 1 (found in review: five failures on one host rejected again).
+    receipts = simulate(Sim(features=[moe(1.05)], hosts=3, blocks_per_host=4, rounds=2, **QUIET), 0)
+    for arm in [arm for arm in candidates(receipts) if arm.identity.host == hosts[0]][:3]:
+        _failed(arm)
+    earlier = []
+    for host in hosts[1:]:
+        cand = next(arm for arm in candidates(receipts) if arm.identity.host == host)
+        for arm in receipts:
+            if (arm.identity.sweep_id, arm.identity.block_id) == (cand.identity.sweep_id, cand.identity.block_id):
+                arm.identity.attempt = 1
+        crash = cand.model_copy(deep=True)
+        crash.identity.attempt, crash.identity.host = 0, hosts[0]
+        crash.identity.receipt_id += "-t0"
+        crash.steps.step_s = [s * 1.01 for s in crash.steps.step_s]  # its own measurement, not a replay
+        _failed(crash)
+        earlier.append(crash)
+    v = verdict_of(run(receipts + earlier, policy))
+    assert v.failures["candidate"]["failed"] == 5 and v.failure_hosts == 1 and v.verdict == HOLD, v.reason
 
 
 def test_a_tax_on_one_block_is_neither_within_nor_over_budget(policy: Policy) -> None:

@@ -327,3 +327,28 @@ def test_deleted_runs_of_superseded_software_hold_nothing_once_placed_in_time(po
                              {k: t for k, t in receipt_tags(r).items() if k != TAG + "created_at"}, TAG) for r in ancient]
     (v,) = promote(rest, policy_path=policy, defaults_path=DEFAULTS, rejected=untimed).verdicts
     assert v.verdict == "HOLD" and _failing(v)[0] == "every_arm_read"
+
+
+def test_a_receipt_refused_for_its_time_is_not_placed_by_it(policy: Policy, tmp_path: Path) -> None:
+    # The newest round (new software, 5% slower) wrote local times without their offset: the validator refuses
+    # them, and read as UTC they fell hours before the older rounds' last block, so they held nothing and the
+    # older software promoted (found in review). Only a stamp the validator accepts places an arm in time.
+    from datetime import datetime, timedelta
+
+    old = simulate(Sim(features=[moe(1.10)], rounds=2, fingerprints=["fp-old"] * 2, **QUIET), 0)
+    new = [r for r in simulate(Sim(features=[moe(0.95)], rounds=3, fingerprints=["fp-old", "fp-old", "fp-new"],
+                                   **QUIET), 1) if r.identity.sweep_id == "sim-r3"]
+    for receipt in new:  # two hours after the older rounds' last arm
+        receipt.identity.created_at = (datetime.fromisoformat(receipt.identity.created_at) - timedelta(hours=22)
+                                       ).isoformat()
+    assert min(r.identity.created_at for r in new) > max(r.identity.created_at for r in old), "the premise"
+    paths = _written(old + new, tmp_path)
+    for receipt in new:
+        raw = json.loads(paths[receipt.identity.receipt_id].read_text())
+        local = datetime.fromisoformat(raw["identity"]["created_at"]) - timedelta(hours=8)
+        raw["identity"]["created_at"] = local.replace(tzinfo=None).isoformat()
+        paths[receipt.identity.receipt_id].write_text(json.dumps(raw))
+    loaded, rejected = load_receipts(tmp_path)
+    assert len(rejected) == len(new) and all("+00:00" in reason for _, reason in rejected)
+    (v,) = promote(loaded, policy_path=policy, defaults_path=DEFAULTS, rejected=rejected).verdicts
+    assert v.verdict == "HOLD" and _failing(v)[0] == "every_arm_read" and len(v.unread_arms) == len(new), v.reason
