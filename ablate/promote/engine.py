@@ -138,11 +138,6 @@ def _git(blocks: list[Block]) -> dict[str, Any]:
     return {"baseline": base, "candidate": cand, "dirty": dirty}
 
 
-def _utc(stamp: str) -> datetime:
-    at = datetime.fromisoformat(stamp)
-    return at if at.tzinfo is not None else at.replace(tzinfo=timezone.utc)
-
-
 def _with_partner_fingerprints(unread: list[UnreadArm], valid: list[Receipt]) -> list[UnreadArm]:
     """An unread arm that died unobserved takes its block partner's fingerprint when the partner was read and
     observed its hardware: the two ran the same code on the same node. Otherwise it stays unknown (None: it
@@ -165,10 +160,9 @@ def _unseen_as_unknown(unread: list[UnreadArm], blocks: list[Block]) -> list[Unr
     block whose software is current), whatever its fingerprint. One that cannot be placed in time (an arm run
     logged before runs carried ``ablate.created_at``) holds the current test: restore it, or purge it."""
     seen: dict[str, set[str]] = defaultdict(set)
-    newest: dict[str, float] = {}
     for block in blocks:
         seen[block.lane_key].add(block.software_fingerprint)
-        newest[block.lane_key] = max(newest.get(block.lane_key, -math.inf), epoch_s(block.created_at))
+    newest = _newest_block_s(blocks)
     return [dataclasses.replace(arm, software_fingerprint=None)
             if arm.software_fingerprint is not None and arm.software_fingerprint not in seen[arm.lane_key]
             and not _written_before(arm.created_at, newest.get(arm.lane_key)) else arm
@@ -182,17 +176,22 @@ def _written_before(stamp: Optional[str], moment: Optional[float]) -> bool:
     return written is not None and moment is not None and written.timestamp() < moment
 
 
+def _newest_block_s(blocks: list[Block]) -> dict[str, float]:
+    """Lane key -> when its newest block was made (epoch seconds): the block whose software is the lane's current."""
+    newest: dict[str, float] = {}
+    for block in blocks:
+        newest[block.lane_key] = max(newest.get(block.lane_key, -math.inf), epoch_s(block.created_at))
+    return newest
+
+
 def _left_out_arms(left_out: Iterable[Receipt], blocks: list[Block]) -> list[UnreadArm]:
     """The speed arms a ``--sweep`` selection left out, each marked newer when it ran after the selection's last
     block of its lane (``from_left_out``)."""
-    last_at: dict[str, datetime] = {}
-    for block in blocks:
-        at = _utc(block.created_at)
-        last_at[block.lane_key] = max(last_at.get(block.lane_key, at), at)
+    last_at = _newest_block_s(blocks)
     arms = []
     for receipt in left_out:
         lane = receipt.identity.lane_key
-        arm = from_left_out(receipt, newer=lane in last_at and _utc(receipt.identity.created_at) > last_at[lane])
+        arm = from_left_out(receipt, newer=lane in last_at and epoch_s(receipt.identity.created_at) > last_at[lane])
         if arm is not None:
             arms.append(arm)
     return arms

@@ -438,8 +438,9 @@ class SweepSummary:
             names = sorted(Path(path).name for _, path, _ in self.unmirrored)
             more = f" and {len(names) - 10} more" if len(names) > 10 else ""
             lines.append(f"error:    {len(names)} receipt(s) are in {self.sweep_dir}/receipts but not in storage "
-                         f"{self.storage} ({'; '.join(reasons)}); copy them to {self.storage}/{Path(self.sweep_dir).name}"
-                         f"/receipts/ before resuming this sweep on another machine: {' '.join(names[:10])}{more}")
+                         f"{self.storage} ({'; '.join(reasons)}); copy them to {self.storage}/"
+                         f"{Path(self.sweep_dir).name}/receipts/ before resuming this sweep on another machine: "
+                         f"{' '.join(names[:10])}{more}")
         if self.caught_up:
             lines.append(f"note:     {self.caught_up} receipt(s) on disk the driver had not received (arms that "
                          f"finished as it stopped) were {'spooled' if self.spooled else 'logged to MLflow'} at the end")
