@@ -46,12 +46,13 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator, NamedTuple, Optional, Union
+from typing import Any, Callable, Container, Iterable, Iterator, NamedTuple, Optional, TypeVar, Union
 
 from ablate.receipts.rejection import from_identity
 from ablate.receipts.schema import InvalidReceipt, Receipt, validate_receipt
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RECEIPTS_DIR = "receipts"
 SPOOL_FILE = "spool.jsonl"
@@ -496,10 +497,10 @@ def _differing_paths(a: Any, b: Any, prefix: str = "") -> list[str]:
     return [prefix.rstrip(".") or "<root>"]
 
 
-def load_receipts_from(sources: Iterable[str | Path]) -> tuple[list[Receipt], list[tuple[str, str]]]:
-    """Validated receipts under all ``sources`` (deduplicated by receipt id) and (origin, reason) for every
-    candidate that is not used: unreadable, invalid, or one of several differing copies of a receipt id."""
-    copies: dict[str, list[tuple[str, Receipt]]] = {}
+def _pass_one(sources: list[str | Path],
+              take: Callable[[str, Receipt], None]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Read every candidate under ``sources`` once, handing each valid receipt to ``take(origin, receipt)``;
+    returns (rejected, scratch) for what is not a valid receipt."""
     rejected: list[tuple[str, str]] = []
     scratch: list[tuple[str, str]] = []
     for source in sources:
@@ -515,33 +516,110 @@ def load_receipts_from(sources: Iterable[str | Path]) -> tuple[list[Receipt], li
             except InvalidReceipt as exc:
                 rejected.append(from_identity(origin, str(exc), raw))
                 continue
-            copies.setdefault(receipt.identity.receipt_id, []).append((origin, receipt))
+            take(origin, receipt)
+    return rejected, scratch
+
+
+def _without_digest(receipt: Receipt) -> dict[str, Any]:
+    # Compared without the digest (each copy's own was checked): a sealed copy and an unsealed one from before
+    # digests existed, of the same content, are the same receipt.
+    return {k: v for k, v in receipt.model_dump(mode="json").items() if k != DIGEST_FIELD}
+
+
+def _conflict(receipt_id: str, copies: list[tuple[str, Receipt]]) -> list[tuple[str, str]]:
+    """(origin, reason) for every copy of a receipt id whose copies differ; [] when they are all the same."""
+    found = [(origin, _without_digest(receipt)) for origin, receipt in copies]
+    if all(content == found[0][1] for _, content in found[1:]):
+        return []
+    rejected = []
+    for origin, content in found:
+        others = [(o, c) for o, c in found if o != origin]
+        described = "; ".join(
+            f"{o}" + (" (identical to this copy)" if c == content else
+                      f" (differs in {', '.join(_differing_paths(content, c))})")
+            for o, c in others)
+        rejected.append(from_identity(origin, f"conflicting copies of receipt {receipt_id}: also in {described}; "
+                                              f"no copy is used until the wrong one is removed", content))
+    return rejected
+
+
+def _orphan_scratch(scratch: list[tuple[str, str]], receipt_ids: Container[str]) -> list[tuple[str, str]]:
+    # Scratch whose receipt exists is only a leftover of the clean-up; without one, an arm has no receipt.
+    return [(origin, f"scratch of arm {receipt_id}, which has no receipt: it is still running, or it was "
+                     f"killed before writing one (an interrupted sweep; --resume reruns its block)")
+            for origin, receipt_id in scratch if receipt_id not in receipt_ids]
+
+
+def load_receipts_from(sources: Iterable[str | Path]) -> tuple[list[Receipt], list[tuple[str, str]]]:
+    """Validated receipts under all ``sources`` (deduplicated by receipt id) and (origin, reason) for every
+    candidate that is not used: unreadable, invalid, or one of several differing copies of a receipt id."""
+    copies: dict[str, list[tuple[str, Receipt]]] = {}
+    rejected, scratch = _pass_one(list(sources),
+                                  lambda origin, r: copies.setdefault(r.identity.receipt_id, []).append((origin, r)))
     receipts: list[Receipt] = []
     for receipt_id, alone in copies.items():
-        if len(alone) == 1:  # the usual case: nothing to compare, so no dump (one per receipt, all held till here,
-            receipts.append(alone[0][1])  # was a quarter of a load's memory: 200 receipts took 28 MB, now 20)
-            continue
-        # Compared without the digest (each copy's own was checked): a sealed copy and an unsealed one from
-        # before digests existed, of the same content, are the same receipt.
-        found = [(origin, receipt, {k: v for k, v in receipt.model_dump(mode="json").items() if k != DIGEST_FIELD})
-                 for origin, receipt in alone]
-        first = found[0][2]
-        if all(content == first for _, _, content in found[1:]):
-            receipts.append(found[0][1])
-            continue
-        for origin, _, content in found:
-            others = [(o, c) for o, _, c in found if o != origin]
-            described = "; ".join(
-                f"{o}" + (" (identical to this copy)" if c == content else
-                          f" (differs in {', '.join(_differing_paths(content, c))})")
-                for o, c in others)
-            rejected.append(from_identity(origin, f"conflicting copies of receipt {receipt_id}: also in {described}; "
-                                                  f"no copy is used until the wrong one is removed", content))
-    # Scratch whose receipt exists is only a leftover of the clean-up; without one, an arm has no receipt.
-    rejected += [(origin, f"scratch of arm {receipt_id}, which has no receipt: it is still running, or it was "
-                          f"killed before writing one (an interrupted sweep; --resume reruns its block)")
-                 for origin, receipt_id in scratch if receipt_id not in copies]
-    return receipts, rejected
+        # The usual case, one copy: nothing to compare, so no dump (one per receipt, all held till here, was a
+        # quarter of a load's memory: 200 receipts took 28 MB, now 20).
+        conflict = _conflict(receipt_id, alone) if len(alone) > 1 else []
+        if conflict:
+            rejected += conflict
+        else:
+            receipts.append(alone[0][1])
+    return receipts, rejected + _orphan_scratch(scratch, copies)
+
+
+def _raw_receipt_id(raw: Raw) -> Optional[str]:
+    identity = raw.get("identity") if isinstance(raw, dict) else None
+    value = identity.get("receipt_id") if isinstance(identity, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def scan_receipts(sources: Iterable[str | Path],
+                  keep: Callable[[Receipt], T]) -> tuple[dict[str, T], list[tuple[str, str]]]:
+    """``load_receipts_from`` that holds only ``keep(receipt)`` per receipt id, in the order first read: each
+    receipt goes once it is read, so memory follows what ``keep`` returns, not the receipts (~66 KB each).
+
+    The same ids are kept and rejected as by ``load_receipts_from``. Ids read more than once are settled by a
+    second read of just those, which holds a digest per copy, not the copy; ids whose copies differ by a third,
+    which holds the differing copies (to name what differs) and drops the id."""
+    sources = list(sources)
+    kept: dict[str, T] = {}
+    seen: dict[str, int] = {}
+
+    def first(_: str, receipt: Receipt) -> None:
+        rid = receipt.identity.receipt_id
+        seen[rid] = seen.get(rid, 0) + 1
+        if rid not in kept:
+            kept[rid] = keep(receipt)
+
+    rejected, scratch = _pass_one(sources, first)
+    several = {rid for rid, count in seen.items() if count > 1}
+    if several:
+        digests: dict[str, set[str]] = {}
+        differ: dict[str, list[tuple[str, Receipt]]] = {}
+        for collect in (False, True):  # digests first; then, only if some differ, those copies whole
+            wanted = several if not collect else {rid for rid, found in digests.items() if len(found) > 1}
+            if collect and not wanted:
+                break
+            for source in sources:
+                for origin, raw in iter_raw(source):
+                    if _raw_receipt_id(raw) not in wanted:
+                        continue
+                    try:
+                        receipt = _validate(raw)
+                    except InvalidReceipt:
+                        continue  # rejected in the first read already
+                    rid = receipt.identity.receipt_id
+                    if collect:
+                        differ.setdefault(rid, []).append((origin, receipt))
+                    else:
+                        digests.setdefault(rid, set()).add(content_digest(_without_digest(receipt)))
+        for rid, copies in differ.items():
+            conflict = _conflict(rid, copies)
+            if conflict:
+                rejected += conflict
+                kept.pop(rid, None)
+    return kept, rejected + _orphan_scratch(scratch, seen)
 
 
 def load_receipts(source: str | Path) -> tuple[list[Receipt], list[tuple[str, str]]]:

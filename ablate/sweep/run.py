@@ -54,9 +54,10 @@ from ray.tune import Callback
 
 from ablate.config.load import flatten, lane_to_dict, load_sweep
 from ablate.config.schema import ConfigError, SweepConfig
+from ablate.receipts.outline import ArmOutline, outline
 from ablate.receipts.schema import SIMULATED_EXECUTOR, InvalidReceipt, Receipt, Status, validate_receipt
 from ablate.receipts.store import (RECEIPTS_DIR, SPOOL_FILE, ReceiptNotSaved, digest_problem, fallback_dirs,
-                                   load_receipts, settle_unfinished_writes, with_fallbacks,
+                                   load_receipts, scan_receipts, settle_unfinished_writes, with_fallbacks,
                                    write_receipt_or_fallback)
 from ablate.sweep.layout import LATEST, Layout, SweepLock
 from ablate.sweep.node_check import NODE_CHECK_TAG, check_plan
@@ -66,7 +67,7 @@ from ablate.sweep.resources import (Capacity, block_need, check_cluster, gpu_res
                                     tune_env_filter)
 from ablate.sweep.trial import (block_progress, clear_interrupted_scratch, run_block, start_clock, trial_dirname,
                                 trial_name)
-from ablate.tracking.mlflow_store import MAX_TAG_CHARS, SKIPPED_TAG, SWEEPS_DIR, MlflowStore, gather
+from ablate.tracking.mlflow_store import MAX_TAG_CHARS, SKIPPED_TAG, SWEEPS_DIR, MlflowStore
 from ablate.tracking.uri import check_sqlite_store, resolve_tracking_uri, shown
 
 log = logging.getLogger(__name__)
@@ -729,8 +730,7 @@ def _found_in_fallback(campaign: str, sweep_id: str, known: set[str], recorder: 
 def _catch_up(store: MlflowStore, on_disk: list[Receipt]) -> int:
     """Log (or spool) this sweep's receipts on disk that the store has neither logged nor spooled: arms that wrote
     their receipt while the driver was no longer listening (Ctrl+C). Returns how many."""
-    missing = [r for r in on_disk if r.identity.receipt_id not in store.logged
-               and r.identity.receipt_id not in store.spooled_ids]
+    missing = [r for r in on_disk if not store.has(r.identity.receipt_id)]
     for receipt in missing:
         store.log_receipt(receipt)
     return len(missing)
@@ -904,13 +904,24 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
             errors = {block: "its trial errored (Ray Tune's results could not be read back)"
                       for block, entry in recorder.timeline.items() if "trial_errored_at" in entry}
         mine = recorder.received
-        on_disk = [r for r in gather(layout.local_dir)[0] if r.identity.sweep_id == sweep_id]
-        seen = {r.identity.receipt_id for r in on_disk}
-        on_disk += [r for r in recorder.off_campaign if r.identity.receipt_id not in seen]  # in a fallback dir
-        on_disk += _found_in_fallback(sweep.name, sweep_id, {r.identity.receipt_id for r in on_disk}, recorder)
-        caught_up = _catch_up(store, on_disk)
-        finished = set(block_progress(on_disk, sweep_id)[0]) - stopped
-        store.close_sweep(sweep_id, on_disk, failed=bool(errors) or fatal is not None)
+        # Every receipt of this sweep on disk (the files are the truth), held as outlines: only those the store
+        # neither logged nor spooled are kept whole, for the catch-up that writes them.
+        unlogged: list[Receipt] = []
+
+        def keep(receipt: Receipt) -> ArmOutline:
+            if receipt.identity.sweep_id == sweep_id and not store.has(receipt.identity.receipt_id):
+                unlogged.append(receipt)
+            return outline(receipt)
+
+        arms = [arm for arm in scan_receipts([layout.local_dir], keep)[0].values() if arm.sweep_id == sweep_id]
+        seen = {arm.receipt_id for arm in arms}
+        elsewhere = [r for r in recorder.off_campaign if r.identity.receipt_id not in seen]  # in a fallback dir
+        seen |= {r.identity.receipt_id for r in elsewhere}
+        elsewhere += _found_in_fallback(sweep.name, sweep_id, seen, recorder)
+        arms += [outline(r) for r in elsewhere]
+        caught_up = _catch_up(store, unlogged + elsewhere)
+        finished = set(block_progress(arms, sweep_id)[0]) - stopped
+        store.close_sweep(sweep_id, arms, failed=bool(errors) or fatal is not None)
         total, left_out = len(plan.blocks), {}
         if params["schedule"] == "until_decided":
             # The round's blocks are those the searcher handed out; the rest were left out as decided.

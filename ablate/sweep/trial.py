@@ -23,8 +23,9 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
+from ablate.receipts.outline import ReceiptLike, outline
 from ablate.receipts.schema import Receipt, Status
 from ablate.sweep.plan import ArmPlan, Block
 
@@ -204,18 +205,17 @@ def run_block(config: dict[str, Any], context: Optional[dict[str, Any]] = None) 
         raise ArmFailed(f"block {block.block_id} attempt {attempt}: " + "; ".join(failed))
 
 
-def block_progress(receipts: list[Receipt], sweep_id: str) -> tuple[list[str], dict[str, int]]:
+def block_progress(receipts: Iterable[ReceiptLike], sweep_id: str) -> tuple[list[str], dict[str, int]]:
     """From receipts on disk: blocks with a complete, non-failed attempt, and each block's next attempt number."""
-    arms: dict[tuple[str, int], dict[int, Receipt]] = {}
+    arms: dict[tuple[str, int], dict[int, Status]] = {}
     next_attempt: dict[str, int] = {}
-    for receipt in receipts:
-        ident = receipt.identity
-        if ident.sweep_id != sweep_id:
+    for arm in map(outline, receipts):
+        if arm.sweep_id != sweep_id:
             continue
-        arms.setdefault((ident.block_id, ident.attempt), {})[ident.arm_index] = receipt
-        next_attempt[ident.block_id] = max(next_attempt.get(ident.block_id, 0), ident.attempt + 1)
+        arms.setdefault((arm.block_id, arm.attempt), {})[arm.arm_index] = arm.status
+        next_attempt[arm.block_id] = max(next_attempt.get(arm.block_id, 0), arm.attempt + 1)
     completed = sorted({block_id for (block_id, _), pair in arms.items() if len(pair) == 2
-                        and all(r.identity.status is not Status.failed for r in pair.values())})
+                        and all(status is not Status.failed for status in pair.values())})
     return completed, next_attempt
 
 

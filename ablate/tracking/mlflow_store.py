@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from ablate.receipts.outline import ReceiptLike, outline
 from ablate.receipts.rejection import from_run_tags
 from ablate.receipts.schema import Receipt, Status
 from ablate.receipts.store import (SPOOL_FILE, append_spool_or_fallback, load_receipts,
@@ -344,16 +345,16 @@ class TrackingClient:
             _write_arm_files(Path(tmp), sealed, title)
             self.log_files(artifact_uri, tmp)
 
-    def log_summary(self, parent_run_id: str, sweep_id: str, receipts: list[Receipt]) -> None:
+    def log_summary(self, parent_run_id: str, sweep_id: str, receipts: Iterable[ReceiptLike]) -> None:
         """Summary plot + per-sweep counts on the parent run (rewritten each time, so it stays current)."""
-        mine = [r for r in receipts if r.identity.sweep_id == sweep_id]
-        counts = {status.value: sum(r.identity.status is status for r in mine) for status in Status}
+        mine = [arm for arm in map(outline, receipts) if arm.sweep_id == sweep_id]
+        counts = {status.value: sum(arm.status is status for arm in mine) for status in Status}
         with tempfile.TemporaryDirectory(prefix="ablate-mlflow-") as tmp:
             plot = summary_svg(mine, Path(tmp) / "summary.svg", title=f"{sweep_id}: candidate / baseline per block")
             if plot is not None:
                 self.client.log_artifact(parent_run_id, str(plot))
             summary = {"sweep_id": sweep_id, "arms": len(mine), "status": counts,
-                       "receipts": sorted(r.identity.receipt_id for r in mine)}
+                       "receipts": sorted(arm.receipt_id for arm in mine)}
             (Path(tmp) / "summary.json").write_text(json.dumps(summary, indent=2))
             self.client.log_artifact(parent_run_id, str(Path(tmp) / "summary.json"))
         now = int(time.time() * 1000)
@@ -443,6 +444,10 @@ class MlflowStore:
                 log.info("MLflow system metrics unavailable: %s", exc)
                 self._monitor = None
 
+    def has(self, receipt_id: str) -> bool:
+        """Logged or spooled by this session: ``log_receipt`` would write nothing for it."""
+        return receipt_id in self.logged or receipt_id in self.spooled_ids
+
     def log_receipt(self, receipt: Receipt) -> Optional[str]:
         """The child run id, or None when the receipt went to the spool instead."""
         rid = receipt.identity.receipt_id
@@ -476,7 +481,7 @@ class MlflowStore:
             except Exception as exc:  # noqa: BLE001 - optional telemetry; a full disk must not end the sweep here
                 log.info("MLflow system metrics did not stop cleanly: %s", exc)
 
-    def close_sweep(self, sweep_id: str, receipts: list[Receipt], failed: bool) -> None:
+    def close_sweep(self, sweep_id: str, receipts: Iterable[ReceiptLike], failed: bool) -> None:
         """Summary plot on the parent run, which is then marked FINISHED (or FAILED when blocks errored)."""
         self.stop_monitor()
         if not self.online or self.client is None or self.parent_run_id is None:

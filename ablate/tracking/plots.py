@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 from xml.sax.saxutils import escape
 
+from ablate.receipts.outline import ArmOutline, ReceiptLike, outline
 from ablate.receipts.schema import BADPUT_CATEGORIES, Receipt, Status
 
 _GOOD, _BAD, _OTHER = "#2e7d32", "#c62828", "#9e9e9e"
@@ -183,35 +184,35 @@ def _role(receipt: Receipt) -> str:
     return f"twin{ident.arm_index}" if ident.feature is None else f"{ident.arm.value} {ident.feature_value}"
 
 
-def block_ratios(receipts: Iterable[Receipt]) -> list[tuple[str, str, Optional[float], bool]]:
+def block_ratios(receipts: Iterable[ReceiptLike]) -> list[tuple[str, str, Optional[float], bool]]:
     """Per block (latest complete attempt): (block id, label, candidate/baseline projected tokens/s at the lane's
     horizon — the promotion metric, start-up excluded —, both valid).
 
     A/A blocks report twin 1 over twin 0, the noise floor the real ratios must clear.
     """
-    arms: dict[tuple[str, int], dict[int, Receipt]] = defaultdict(dict)
-    for receipt in receipts:
-        arms[(receipt.identity.block_id, receipt.identity.attempt)][receipt.identity.arm_index] = receipt
-    latest: dict[str, dict[int, Receipt]] = {}
+    arms: dict[tuple[str, int], dict[int, ArmOutline]] = defaultdict(dict)
+    for arm in map(outline, receipts):
+        arms[(arm.block_id, arm.attempt)][arm.arm_index] = arm
+    latest: dict[str, dict[int, ArmOutline]] = {}
     for (block_id, attempt), pair in sorted(arms.items()):
         if len(pair) == 2 or block_id not in latest:
             latest[block_id] = pair
     rows = []
     for block_id, pair in sorted(latest.items()):
-        first = next(iter(pair.values())).identity
+        first = next(iter(pair.values()))
         label = "A/A" if first.feature is None else f"{first.feature}={_value(pair)}"
         ratio, valid = None, False
         if len(pair) == 2:
-            base, cand = (r.projection.tokens_per_s if r.projection else None for r in (pair[0], pair[1]))
+            base, cand = pair[0].tokens_per_s, pair[1].tokens_per_s
             ratio = cand / base if base and cand else None
-            valid = all(r.identity.status is Status.valid for r in pair.values())
+            valid = all(arm.status is Status.valid for arm in pair.values())
         rows.append((block_id, label, ratio, valid))
     return rows
 
 
-def _value(pair: dict[int, Receipt]) -> object:
+def _value(pair: dict[int, ArmOutline]) -> object:
     candidate = pair.get(1)
-    return candidate.identity.feature_value if candidate else next(iter(pair.values())).identity.feature_value
+    return candidate.feature_value if candidate else next(iter(pair.values())).feature_value
 
 
 _PALETTE = ["#1565c0", "#ef6c00", "#6a1b9a", "#00838f", "#ad1457", "#558b2f", "#4e342e", "#37474f"]
@@ -226,7 +227,7 @@ SUMMARY_TICKS_MAX = 60
 """Blocks up to which each bar is labelled under the axis; past that every bar still names its block on hover."""
 
 
-def summary_svg(receipts: Iterable[Receipt], path: Path, title: str) -> Optional[Path]:
+def summary_svg(receipts: Iterable[ReceiptLike], path: Path, title: str) -> Optional[Path]:
     """``summary_png`` as SVG text: one bar per block from 1.0 to its candidate / baseline projected tokens/s,
     coloured by comparison; hatched = not both arms valid, faint = no ratio. No matplotlib: a 1,000-block sweep's
     summary took 6-8 s to draw at its close, this about 20 ms."""
@@ -278,7 +279,7 @@ def summary_svg(receipts: Iterable[Receipt], path: Path, title: str) -> Optional
     return path
 
 
-def summary_png(receipts: Iterable[Receipt], path: Path, title: str) -> Optional[Path]:
+def summary_png(receipts: Iterable[ReceiptLike], path: Path, title: str) -> Optional[Path]:
     """Candidate / baseline projected tokens/s per block, coloured by comparison; hatched = not both arms valid."""
     from matplotlib.figure import Figure
 
