@@ -83,6 +83,8 @@ class Work:
     """Each block's round (sweeps merged into one round share its id), for the sequential test's rounds."""
     candidate_failed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     created_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=object))
+    seeds: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=object))
+    """Each block's seed (as ``n_seeds`` counts them): the SPRT decides only once its blocks span min_seeds."""
     aa_var_log: Optional[float] = None
     then: list[Optional[tuple[float, float]]] = field(default_factory=list)
     """Sequential policies: per sweep of the test (start order), (bias bound log, A/A variance floor) of the
@@ -172,6 +174,9 @@ class FeatureVerdict:
     contended_blocks: list[str] = field(default_factory=list)
     sequential: Optional[dict[str, Any]] = None
     """The SPRT's state when the policy enables it: decision, LLR trace against its bounds, stop reason."""
+    not_looked_at: list[str] = field(default_factory=list)
+    """Blocks that came in after the sequential test stopped (or past its cap): the verdict is judged on the blocks
+    up to the stop, as it stopped (``ablate.promote.engine``)."""
     until_decided_rounds: list[str] = field(default_factory=list)
     """Rounds (sweep ids) whose blocks ``--until-decided`` scheduled: evidence only a sequential policy may judge."""
     gated_arms: list[str] = field(default_factory=list)
@@ -491,6 +496,7 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
                         round_ids=np.asarray([merged.get(b.round_id, b.round_id) for b, _ in rows], dtype=object),
                         candidate_failed=np.asarray([b.candidate.failed for b, _ in rows], dtype=bool),
                         created_at=np.asarray([b.created_at for b, _ in rows], dtype=object),
+                        seeds=np.asarray([json.dumps(b.seed, default=str) for b, _ in rows], dtype=object),
                         aa_var_log=calibration.aa_var_log,
                         then=[(cal.bias_bound_log or 0.0, cal.aa_var_log or 0.0)
                               if cal.num_blocks >= policy.threshold.min_aa_blocks else None

@@ -27,16 +27,19 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
+import numpy as np
+
 from ablate.config.load import load_defaults
 from ablate.parallel import fork_map
-from ablate.promote.analysis import analyse
+from ablate.promote.analysis import FeatureVerdict, analyse
 from ablate.promote.bundle import check_bundles, held_keys
 from ablate.promote.defaults_writer import find_revalidations, plan_changes
-from ablate.promote.evidence import epoch_s, organise, startup_outliers
+from ablate.promote.evidence import (Calibration, TestEvidence, epoch_s, organise, startup_outliers, sweep_windows,
+                                     rounds_of_test)
 from ablate.promote.match import BUNDLE, Block, match_blocks
 from ablate.promote.policy import Policy, load_policy
 from ablate.promote.report import LaneSummary, PromotionResult
-from ablate.promote.rule import decide_all
+from ablate.promote.rule import apply_holm, decide_all, sprt_of
 from ablate.receipts.rejection import UnreadArm, from_identity, from_left_out, unread_arms
 from ablate.receipts.schema import InvalidReceipt, Receipt, utc_moment, validate_receipt
 
@@ -197,6 +200,38 @@ def _left_out_arms(left_out: Iterable[Receipt], blocks: list[Block]) -> list[Unr
     return arms
 
 
+def _as_stopped(test: TestEvidence, v: FeatureVerdict, policy: Policy, blocks: list[Block],
+                calibrations: Mapping[str, Calibration], flags: dict[str, str], curves: bool,
+                family: int) -> FeatureVerdict:
+    """``v`` measured again on the blocks its sequential test looked at, when that test stopped (or reached its cap)
+    before blocks that came in later: a decided test is judged as it stopped. Measured on every block, the
+    fixed-sample clauses (hosts, rounds, win fraction, loss bounds) were judged again with each later block until
+    they passed (found in review: a HOLD for "2 hosts < 3" at a rejection became a REJECT once blocks of a third
+    host came in, blocks that showed a 10% win and that the test never looked at). A later block whose candidate
+    carries a gated code is kept: a disqualifier is never ignored."""
+    if v.kind != "speed" or v.work is None or not v.n_blocks:
+        return v
+    state = sprt_of(v, policy, family)
+    if not state.decided or state.last_looked is None:
+        return v
+    until = str(np.sort(v.work.created_at.astype(str), kind="stable")[state.last_looked])
+    looked = [b for b in test.blocks if str(b.created_at) <= until or b.candidate.gated_codes]
+    if len(looked) == len(test.blocks):
+        return v
+    # The calibration too, from the A/A blocks beside the sweeps it looked at: a later round's A/A blocks moved
+    # epsilon and turned a quality HOLD at the stop into a PROMOTE on the same blocks (found in review).
+    sweeps = {b.round_id for b in looked}
+    then = [cal for sweep, cal in test.calibration_then if sweep in sweeps]
+    calibration = then[-1] if then else (test.calibration or calibrations[test.lane_key])
+    stopped = dataclasses.replace(test, blocks=looked, rounds=rounds_of_test(looked, policy, sweep_windows(blocks)),
+                                  calibration=calibration, calibration_then=[
+                                      (sweep, cal) for sweep, cal in test.calibration_then if sweep in sweeps])
+    judged = analyse(stopped, calibration, policy, flags, curve=curves)
+    kept = {id(b) for b in looked}
+    judged.not_looked_at = [b.block_id for b in test.blocks if id(b) not in kept]
+    return judged
+
+
 def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str | Path | Policy,
             defaults_path: str | Path, rejected: Iterable[tuple[str, str]] = (),
             run_links: Optional[Mapping[str, str]] = None, now: Optional[datetime] = None,
@@ -226,7 +261,15 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     measured = fork_map(lambda test: analyse(test, test.calibration or calibrations[test.lane_key], policy, flags,
                                              curve=curves), tests,
                         min_share=ANALYSE_MIN_SHARE)
+    if policy.sequential.enabled:
+        family = apply_holm(measured, policy)  # the family the SPRT's upper bound is split over, as decide_all's
+        measured = [_as_stopped(test, v, policy, blocks, calibrations, flags, curves, family)
+                    for test, v in zip(tests, measured)]
     family = decide_all(measured, policy, defaults)  # the Defaults: rule reads each lane's own default
+    for v in measured:
+        if v.not_looked_at:
+            v.reason += (f" (judged on the {v.n_blocks} block(s) up to the sequential test's stop; "
+                         f"{len(v.not_looked_at)} later block(s) not looked at)")
     campaigns = sorted({r.identity.campaign for r in valid})
     report_id = _report_id(campaigns, valid, policy)
     date = now.date().isoformat()

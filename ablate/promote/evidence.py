@@ -242,6 +242,11 @@ def _measurable(blocks: list[Block], policy: Policy) -> list[Block]:
             if not b.candidate.gated_codes and b.log_ratio(policy.failures.failed_log_ratio) is not None]
 
 
+def rounds_of_test(blocks: list[Block], policy: Policy, windows: dict[str, SweepWindow]) -> list[RoundInfo]:
+    """A test's rounds, counted on its measurable blocks (``windows``: of every block read, as ``organise``)."""
+    return _rounds(_measurable(blocks, policy), policy, windows)
+
+
 def _calibrate(lane_key: str, fingerprint: str, blocks: list[Block], policy: Policy) -> Calibration:
     rows = [(b.host, r) for b, r in ((b, b.log_ratio(policy.failures.failed_log_ratio)) for b in blocks)
             if r is not None]
@@ -366,7 +371,7 @@ def organise(blocks: list[Block], policy: Policy, refusals: Iterable[Refusal] = 
         tests.append(TestEvidence(
             feature=feature, value=first.value, baseline_value=first.baseline_value, kind=first.kind,
             lane_key=lane_key, software_fingerprint=current, blocks=kept, superseded=old,
-            rounds=_rounds(_measurable(kept, policy), policy, windows), refused_gates=gates,
+            rounds=rounds_of_test(kept, policy, windows), refused_gates=gates,
             unread=[arm for arm in unread if arm.concerns(feature, lane_key, current)],
             calibration=calibration_of(lane_key, frozenset(b.round_id for b in kept)),
             calibration_then=calibration_then(lane_key, {b.round_id for b in kept})))

@@ -31,7 +31,7 @@ import numpy as np
 
 from ablate.promote.analysis import HOLD, PROMOTE, REJECT, TAX_REPORTED, Clause, FeatureVerdict
 from ablate.promote.policy import Policy
-from ablate.promote.sequential import LOWER, UPPER, SequentialState, SprtBounds, sequential_state
+from ablate.promote.sequential import CAP, LOWER, UPPER, SequentialState, SprtBounds, sequential_state
 from ablate.promote.stats import (MIN_CLUSTERS, bootstrap_clusters, bootstrap_hl, holm, host_level_t,
                                   host_level_upper, quantile)
 
@@ -66,7 +66,8 @@ def sprt_of(v: FeatureVerdict, policy: Policy, num_tests: int = 1) -> Sequential
                 for j in np.maximum.accumulate(work.then_rank[order])]
     return sequential_state(work.log_ratios[order], work.hosts[order], work.round_ids[order].tolist(),
                             bounds=bounds, policy=policy, var_floor=work.aa_var_log or 0.0,
-                            failed=work.candidate_failed[order], then=then)
+                            failed=work.candidate_failed[order], then=then,
+                            seeds=work.seeds[order].tolist() if work.seeds.size == work.log_ratios.size else None)
 
 
 def _reject_clauses(v: FeatureVerdict, policy: Policy,
@@ -159,21 +160,25 @@ def _reject_clauses(v: FeatureVerdict, policy: Policy,
     def sprt_lower() -> Clause:
         assert sprt is not None
         mean, sd = sprt.variance.get("mean"), sprt.variance.get("mean_sd")
+        bias = sprt.variance.get("bias") or 0.0
         # The lower crossing says "closer to delta0 than to delta1"; a win between them (a close call) is still a
         # win: only an estimate one standard error below the smallest effect worth a default is "no meaningful
-        # win" (simulated: a true 2% win is then rejected in ~3% of campaigns instead of ~11%).
-        small = mean is not None and sd is not None and mean + sd <= math.log1p(policy.threshold.min_effect)
+        # win" (simulated: a true 2% win is then rejected in ~3% of campaigns instead of ~11%). The estimate is
+        # raised by the A/A bias bound the crossing used, as the crossing and the fixed rule's bound are: a
+        # candidate slot slow by the bias in every block measured a true 1.5% win as 0 and rejected it (review).
+        small = mean is not None and sd is not None and mean + bias + sd <= math.log1p(policy.threshold.min_effect)
         absent = sprt.decision == LOWER and not few and small
         if absent and mean is not None:
-            detail = (f"no meaningful win: {sprt.stop_reason}; mean block speed-up {_pct(math.exp(mean))}, one "
-                      f"standard error below 1 + min_effect")
+            detail = (f"no meaningful win: {sprt.stop_reason}; mean block speed-up {_pct(math.exp(mean))}, raised by "
+                      f"the A/A bias bound {_pct(math.exp(bias))}, one standard error below 1 + min_effect")
         elif sprt.decision != LOWER:
             detail = "the SPRT has not crossed its lower bound"
         elif few:
             detail = f"not ruled out: too little evidence to reject on ({'; '.join(few)}; {sprt.stop_reason})"
         else:
-            detail = (f"not ruled out: {sprt.stop_reason}, but the mean block speed-up {_pct(math.exp(mean or 0))} "
-                      f"is not one standard error below 1 + min_effect: a close call, held")
+            detail = (f"not ruled out: {sprt.stop_reason}, but the mean block speed-up {_pct(math.exp(mean or 0))}, "
+                      f"raised by the A/A bias bound {_pct(math.exp(bias))}, is not one standard error below 1 + "
+                      f"min_effect: a close call, held")
         return Clause("win_possible", not absent, detail)
 
     return [inert, disqualified, counters, flaky, quality, meaningful if sprt is None else sprt_lower]
@@ -428,6 +433,11 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
                    f"needs a confirming round ({len(counted)} of {needed} rounds) and a look at kernel traces"))
         return Clause("not_suspicious", confirmed, detail)
 
+    if sprt is not None and sprt.decision in (LOWER, CAP):
+        # The test is over and no later block is looked at: its stop is the reason, not a clause that more
+        # evidence could meet ("1 counted round < 2" told users to run a round that could change nothing).
+        return [every_arm_read, sprt_upper, current_baseline, calibrated, failure_rate, amount, win_fraction,
+                host_medians, leave_one_out, hosts_agree, every_round, order, quality, loss_not_lower, not_suspicious]
     return [every_arm_read, current_baseline, calibrated, failure_rate, amount,
             lower_bound if sprt is None else sprt_upper, win_fraction, host_medians,
             leave_one_out, hosts_agree, every_round, order, quality, loss_not_lower, not_suspicious]

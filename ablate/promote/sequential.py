@@ -120,6 +120,9 @@ class SequentialState:
     """Blocks in the evidence (later ones than the stop or the cap are not looked at)."""
     rounds: int
     """Distinct rounds among the blocks looked at."""
+    last_looked: Optional[int] = None
+    """Position, in the time order given, of the last block looked at: a decided test is judged on the blocks up
+    to it, as it stopped (``ablate.promote.engine``), not on blocks that came in after."""
     llr: Optional[float] = None
     llr_lower: Optional[float] = None
     excluded_failed: int = 0
@@ -162,7 +165,7 @@ def llr(d: np.ndarray, hosts: np.ndarray, bounds: SprtBounds, var_floor: float =
     for shift in (bounds.bias, -bounds.bias):
         centre = float(d.mean()) - shift - (bounds.theta0 + bounds.theta1) / 2.0
         values.append(_clip(gap * centre / v) if v > 0 else math.copysign(LLR_CLIP, centre))
-    facts = {"mean": float(d.mean()), "block_sd": float(np.std(d, ddof=1)), "mean_sd": math.sqrt(v),
+    facts = {"mean": float(d.mean()), "bias": bounds.bias, "block_sd": float(np.std(d, ddof=1)), "mean_sd": math.sqrt(v),
              "mean_sd_iid": math.sqrt(v_iid), "mean_sd_host": None if math.isnan(v_cluster) else math.sqrt(v_cluster),
              "aa_floor_sd": math.sqrt(var_floor) if var_floor > 0 else None}
     return values[0], values[1], facts
@@ -171,11 +174,16 @@ def llr(d: np.ndarray, hosts: np.ndarray, bounds: SprtBounds, var_floor: float =
 def sequential_state(log_ratios: Sequence[float], hosts: Sequence[Any], rounds: Sequence[Any], *,
                      bounds: SprtBounds, policy: Policy, var_floor: float = 0.0,
                      failed: Optional[Sequence[bool]] = None,
-                     then: Optional[Sequence[Sequence[tuple[float, float]]]] = None) -> SequentialState:
+                     then: Optional[Sequence[Sequence[tuple[float, float]]]] = None,
+                     seeds: Optional[Sequence[Any]] = None) -> SequentialState:
     """Where the SPRT stands on these blocks, given in time order (pure: same input, same state).
 
     ``rounds`` labels each block's round (counted rounds: a label reaches ``evidence.min_blocks_per_round``
-    blocks); ``failed`` marks blocks whose candidate arm failed (left out of the LLR, counted towards the cap).
+    blocks); ``failed`` marks blocks whose candidate arm failed (left out of the LLR, counted towards the cap);
+    ``seeds`` labels each block's seed. Neither bound counts before the blocks looked at span
+    ``evidence.min_hosts`` hosts and ``evidence.min_seeds`` seeds: the test is judged on those blocks alone, and
+    a decision on fewer would hold for good (found in review: a rejection on two hosts under a three-host policy
+    became a REJECT once blocks of a third host came in, which said the opposite and were never looked at).
 
     ``then``: per block, the (bias bound log, A/A variance floor) of every calibration an earlier ``promote`` may
     have judged that block's look with: the A/A blocks of the sweeps up to it, up to each later sweep (each was
@@ -197,11 +205,13 @@ def sequential_state(log_ratios: Sequence[float], hosts: Sequence[Any], rounds: 
                             upper=bounds.upper, lower=bounds.lower, theta0=bounds.theta0, theta1=bounds.theta1,
                             alpha=bounds.alpha, beta=bounds.beta, bias=bounds.bias, blocks=0,
                             blocks_seen=int(d_all.size), rounds=0)
+    s_all = list(seeds) if seeds is not None else [None] * d_all.size
     per_round: dict[Any, int] = {}
     waited_at: Optional[int] = None
+    spread: Optional[str] = None
     for look, i in enumerate(keep, start=1):
         per_round[r_all[i]] = per_round.get(r_all[i], 0) + 1
-        state.blocks, state.rounds = look, len(per_round)
+        state.blocks, state.rounds, state.last_looked = look, len(per_round), i
         use = [j for j in keep[:look] if not bad[j]]
         state.excluded_failed = look - len(use)
         if len(use) < seq.min_blocks:
@@ -222,6 +232,16 @@ def sequential_state(log_ratios: Sequence[float], hosts: Sequence[Any], rounds: 
         state.llr, state.llr_lower = value, low
         state.llr_trace.append(value)
         state.llr_lower_trace.append(low)
+        if not np.isfinite(d_all[use]).all():
+            continue  # a non-finite ratio (none from validated receipts) reads as a clipped +LLR: it decides nothing
+        looked = keep[:look]
+        n_hosts, n_seeds = len({h_all[j] for j in looked}), len({str(s_all[j]) for j in looked})
+        if (low <= bounds.lower or value >= bounds.upper) and (n_hosts < ev.min_hosts or
+                                                               (seeds is not None and n_seeds < ev.min_seeds)):
+            spread = (f"{'lower' if low <= bounds.lower else 'upper'} bound crossed at block {look} on "
+                      f"{n_hosts} host(s) and {n_seeds} seed(s) (need {ev.min_hosts} and {ev.min_seeds}): run blocks "
+                      f"on more hosts and seeds")
+            continue
         if low <= bounds.lower:
             state.decision = LOWER
             state.stop_reason = (f"lower bound crossed at block {look}: LLR {low:.2f} <= {bounds.lower:.2f}, the "
@@ -241,7 +261,7 @@ def sequential_state(log_ratios: Sequence[float], hosts: Sequence[Any], rounds: 
                                      f"(both raised by the A/A bias bound {math.expm1(bounds.bias):.2%}), "
                                      f"{counted} rounds")
                 return state
-            waited_at = waited_at or look
+            waited_at, spread = waited_at or look, None  # the latest reason to go on is the one to tell
     if state.blocks >= seq.max_blocks or len(order_of_round) > seq.max_rounds:
         state.decision = CAP
     if state.llr is None or state.llr_lower is None:
@@ -254,6 +274,9 @@ def sequential_state(log_ratios: Sequence[float], hosts: Sequence[Any], rounds: 
     if state.decision == CAP:
         state.stop_reason = (f"inconclusive at cap: {state.blocks} blocks over {state.rounds} round(s), {where}; "
                              f"sticky: later blocks are not looked at until the software fingerprint changes")
+    elif spread is not None and state.llr is not None and state.llr_lower is not None and (
+            state.llr >= bounds.upper or state.llr_lower <= bounds.lower):
+        state.stop_reason = spread
     elif waited_at is not None and state.llr is not None and state.llr >= bounds.upper:
         state.stop_reason = (f"upper bound crossed at block {waited_at} but only {state.rounds} round(s) "
                              f"({ev.min_blocks_per_round}+ blocks each count; need {ev.min_rounds}): run another "
