@@ -174,6 +174,9 @@ class FeatureVerdict:
     contended_blocks: list[str] = field(default_factory=list)
     sequential: Optional[dict[str, Any]] = None
     """The SPRT's state when the policy enables it: decision, LLR trace against its bounds, stop reason."""
+    rounds_after_stop: list[RoundRow] = field(default_factory=list)
+    """Rounds whose blocks all came in after the sequential test stopped: only the confirming round a suspicious
+    win needs reads them (promotion-rule.md §5.5.8: it comes after the decision by design)."""
     not_looked_at: list[str] = field(default_factory=list)
     """Blocks that came in after the sequential test stopped (or past its cap): the verdict is judged on the blocks
     up to the stop, as it stopped (``ablate.promote.engine``)."""

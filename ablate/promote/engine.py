@@ -229,6 +229,7 @@ def _as_stopped(test: TestEvidence, v: FeatureVerdict, policy: Policy, blocks: l
     judged = analyse(stopped, calibration, policy, flags, curve=curves)
     kept = {id(b) for b in looked}
     judged.not_looked_at = [b.block_id for b in test.blocks if id(b) not in kept]
+    judged.rounds_after_stop = [r for r in v.rounds if r.round_id not in {j.round_id for j in judged.rounds}]
     return judged
 
 

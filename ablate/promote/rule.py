@@ -423,7 +423,7 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
             fine = f"{s:.3f}x is within {limit:.3f}x"
         if not v.suspicious:
             return Clause("not_suspicious", True, fine)
-        counted = [r for r in v.rounds if r.counted]
+        counted = [r for r in v.rounds + v.rounds_after_stop if r.counted]
         needed = policy.evidence.min_rounds + policy.suspicious.confirming_rounds
         latest = counted[-1] if counted else None
         confirmed = (len(counted) >= needed and latest is not None and latest.speedup is not None

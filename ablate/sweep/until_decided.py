@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Optional
 from ray.tune.search import Searcher
 
 from ablate.config.schema import ConfigError
-from ablate.promote.analysis import PROMOTE
+from ablate.promote.analysis import HOLD, PROMOTE, REJECT
 from ablate.promote.policy import Policy, load_policy
 from ablate.promote.sequential import CAP, LOWER, UPPER
 from ablate.receipts.schema import Receipt
@@ -81,6 +81,9 @@ class Standing:
     lower: Optional[float] = None
     upper: Optional[float] = None
     trace: list[Optional[float]] = field(default_factory=list)
+    """The promotion test's LLR after each block (against ``upper``)."""
+    lower_trace: list[Optional[float]] = field(default_factory=list)
+    """The rejection test's LLR (hypotheses lowered by the A/A bias bound; against ``lower``)."""
 
     @property
     def key(self) -> SpeedKey:
@@ -91,9 +94,14 @@ class Standing:
         return self.state == DECIDED
 
     def line(self) -> str:
-        shown = [f"{x:+.2f}" for x in self.trace if x is not None][-6:]
+        def shown(trace: list[Optional[float]]) -> str:
+            return ", ".join(f"{x:+.2f}" for x in [x for x in trace if x is not None][-6:])
+
+        # Each trace beside the bound it is compared with: the promotion test's alone, against both bounds, showed
+        # an undecided test far below the lower one (found in review).
         llr = ("LLR n/a" if self.llr is None else
-               f"LLR trace [{', '.join(shown)}] against ({self.lower:.2f}, {self.upper:.2f})")
+               f"LLR promotion test [{shown(self.trace)}] against {self.upper:.2f}, rejection test "
+               f"[{shown(self.lower_trace)}] against {self.lower:.2f}")
         return (f"{self.feature}={self.value} lane {self.lane_key[:12]}: {self.state} ({self.verdict}), "
                 f"{self.blocks} block(s) over {self.rounds} round(s), {llr}: {self.why}")
 
@@ -111,12 +119,16 @@ def judge_states(receipts: Iterable[Receipt], policy: Policy, defaults_path: str
         state = Standing(feature=v.feature, value=str(v.value), lane_key=v.lane_key, state=OPEN, verdict=v.verdict,
                           why=v.reason, blocks=v.n_blocks, rounds=v.n_rounds, decision=decision,
                           llr=seq.get("llr"), lower=seq.get("lower"), upper=seq.get("upper"),
-                          trace=list(seq.get("llr_trace") or []))
+                          trace=list(seq.get("llr_trace") or []), lower_trace=list(seq.get("llr_lower_trace") or []))
         exact = next((c for c in v.clauses if not c.passed and c.name in EXACT_REJECTIONS), None)
-        if decision in (UPPER, LOWER, CAP):
+        if decision == UPPER and _awaits_confirmation(v, policy):
+            # A suspicious win's confirming round comes after the decision (promotion-rule.md §5.5.8): closed, the
+            # campaign ended "every test decided" and that round never ran (found in review).
+            state.why = f"{seq.get('stop_reason')}; the verdict is {v.verdict}: {v.reason}: a later round confirms it"
+        elif decision in (UPPER, LOWER, CAP):
             state.state = DECIDED
             state.why = seq.get("stop_reason") or v.reason
-            if v.verdict != PROMOTE and decision == UPPER:
+            if (decision, v.verdict) not in ((UPPER, PROMOTE), (LOWER, REJECT)):
                 state.why += f"; the verdict is {v.verdict}: {v.reason}"
         elif exact is not None:
             state.state = DECIDED
@@ -125,6 +137,14 @@ def judge_states(receipts: Iterable[Receipt], policy: Policy, defaults_path: str
             state.why = seq["stop_reason"]
         states[state.key] = state
     return states
+
+
+def _awaits_confirmation(v: Any, policy: Policy) -> bool:
+    """Held only for the confirming round a suspicious win needs, and fewer counted rounds than that are in."""
+    failing = [c.name for c in v.clauses if not c.passed]
+    counted = [r for r in v.rounds + v.rounds_after_stop if r.counted]
+    return v.verdict == HOLD and failing == ["not_suspicious"] and \
+        len(counted) < policy.evidence.min_rounds + policy.suspicious.confirming_rounds
 
 
 @dataclass

@@ -352,3 +352,14 @@ def test_a_decided_test_is_judged_on_the_blocks_it_looked_at(seq_policy: Policy)
     for name in ("verdict", "n_blocks", "n_hosts", "n_rounds", "win_fraction", "loss_bounds", "epsilon", "ci95"):
         assert getattr(everything, name) == getattr(alone, name), name
     assert everything.reason.startswith(alone.reason)
+
+
+def test_a_suspicious_win_is_confirmed_by_a_round_after_the_stop(seq_policy: Policy) -> None:
+    """The confirming round a suspicious win needs comes after the decision by design (§5.5.8): judging a decided
+    test on the blocks up to its stop must not make it unreachable."""
+    two = moe_verdict(run(simulate(Sim(features=[moe(1.9)], **QUIET), 0), seq_policy))
+    assert two.sequential is not None and two.sequential["decision"] == UPPER
+    assert two.verdict == HOLD and "needs a confirming round" in two.reason, two.reason
+    three = moe_verdict(run(simulate(Sim(features=[moe(1.9)], rounds=3, **QUIET), 0), seq_policy))
+    assert three.sequential is not None and three.sequential["decision"] == UPPER and three.rounds_after_stop
+    assert three.verdict == PROMOTE and three.suspicious and three.not_looked_at, three.reason

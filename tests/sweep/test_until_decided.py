@@ -55,6 +55,29 @@ def test_the_judge_is_the_promotion_rule_under_the_sequential_policy() -> None:
     assert only.state == OPEN and only.decision != LOWER and "round" in only.why
 
 
+def test_a_suspicious_win_stays_open_for_its_confirming_round() -> None:
+    """A win beyond Amdahl's bound crosses the upper bound and holds for a confirming round, which comes after the
+    decision by design: closed as decided, the campaign ended "every test decided" and it never ran (review)."""
+    policy = load_policy(POLICIES / "default_sequential.yaml")
+    two = next(iter(judge_states(simulate(Sim([moe(1.9)], **QUIET), seed=0), policy, DEFAULTS).values()))
+    assert two.decision == UPPER and two.state == OPEN and two.verdict != PROMOTE
+    assert "a later round confirms it" in two.why and "needs a confirming round" in two.why, two.why
+    three = next(iter(judge_states(simulate(Sim([moe(1.9)], rounds=3, **QUIET), seed=0), policy, DEFAULTS).values()))
+    assert three.state == DECIDED and three.verdict == PROMOTE, three.why
+
+
+def test_a_decided_line_says_when_the_verdict_is_not_the_decisions_own() -> None:
+    """A lower crossing the close-call check held reads like a rejection unless the line says the verdict; and each
+    LLR trace is shown against its own bound (the promotion test's, far below the lower bound, looked decided)."""
+    policy = load_policy(POLICIES / "default_sequential.yaml")
+    held = next(iter(judge_states(simulate(Sim([moe(1.0)], **QUIET), seed=1), policy, DEFAULTS).values()))
+    assert held.decision == LOWER and held.state == DECIDED and held.verdict != "REJECT"
+    assert f"the verdict is {held.verdict}" in held.why, held.why
+    line = held.line()
+    assert "promotion test [" in line and "rejection test [" in line
+    assert f"against {held.lower:.2f}" in line and f"against {held.upper:.2f}" in line
+
+
 def test_a_policy_without_the_sequential_test_is_refused_before_anything_runs() -> None:
     with pytest.raises(ConfigError) as caught:
         sequential_policy(POLICIES / "single_node.yaml")
