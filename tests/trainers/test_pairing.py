@@ -14,7 +14,7 @@ import pytest
 from ablate.receipts.schema import Status, validate_receipt
 from trainer_helpers import make_spec, tiny_lane
 from trainers.pairing import ENV_FD, TurnCoordinator, TurnGate
-from trainers.run import run_pair
+from trainers.run import can_interleave, run_pair
 
 REPO = Path(__file__).resolve().parents[2]
 TURNER = """
@@ -101,3 +101,19 @@ def test_an_interleaved_pair_of_real_arms_leaves_two_valid_receipts(tmp_path: Pa
     # Both start-ups ran at once (overlapping, never compared); the turns then alternated.
     assert abs(a.time.badput_s["queue_wait"] - b.time.badput_s["queue_wait"]) < 0.5
     assert a.steps.wait_s[1:] and b.steps.wait_s[1:]
+
+
+def test_arms_with_different_warmup_turns_run_one_after_the_other(tmp_path: Path) -> None:
+    """An arm with more turns (``compile.warmup: skip`` against ``explicit``: its warmup steps become budget steps)
+    took its last steps alone after its partner ended, and counted them steady (found in review: ~10% faster than
+    beside the partner). Such a pair is not interleaved; equal turns still are, on CPU, one worker each."""
+    def spec(**compile_: object) -> object:
+        return make_spec(tiny_lane(compile={"warmup_steps": 2, **compile_}), tmp_path)
+
+    explicit, skip = spec(warmup="explicit"), spec(warmup="skip")
+    assert can_interleave((explicit, spec(warmup="explicit")), node_has_gpu=False)
+    assert can_interleave((explicit, spec(warmup="auto")), node_has_gpu=False)  # auto warms up explicitly on CPU
+    assert not can_interleave((explicit, skip), node_has_gpu=False)
+    assert not can_interleave((explicit, spec(warmup="explicit", warmup_steps=3)), node_has_gpu=False)
+    two_workers = make_spec(tiny_lane(engine={"workers": 2}), tmp_path)
+    assert not can_interleave((two_workers, two_workers), node_has_gpu=False)
