@@ -25,7 +25,7 @@ from rich.markup import escape as markup_escape
 from rich.table import Table
 
 from ablate.config.schema import ConfigError
-from ablate.redact import redact_uri
+from ablate.redact import redact_text, redact_uri, text_redactor
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Distributed ablation runner: does this training-speed feature really make training faster?")
@@ -241,9 +241,11 @@ def _load_source(source: Optional[Path], tracking_uri: Optional[str], experiment
 
 
 def _print_rejected(rejected: list[tuple[str, str]]) -> None:
+    redact = text_redactor()
     for origin, reason in rejected:
         # markup=False: a reason quotes file contents and paths, which may hold "[...]"; one line per reject.
-        err.print(f"rejected {origin}: {reason}", markup=False, highlight=False, soft_wrap=True)
+        # Redacted: a reason may quote an exception that quotes the tracking URI with its password.
+        err.print(redact(f"rejected {origin}: {reason}"), markup=False, highlight=False, soft_wrap=True)
 
 
 def _owns_its_process(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -313,7 +315,6 @@ def receipts_sync(
     be read as a valid receipt is listed with the reason."""
     from rich.markup import escape
 
-    from ablate.redact import redact_text
     from ablate.tracking.mlflow_store import store_failure, sync
     from ablate.tracking.uri import TrackingStoreError
 
@@ -360,7 +361,7 @@ def promote(
     """Apply the promotion rule to the receipts and write a PR-ready report."""
     from ablate import promote as promotion
     from ablate.promote.defaults_writer import num_promoted
-    from ablate.promote.git_pr import REPORT_DIR
+    from ablate.promote.git_pr import REPORT_DIR, check_branch, check_branch_name
     from ablate.promote.policy import load_policy
 
     # Checked before any receipt is read: a bad policy or a file in the report's place fails in a second, with
@@ -372,6 +373,8 @@ def promote(
         load_policy(policy)
     except ConfigError as exc:
         _fail(markup_escape(str(exc)))
+    if branch:
+        check_branch_name(branch, Path.cwd())  # a ConfigError: one `error:` line from main(), exit 2
     run_labels: dict = {}
     left_out: list = []
     receipts, rejected, links = _load_source(source, tracking_uri, experiment, sweep_name, ui_url, run_labels,
@@ -380,8 +383,9 @@ def promote(
     # the rule allocates cost ~15% of its time. Frozen, they are left alone (nothing here becomes garbage).
     gc.freeze()
     if not receipts:
-        _fail(f"no valid receipts found in {source or redact_uri(default_tracking_uri(tracking_uri))}"
-              + (f" ({len(rejected)} rejected: {rejected[0][1]})" if rejected else ""))
+        _fail(markup_escape(f"no valid receipts found in {source or redact_uri(default_tracking_uri(tracking_uri))}"
+                            + (f" ({len(rejected)} rejected: {redact_text(str(rejected[0][1]))})" if rejected
+                               else "")))
     from ablate.tracking.mlflow_store import not_run_from_dir, not_run_from_mlflow
 
     sweeps = {r.identity.sweep_id for r in receipts}
@@ -423,13 +427,20 @@ def promote(
     if result.ui_command and result.run_links:
         console.print(f"MLflow links in the report open at {result.ui_url} once it is served: "
                       f"{result.ui_command}", markup=False, highlight=False, soft_wrap=True)
-    if write or branch:
+    if branch:
+        # Before any write: a refused branch (or local edits the commit would carry) leaves every file as it was.
+        check_branch(result, branch, Path.cwd())
+    if write:
         edits = promotion.write_defaults(result, defaults)
         # Count promoted values, not edit lines: one flip also appends its evidence record.
         console.print(f"defaults: {num_promoted(edits)} value(s) promoted ({len(edits)} edit(s)) in {defaults}",
                       highlight=False)
     if branch:
+        # Without --write the defaults are edited on the new branch only, never on the one the user is on.
         outcome = promotion.make_branch(result, branch, Path.cwd(), open_pr=open_pr)
+        if not write:
+            console.print(f"defaults: {num_promoted(outcome.edits)} value(s) promoted ({len(outcome.edits)} "
+                          f"edit(s)) in {defaults} on branch {branch}", highlight=False)
         console.print(f"\nreport: {outcome.report} (committed)", highlight=False)
         console.print(f"branch {branch}: commit {outcome.commit[:10]} ({', '.join(outcome.files)})", highlight=False)
         if outcome.pr_opened:

@@ -19,7 +19,7 @@ import fnmatch
 import os
 import re
 from contextlib import contextmanager
-from typing import Iterator, Mapping, Optional
+from typing import Callable, Iterator, Mapping, Optional
 from urllib.parse import quote
 
 REDACTED = "<redacted>"
@@ -68,20 +68,23 @@ SECRET_INFIXES: tuple[str, ...] = ("PASSWORD", "PASSWD", "PASSPHRASE", "SECRET",
 """... or contains one of these anywhere (``MYPASSWORDFILE``, ``GHTOKENV2``)."""
 NOT_SECRET: tuple[str, ...] = (
     "TOKENIZERS_PARALLELISM", "TORCHINDUCTOR_DISABLED_PASSES", "CUDA_POINTER_ATTRIBUTE_P2P_TOKENS",
-    "TORCH_COMPILE_CACHE_KEY_TAG", "TORCH_COMPILE_STICKY_PGO_KEY", "TRITON_REDIS_KEY_FORMAT",
+    "TORCH_COMPILE_CACHE_KEY_TAG", "TORCH_COMPILE_STICKY_PGO_KEY", "TRITON_REDIS_KEY_FORMAT", "PWD", "OLDPWD",
 )
-"""Runtime knobs whose names only look like secrets; an arm must see them as the user set them."""
+"""Runtime knobs whose names only look like secrets; an arm must see them as the user set them. ``PWD`` and
+``OLDPWD`` are the shell's working directories: as secrets, every path under them in a report or an error
+message would read ``<redacted>/...``."""
 
 _WORD_SPLIT = re.compile(r"[_\-.]+")
 
 # userinfo ends at the LAST '@' that is followed by a host[:port] and then the end of the URI: a password may hold
 # '@', ':', '/', '%' or any non-space character. A user name has no '/' or ':' (it may hold '@', an e-mail
-# address), so ``host/path@tag`` without a colon is left alone. Quotes and angle brackets end a URI in free text.
+# address), so ``host/path@tag`` without a colon is left alone. Quotes, angle brackets and the punctuation
+# that follows a URI in prose (``(http://u:pw@host:5000)``, ``host:5000, ...``) end it in free text.
 _URI_USERINFO = re.compile(
     r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)"
     r"(?P<userinfo>[^\s/:\"'<>`]*(?::[^\s\"'<>`]*)?)"
     r"@(?P<host>\[[0-9A-Fa-f:.]*\]|[^\s/?#@:\[\]\"'<>`]*)(?P<port>:[0-9]*)?"
-    r"(?=[/?#\s\"'<>`]|$)")
+    r"(?=[/?#\s\"'<>`),;\]]|$)")
 _SECRET_QUERY = re.compile(
     r"(?i)([?&;](?:[^=&\s]*(?:token|key|secret|pass|pwd|signature|credential|auth|session)[^=&\s]*|sig)=)"
     r"[^&#\s\"'<>`]+")
@@ -115,18 +118,35 @@ def _encoded_forms(value: str) -> set[str]:
     return {value, quote(value, safe=""), quote(value), quote(value, safe="").replace("%20", "+")}
 
 
+def _secret_forms(environ: Mapping[str, str]) -> tuple[str, ...]:
+    forms: set[str] = set()
+    for name, value in environ.items():
+        if len(value) >= 6 and is_secret_name(name) and not _matches(name, CREDENTIAL_REFERENCES):
+            forms |= _encoded_forms(value)
+    # Longest first: a value that contains another secret is removed whole, not left in pieces around it.
+    return tuple(sorted(forms, key=len, reverse=True))
+
+
+def text_redactor(environ: Optional[Mapping[str, str]] = None) -> Callable[[str], str]:
+    """``redact_text`` with the environment read once, for a renderer that redacts every cell it writes: reading
+    and classifying the environment is ~150 us, most of a call, and a large report renders thousands of cells."""
+    forms = _secret_forms(os.environ if environ is None else environ)
+
+    def redact(text: str) -> str:
+        text = redact_uri(text)
+        for form in forms:
+            text = text.replace(form, REDACTED)
+        return text
+
+    return redact
+
+
 def redact_text(text: str, environ: Optional[Mapping[str, str]] = None) -> str:
     """Redact free text (an error message, a log line) of URI credentials and the values of secret variables.
 
     Error messages can quote a URI or an environment value verbatim; this is the last line of defence.
     """
-    text = redact_uri(text)
-    environ = os.environ if environ is None else environ
-    for name, value in environ.items():
-        if len(value) >= 6 and is_secret_name(name) and not _matches(name, CREDENTIAL_REFERENCES):
-            for form in sorted(_encoded_forms(value), key=len, reverse=True):
-                text = text.replace(form, REDACTED)
-    return text
+    return text_redactor(environ)(text)
 
 
 def capture_env(environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:

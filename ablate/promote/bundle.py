@@ -15,6 +15,10 @@ the sum of the singles' logs (0 = additive, < 0 = the wins overlap or fight). To
 held with "bundle not measured" and the campaign to run. Before any of that, as for a single test, the set fails
 on a gated candidate (matched or in a refused block, any attempt), a candidate failure rate above the baseline's
 (earlier attempts of retried blocks included), a significant excess of failures, or a counter above its baseline.
+
+Across lanes (``unmeasured_together``, run by ``plan_changes``): values promoted in different lanes also run
+together once written (a global flip lands on every lane, an override on its shape). Under ``bundle.required`` a
+set that would land together on some lane and that no passed check measured is held the same way.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import math
 import zlib
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import numpy as np
 
@@ -33,6 +37,9 @@ from ablate.promote.match import BUNDLE, Block, Refusal
 from ablate.promote.policy import Policy
 from ablate.promote.stats import bootstrap_clusters, bootstrap_hl, fisher_more_failures, hodges_lehmann, quantile
 from ablate.receipts.rejection import UnreadArm
+
+if TYPE_CHECKING:
+    from ablate.promote.defaults_writer import DefaultsChange
 
 PASSED, FAILED, NOT_MEASURED = "passed", "failed", "not_measured"
 
@@ -67,9 +74,9 @@ def _key(values: Any) -> str:
     return json.dumps(values, sort_keys=True, default=str)
 
 
-def _campaign_hint(values: dict[str, Any], policy: Policy) -> str:
+def _campaign_hint(values: dict[str, Any], policy: Policy, where: str = "this lane") -> str:
     shown = ", ".join(f"{f}={v}" for f, v in sorted(values.items()))
-    return (f"run >= {policy.bundle.min_blocks} bundle blocks in this lane ({shown} together against the "
+    return (f"run >= {policy.bundle.min_blocks} bundle blocks in {where} ({shown} together against the "
             f"current defaults): add `bundle_blocks: {policy.bundle.min_blocks}` to the campaign that tests them "
             f"(each feature with that one value) and run a round")
 
@@ -231,3 +238,54 @@ def held_keys(checks: list[BundleCheck], policy: Policy) -> set[str]:
         if check.status == FAILED or (check.status == NOT_MEASURED and policy.bundle.required):
             held.update(check.test_keys)
     return held
+
+
+ALL_LANES = "every lane"
+"""The lanes a global flip lands on: all of them, whatever their shape."""
+
+
+def _passed_sets(verdicts: Iterable[FeatureVerdict], held: set[str] | frozenset[str]) -> list[dict[str, str]]:
+    """The sets a bundle check passed, read off the verdicts as ``check_bundles`` groups them: a lane with two or
+    more promoted features none of which ``held_keys`` holds (under ``bundle.required`` a set that is not measured
+    is held too, so an unheld one passed)."""
+    by_lane: dict[str, list[FeatureVerdict]] = defaultdict(list)
+    for v in verdicts:
+        if v.verdict == PROMOTE and v.kind == "speed":
+            by_lane[v.lane_key].append(v)
+    return [{v.feature: str(v.value) for v in promoted} for promoted in by_lane.values()
+            if len({v.feature for v in promoted}) >= 2 and not any(v.test_key in held for v in promoted)]
+
+
+def unmeasured_together(changes: list["DefaultsChange"], verdicts: Iterable[FeatureVerdict],
+                        held: set[str] | frozenset[str], policy: Policy) -> dict[str, str]:
+    """Feature -> why its change must be held: with it, two or more new values would become effective together on
+    some lane (global flips land on every lane, an override on its shape) and no passed bundle check measured that
+    set. ``check_bundles`` only sees features promoted in one lane; two features each promoted in its own lane
+    and both written would make every lane run them together, never measured so. Applied until nothing more is
+    held: holding one value changes the set another lane would run. Empty unless ``bundle.required``."""
+    if not policy.bundle.required:
+        return {}
+    passed = _passed_sets(verdicts, held)
+    reasons: dict[str, str] = {}
+    while True:
+        flips = {c.feature: str(c.new) for c in changes if c.scope == "global" and c.feature not in reasons}
+        landing: dict[str, dict[str, str]] = {ALL_LANES: dict(flips)}
+        for c in changes:
+            if c.feature in reasons:
+                continue
+            for shape, value in c.overrides.items():
+                landing.setdefault(shape, dict(flips))[c.feature] = str(value)
+        fresh = {}
+        for where, values in sorted(landing.items()):
+            if len(values) < 2 or values in passed:
+                continue
+            shown = ", ".join(f"{f}={v}" for f, v in sorted(values.items()))
+            lanes = "every lane" if where == ALL_LANES else f"lanes of {where}"
+            for feature in values:
+                fresh.setdefault(feature, (
+                    f"bundle not measured: {shown} would run together on {lanes}, and no bundle check measured "
+                    f"them together (each was promoted on its own lane); the value is held from --write: "
+                    + _campaign_hint(values, policy, "a lane where they all act")))
+        if not fresh:
+            return reasons
+        reasons.update(fresh)

@@ -21,9 +21,11 @@ puts the value the promotion replaced back (``apply_outcome``).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
+import stat
 import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -36,8 +38,11 @@ from ruamel.yaml.error import CommentMark
 from ruamel.yaml.scalarstring import SingleQuotedScalarString
 from ruamel.yaml.tokens import CommentToken
 
+from ablate.config.features import FEATURES
 from ablate.config.load import Defaults
+from ablate.config.schema import LaneConfig
 from ablate.promote.analysis import PROMOTE, REJECT, FeatureVerdict
+from ablate.promote.bundle import unmeasured_together
 from ablate.promote.evidence import LaneState
 from ablate.promote.policy import Policy
 
@@ -62,6 +67,12 @@ class DefaultsChange:
     """Lane scope: lane shape -> the value its override takes (one per shape). Empty for a global flip."""
     not_global: list[str] = field(default_factory=list)
     """Lane scope: why the value did not flip globally (each failing condition), for the report."""
+    held: str = ""
+    """Why nothing is written for this promoted value though its own evidence earned it (a set of new values
+    that would run together on some lane and was never measured together, ``bundle.unmeasured_together``)."""
+    override_edits: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    """Demotions (``ablate revalidate``): lane shape -> (its override's value before, after; None after: removed,
+    the lane runs the global value again), as ``apply_outcome`` edits the file."""
 
 
 class Edit(str):
@@ -144,6 +155,16 @@ def _global_values(defaults: Defaults | Mapping[str, Any]) -> Mapping[str, Any]:
     return defaults.values if isinstance(defaults, Defaults) else defaults
 
 
+def _global_value(feature: str, globals_: Mapping[str, Any]) -> Any:
+    """The value every lane without an override runs: the file's entry, else the registry's reference (the typed
+    lane field's default). Never a measured lane's baseline: that may be a value the campaign pinned, and a new
+    entry written with it would move every other lane off the reference."""
+    if feature in globals_:
+        return globals_[feature]
+    spec = FEATURES.get(feature)
+    return None if spec is None else spec.get(LaneConfig())
+
+
 def _shape_overrides(tests: list[FeatureVerdict], promoted: list[FeatureVerdict],
                      held: frozenset[str] | set[str] = frozenset()) -> tuple[dict[str, Any], list[str]]:
     """Lane shape -> override value, for shapes where every measured lane promoted the same value and no
@@ -180,7 +201,10 @@ def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mappin
                  ) -> list[DefaultsChange]:
     """One change per promoted feature: a global flip, or lane overrides (see the module docstring). Tests in
     ``held`` (their lane's bundle check did not pass, ``ablate.promote.bundle``) are measured lanes that do not
-    promote, so they are neither written nor counted towards a global flip."""
+    promote, so they are neither written nor counted towards a global flip. A change whose value would run
+    together with another new value on some lane, a set no passed bundle check measured, is held
+    (``DefaultsChange.held``) under ``bundle.required``."""
+    verdicts = list(verdicts)
     globals_ = _global_values(defaults)
     by_feature: dict[str, list[FeatureVerdict]] = defaultdict(list)
     for v in verdicts:
@@ -216,14 +240,17 @@ def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mappin
         if not flip:
             overrides, conflicts = _shape_overrides(tests, promoted, held)
             not_global += conflicts
+        old = _global_value(feature, globals_)
         changes.append(DefaultsChange(
-            feature=feature, old=globals_.get(feature, promoted[0].baseline_value),
-            new=promoted[0].value if flip else None, scope=scope, lanes=sorted(v.lane_key for v in promoted),
+            feature=feature, old=old, new=promoted[0].value if flip else None, scope=scope,
+            lanes=sorted(v.lane_key for v in promoted),
             evidence=[evidence_record(v, report_id=report_id, campaign=campaign, date=date, policy=policy,
-                                      scope=scope, replaced=globals_.get(feature, promoted[0].baseline_value))
-                      for v in promoted],
+                                      scope=scope, replaced=old) for v in promoted],
             overrides=overrides, not_global=not_global))
-    return changes
+    held_together = unmeasured_together(changes, verdicts, held, policy)
+    # Held: no value, no override, no evidence record is written; the reason goes into the report.
+    return [DefaultsChange(feature=c.feature, old=c.old, new=None, scope="lane", lanes=c.lanes, held=why)
+            if (why := held_together.get(c.feature)) else c for c in changes]
 
 
 def find_revalidations(defaults_raw: Mapping[str, Any], lanes: Mapping[str, LaneState]) -> list[Revalidation]:
@@ -510,17 +537,24 @@ def write_defaults(result: "PromotionResult", defaults_path: str | Path) -> list
     """
     from ablate.config.load import load_defaults
 
-    path = Path(defaults_path)
+    # The link's target is the file to edit: replacing a symlinked defaults file would cut the link instead.
+    path = Path(defaults_path).resolve()
     text, edits = render_defaults(path.read_text(), result)
     if not edits:
         return edits
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".defaults-", suffix=".yaml")
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
     try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            # mkstemp makes the file 0600: the replaced file keeps the mode it had (group-readable, say).
+            os.fchmod(handle.fileno(), stat.S_IMODE(path.stat().st_mode))
+            os.fsync(handle.fileno())
         load_defaults(tmp)  # never leave a defaults file the sweep loader would refuse
-    except Exception:
-        os.unlink(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        # Whatever failed (a full disk, the loader's refusal, an interrupt), no temporary file is left beside it.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
         raise
-    os.replace(tmp, path)
     return edits

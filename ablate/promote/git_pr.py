@@ -3,7 +3,9 @@
 How to use: ``make_branch(result, "promote/moe-jagged", repo_root=".", open_pr=True)``. The branch is created
 from the current HEAD with ``git switch -c`` (the working tree stays on it afterwards); only the defaults file
 and the two report files are committed, whatever else is staged; the report under ``reports/promotions/`` is
-the only copy (``ablate promote --branch`` writes none to ``--out``). With ``open_pr`` the branch is pushed and
+the only copy (``ablate promote --branch`` writes none to ``--out``). Before it switches or writes anything it
+refuses (``check_branch``: a ``ConfigError`` naming ``--branch``) a name that is taken or invalid, and a defaults
+file with uncommitted edits of its own, which the commit would carry. With ``open_pr`` the branch is pushed and
 ``gh pr create`` is run when ``gh`` is on PATH; otherwise the exact commands are returned (and printed by the
 CLI) so a person can run them.
 """
@@ -17,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ablate.promote.defaults_writer import write_defaults
+from ablate.config.schema import ConfigError
+from ablate.promote.defaults_writer import render_defaults, write_defaults
 from ablate.promote.report import PromotionResult
 
 REPORT_DIR = Path("reports") / "promotions"
@@ -46,7 +49,10 @@ def _git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProc
 
 
 def _title(result: PromotionResult) -> str:
-    promoted = [f"{v.feature}={v.value}" for v in result.promoted]
+    # From the changes the writer makes: a PROMOTE verdict whose shape's lanes disagree changes nothing.
+    promoted = [f"{c.feature}={c.new}" for c in result.changes if c.scope == "global"]
+    promoted += [f"{c.feature}={value} (lane)" for c in result.changes if c.scope != "global"
+                 for value in sorted({str(v) for v in c.overrides.values()})]
     if promoted:
         title = f"promote: {', '.join(promoted[:4])}{' …' if len(promoted) > 4 else ''} ({result.campaign})"
     else:
@@ -62,22 +68,64 @@ def pr_commands(result: PromotionResult, branch: str, base: Optional[str], body_
     return [["git", "push", "--set-upstream", "origin", branch], create]
 
 
-def make_branch(result: PromotionResult, branch: str, repo_root: str | Path, open_pr: bool = False) -> BranchOutcome:
-    """Create ``branch``, write defaults + report, commit them; optionally push and open the PR."""
+def check_branch_name(branch: str, repo_root: str | Path) -> Path:
+    """The checks that need no result (a git work tree, a valid and new branch name), so ``ablate promote
+    --branch`` refuses before reading any receipt; returns the work tree's root."""
     repo = Path(repo_root).resolve()
     if _git(repo, "rev-parse", "--is-inside-work-tree", check=False).returncode != 0:
-        raise ValueError(f"--branch: {repo} is not a git work tree")
+        raise ConfigError("--branch", branch, f"a new branch name, run inside a git work tree ({repo} is not in "
+                                              f"one)")
     if _git(repo, "check-ref-format", "--branch", branch, check=False).returncode != 0:
-        raise ValueError(f"--branch: {branch!r} is not a valid branch name")
+        raise ConfigError("--branch", branch, "a valid git branch name (see `git check-ref-format --branch`)")
     if _git(repo, "rev-parse", "--verify", "--quiet", f"refs/heads/{branch}", check=False).returncode == 0:
-        raise ValueError(f"--branch: branch {branch!r} already exists; pick a new name")
+        raise ConfigError("--branch", branch, f"a name no branch has yet: branch {branch!r} already exists")
+    return repo
+
+
+def _defaults_file(result: PromotionResult, repo: Path) -> Path:
+    path = Path(result.defaults_path)
+    if not path.is_absolute():
+        path = (repo / path) if (repo / path).exists() else path.resolve()
+    # A symlinked defaults file is committed as its target, which is what the writer edits.
+    return path.resolve()
+
+
+def check_branch(result: PromotionResult, branch: str, repo_root: str | Path) -> Path:
+    """Every check ``make_branch`` makes before it switches branch or writes anything; returns the defaults file.
+
+    The commit takes the defaults file as it is in the work tree, so that file must be HEAD's content, or exactly
+    what the writer makes of HEAD's content for this result (``--write --branch`` wrote it already): any other
+    difference is a local edit that would ride along in the promotion commit and its PR, unmentioned.
+    """
+    repo = check_branch_name(branch, repo_root)
+    defaults_path = _defaults_file(result, repo)
+    toplevel = Path(_git(repo, "rev-parse", "--show-toplevel").stdout.strip()).resolve()
+    try:
+        defaults_rel = defaults_path.relative_to(toplevel).as_posix()
+    except ValueError:
+        raise ConfigError("--defaults", str(defaults_path), f"a file inside the git work tree {toplevel}, for "
+                                                            f"--branch to commit it") from None
+    head = _git(repo, "show", f"HEAD:{defaults_rel}", check=False)
+    if head.returncode != 0:
+        raise ConfigError("--branch", branch, f"a branch cut from a HEAD that has {defaults_rel}: it is not "
+                                              f"committed; commit it first")
+    working = defaults_path.read_text()
+    if working != head.stdout and working != render_defaults(head.stdout, result)[0]:
+        raise ConfigError("--branch", branch, f"a branch cut from a clean {defaults_rel}: it has uncommitted local "
+                                              f"edits, which would ride along in the promotion commit; commit or "
+                                              f"stash them first")
+    return defaults_path
+
+
+def make_branch(result: PromotionResult, branch: str, repo_root: str | Path, open_pr: bool = False) -> BranchOutcome:
+    """Create ``branch``, write defaults + report, commit them; optionally push and open the PR. Refuses
+    (``ConfigError``, nothing written, no branch made) when ``check_branch`` does."""
+    repo = Path(repo_root).resolve()
+    defaults_path = check_branch(result, branch, repo)
     head = _git(repo, "symbolic-ref", "--quiet", "--short", "HEAD", check=False)
     base = head.stdout.strip() or None
     _git(repo, "switch", "-c", branch)
 
-    defaults_path = Path(result.defaults_path)
-    if not defaults_path.is_absolute():
-        defaults_path = (repo / defaults_path) if (repo / defaults_path).exists() else defaults_path.resolve()
     edits = write_defaults(result, defaults_path)
     report_dir = repo / REPORT_DIR
     report_dir.mkdir(parents=True, exist_ok=True)

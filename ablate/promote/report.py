@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import math
 import re
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ablate.promote.analysis import PROMOTE, TAX_REPORTED, FeatureVerdict
 from ablate.promote.bundle import BundleCheck
@@ -21,6 +22,7 @@ from ablate.promote.energy import energy_cell
 from ablate.promote.evidence import Calibration
 from ablate.promote.match import Refusal
 from ablate.promote.policy import Policy
+from ablate.redact import redact_text, text_redactor
 
 MAX_MARKDOWN_CHARS = 60_000
 MAX_LINKS_PER_TEST = 12
@@ -166,8 +168,8 @@ class PromotionResult:
                                 if lane.calibration.aa_interval_log else None),
                 "delta": lane.calibration.delta(self.policy)}} for lane in self.lanes],
             "revalidations": [asdict(r) for r in self.revalidations],
-            "refusals": [asdict(r) for r in self.refusals],
-            "rejected_receipts": [{"origin": rj[0], "reason": rj[1]}
+            "refusals": [{**asdict(r), "reason": redact_text(r.reason)} for r in self.refusals],
+            "rejected_receipts": [{"origin": redact_text(str(rj[0])), "reason": redact_text(str(rj[1]))}
                                   | ({"unread_arm": asdict(rj.unread)} if getattr(rj, "unread", None) else {})
                                   for rj in self.rejected],
             "run_links": self.run_links, "plots": self.plots, "sprt_plots": self.sprt_plots, "plot_locations": self.plot_locations,
@@ -216,18 +218,29 @@ def _short(text: Any, width: int = 12) -> str:
 _BREAKS = re.compile(r"[\r\n\v\f\x1c-\x1e\x85\u2028\u2029]+")
 """Every character Markdown (or Python's splitlines) may read as a line break."""
 
+_REDACT: ContextVar[Optional[Callable[[str], str]]] = ContextVar("_REDACT", default=None)
+"""Set by ``render_markdown`` for its duration: the environment is read once per report, not once per cell."""
+
+
+def _redacted(value: Any) -> str:
+    # A second line of defence: reasons quote exception text (a tracking URI with its password) and the report
+    # is a PR body; whatever produced the text should have redacted it already.
+    redact = _REDACT.get()
+    return redact(str(value)) if redact is not None else redact_text(str(value))
+
 
 def _t(value: Any) -> str:
     """Text from receipts, sweeps or files, made inert in a Markdown line: no line break (so no heading, list
-    item or table row can start inside it), no HTML tag, no link or image, no code span it could close."""
-    text = _BREAKS.sub(" ", str(value))
+    item or table row can start inside it), no HTML tag, no link or image, no code span it could close; no
+    credentials (``ablate.redact``)."""
+    text = _BREAKS.sub(" ", _redacted(value))
     return (text.replace("\\", "\\\\").replace("`", "\\`").replace("<", "&lt;").replace(">", "&gt;")
             .replace("[", "\\[").replace("]", "\\]"))
 
 
 def _c(value: Any) -> str:
     """``value`` as a code span: one line, no backtick of its own (it would end the span)."""
-    return "`" + _BREAKS.sub(" ", str(value)).replace("`", "'") + "`"
+    return "`" + _BREAKS.sub(" ", _redacted(value)).replace("`", "'") + "`"
 
 
 _PLAIN_URL = re.compile(r"[A-Za-z0-9._~:/?#@!$&'*+,;=%-]+")
@@ -236,7 +249,7 @@ _PLAIN_URL = re.compile(r"[A-Za-z0-9._~:/?#@!$&'*+,;=%-]+")
 def _url(value: Any) -> str:
     """A link destination with its parentheses: plain when nothing in it can end it early, else in ``<...>``
     (no line break, no angle bracket) so a space or a parenthesis from a path cannot break out of the link."""
-    text = str(value)
+    text = _redacted(value)
     if _PLAIN_URL.fullmatch(text):
         return f"({text})"
     return "(<" + _BREAKS.sub("", text).replace("<", "%3C").replace(">", "%3E") + ">)"
@@ -360,12 +373,26 @@ def _defaults_diff(result: PromotionResult) -> list[str]:
         return lines + [f"No change to {_c(result.defaults_path)}: nothing was promoted. Ties keep the incumbent."]
     rows = []
     for c in result.changes:
-        if c.scope == "global":
-            rows.append([_c(c.feature), _c(c.old), _c(c.new), "global", ", ".join(_t(_short(x)) for x in c.lanes)])
+        lanes = ", ".join(_t(_short(x)) for x in c.lanes)
+        if c.held:
+            rows.append([_c(c.feature), _c(c.old), f"no change (held): {_t(c.held)}", "held", lanes])
+        elif c.scope == "global":
+            rows.append([_c(c.feature), _c(c.old), _c(c.new), "global", lanes])
+        elif c.override_edits:
+            pass  # a demotion of a lane override: its rows follow
         else:
-            values = ", ".join(sorted({str(e['value']) for e in c.evidence}))
-            rows.append([_c(c.feature), _c(c.old), f"{_c(c.old)} (lane override: {_c(values)})", "lane",
-                         ", ".join(_t(_short(x)) for x in c.lanes)])
+            # From the overrides the writer writes, not the evidence: where a shape's lanes disagree the
+            # promoting lane's value is recorded as evidence and runs nowhere.
+            values = ", ".join(sorted({str(v) for v in c.overrides.values()}))
+            new = (f"{_c(c.old)} (lane override: {_c(values)})" if c.overrides else
+                   "no change (evidence only): " + "; ".join(_t(why) for why in c.not_global))
+            rows.append([_c(c.feature), _c(c.old), new, "lane", lanes])
+        runs = c.old if c.new is None else c.new
+        for shape, (before, after) in c.override_edits.items():
+            rows.append([_c(c.feature),
+                         "–" if before is None else f"{_c(before)} (lane override on {_c(_short(shape))})",
+                         f"{_c(after)} (lane override)" if after is not None else
+                         f"{_c(runs)} (override removed: the lane runs the global value)", "lane", lanes])
     lines += _table(["feature", "old", "new", "scope", "lanes validated"], rows)
     rollback = "; ".join(_c(f"features.{c.feature}.value: {c.old}") for c in result.changes if c.scope == "global")
     if rollback:
@@ -533,7 +560,9 @@ def _revalidations(result: PromotionResult) -> list[str]:
 
     demoted = [o for o in outcomes if o.outcome == DEMOTED]
     if demoted:
-        rows = [[_c(o.feature), f"{_c(o.value)} → {_c(o.previous)}", _t(o.scope), _c(_short(o.lane_key)),
+        # A global demotion restores the global value the promotion replaced, not the lane's baseline.
+        rows = [[_c(o.feature), f"{_c(o.value)} → {_c(o.replaced if o.scope == 'global' else o.previous)}",
+                 _t(o.scope), _c(_short(o.lane_key)),
                  *retested(o)] for o in demoted]
         lines += (["", "### Demoted (the win is gone on re-test)", ""] +
                   _table(["feature", "value", "scope", "lane", "verdict", "speed-up [95% CI]", "re-tested under",
@@ -639,6 +668,14 @@ def _lane_detail(result: PromotionResult, lane: LaneSummary) -> list[str]:
 
 
 def render_markdown(result: PromotionResult) -> str:
+    token = _REDACT.set(text_redactor())
+    try:
+        return _render_markdown(result)
+    finally:
+        _REDACT.reset(token)
+
+
+def _render_markdown(result: PromotionResult) -> str:
     head = (_header(result) + _defaults_diff(result) + _bundles(result) + _summary(result) + _sequential(result)
             + _tradeoff(result)
             + _taxes(result)

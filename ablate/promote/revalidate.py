@@ -45,7 +45,7 @@ from ablate.config.load import load_defaults, load_sweep, read_yaml, with_featur
 from ablate.config.schema import ConfigError, LaneConfig, SweepConfig
 from ablate.promote.analysis import PROMOTE, REJECT, FeatureVerdict
 from ablate.promote.defaults_writer import (CONFIRMED, DEMOTED, UNCONFIRMED, DefaultsChange, RevalidationOutcome,
-                                            _node, _overrides_by_shape, _yaml, evidence_record)
+                                            _node, _overrides_by_shape, _yaml, apply_outcome, evidence_record)
 from ablate.promote.policy import Policy
 from ablate.promote.report import PromotionResult
 from ablate.receipts.schema import Receipt
@@ -407,6 +407,32 @@ def outcome_of(target: Target, v: Optional[FeatureVerdict], policy: Policy, *, r
         evidence=evidence)
 
 
+def demotion_changes(defaults_path: Path, outcomes: list[RevalidationOutcome], report_id: str,
+                     date: str) -> list[DefaultsChange]:
+    """The defaults-diff rows, read off what ``apply_outcome`` does to a copy of the file (nothing is written):
+    the outcome alone does not say it (a lane demotion removes an override or sets it back, a global one restores
+    ``replaced``, not the lane's ``previous``, and moves overrides the promotion carried along)."""
+    doc = _yaml().load(defaults_path.read_text())
+    features = doc.get("features") or {}
+    changes = []
+    for o in outcomes:  # in order and all of them, as write_defaults applies them
+        entry = features.get(o.feature)
+        if not isinstance(entry, Mapping):
+            continue
+        value = entry.get("value")
+        overrides = {shape: override.get("value") for shape, override in _overrides_by_shape(entry).items()}
+        if not any(e.kind == "demote" for e in apply_outcome(features, o, report_id, date)):
+            continue
+        after = {shape: override.get("value") for shape, override in _overrides_by_shape(entry).items()}
+        moved = {shape: (overrides.get(shape), after.get(shape)) for shape in sorted({*overrides, *after})
+                 if shape not in overrides or shape not in after or str(overrides[shape]) != str(after[shape])}
+        flipped = str(entry.get("value")) != str(value)
+        changes.append(DefaultsChange(feature=o.feature, old=value, new=entry.get("value") if flipped else None,
+                                      scope="global" if flipped else "lane", lanes=[o.lane_key],
+                                      override_edits=moved))
+    return changes
+
+
 def _verdict_for(target: Target, verdicts: list[FeatureVerdict]) -> Optional[FeatureVerdict]:
     return next((v for v in verdicts if v.feature == target.feature and str(v.value) == str(target.value)
                  and v.lane_key == target.lane_key and str(v.baseline_value) == str(target.previous)), None)
@@ -430,9 +456,7 @@ def judge(targets: list[Target], receipts: list[Receipt], policy: Policy, defaul
                                    report_id=result.report_id, campaign=result.campaign, date=result.date,
                                    sweeps=sweeps))
     # What this report changes is the outcomes, not the promotions the rule would plan against the old defaults.
-    result.changes = [DefaultsChange(feature=o.feature, old=o.value, new=o.previous, scope="global",
-                                     lanes=[o.lane_key]) for o in outcomes if o.outcome == DEMOTED
-                      and o.scope == "global"]
+    result.changes = demotion_changes(defaults_path, outcomes, result.report_id, result.date)
     result.revalidations = list(outcomes)
     result.defaults_path = str(defaults_path)
     return result

@@ -26,6 +26,7 @@ from ablate.parallel import fork_map, in_forked_child
 from ablate.receipts.accepted import AcceptedPayloads, checking_fingerprint, payload_key
 from ablate.receipts.schema import InvalidReceipt, Receipt, in_the_future, validate_receipt
 from ablate.receipts.store import digest_problem
+from ablate.redact import redact_text
 from ablate.tracking.mapping import TAG
 from ablate.tracking.payload import WHERE, PayloadError, check_against_run, payload_json
 
@@ -50,6 +51,12 @@ class Outcome:
     run: Any
     receipt: Optional[Receipt] = None
     reason: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        # An MLflow error quotes the tracking URI it called, password included, and a reason is shown on stderr
+        # and in the report (PR body and JSON).
+        if self.reason is not None:
+            self.reason = redact_text(self.reason)
 
 
 @contextlib.contextmanager

@@ -198,3 +198,41 @@ def test_a_held_lane_is_not_written_through_its_shapes_override() -> None:
     overrides, conflicts = _shape_overrides(tests, tests[:1], held={tests[1].test_key})
     assert overrides == {} and "bundle check held it" in conflicts[0]
 
+
+
+def test_wins_from_different_lanes_that_would_run_together_are_held_until_measured_together(
+        policy: Policy, defaults_file: Path) -> None:
+    from promote_sim import base_lane
+
+    from ablate.config.load import load_defaults
+
+    anywhere = with_overrides(policy, {"scope.global_device_classes": []})  # simulated arms are CPU arms
+    quiet = {"noise": 0.007, "aa_per_host": 2}
+    lane_b = base_lane(**{"batch.seq_len": 128})
+    # moe wins on lane A, mamba on lane B: no lane promoted both, so no bundle check runs; flipped globally,
+    # both would run together on every lane, a combination nobody measured.
+    receipts = (simulate(Sim(features=[moe(1.05)], lane=base_lane(), block_prefix="A-", **quiet), 0)
+                + simulate(Sim(features=[FeatureTruth("mamba_scan", "chunked", "sequential", 1.05)], lane=lane_b,
+                               block_prefix="B-", **quiet), 1))
+    result = promote(receipts, policy_path=anywhere, defaults_path=defaults_file)
+    assert sorted(v.verdict for v in result.verdicts) == [PROMOTE, PROMOTE] and result.bundles == []
+    assert [(c.feature, c.new, c.overrides, c.evidence) for c in result.changes] == [
+        ("mamba_scan", None, {}, []), ("moe_dispatch", None, {}, [])]
+    assert all(c.held.startswith("bundle not measured: mamba_scan=chunked, moe_dispatch=jagged would run "
+                                 "together on every lane") for c in result.changes)
+    before = defaults_file.read_text()
+    assert write_defaults(result, defaults_file) == [] and defaults_file.read_text() == before
+    diff = result.markdown.split("### Defaults diff")[1].split("\n### ")[0]
+    assert diff.count("| no change (held): bundle not measured:") == 2 and "Rollback" not in diff
+    # The control: lane A tests both and its bundle blocks show them winning together; lane B promotes mamba
+    # alone. Every lane then runs the measured set: both are written.
+    both = [moe(1.05), FeatureTruth("mamba_scan", "chunked", "sequential", 1.05)]
+    measured = (simulate(Sim(features=both, lane=base_lane(), block_prefix="A-", **quiet), 0)
+                + simulate_bundle(NEW, OLD, 1.05 * 1.05, 4, lane=base_lane())
+                + simulate(Sim(features=both[1:], lane=lane_b, block_prefix="B-", **quiet), 1))
+    bundled = promote(measured, policy_path=anywhere, defaults_path=defaults_file)
+    assert [b.status for b in bundled.bundles] == ["passed"]
+    assert sorted((c.feature, c.new, c.held) for c in bundled.changes) == [
+        ("mamba_scan", "chunked", ""), ("moe_dispatch", "jagged", "")]
+    write_defaults(bundled, defaults_file)
+    assert {f: load_defaults(defaults_file).values[f] for f in NEW} == NEW

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import re
+import stat
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 from conftest import DEFAULTS
 from promote_sim import FeatureTruth, Sim, base_lane, moe, simulate
 from ruamel.yaml import YAML
@@ -294,3 +298,56 @@ def test_baseline_is_default_reads_the_lanes_override(policy: Policy, defaults_f
     v.lane_shape = verdict(CUDA_LANE, "cuda").lane_shape
     clause = next(c for c in rule._promote_clauses(v, policy, defaults) if c.__name__ == "current_baseline")()
     assert not clause.passed and "the default is 'padded'" in clause.detail
+
+
+def test_a_lane_promotion_of_a_feature_without_an_entry_keeps_the_registry_value_for_other_lanes(
+        policy: Policy, defaults_file: Path) -> None:
+    # The campaign pinned bucket_cap_mb to 50 MB (the registry's reference is 25): a new entry written with 50 as
+    # its value would move every other lane's baseline to 50, though no verdict promoted it anywhere.
+    reference = LaneConfig().engine.bucket_cap_mb
+    assert reference == 25.0 and "bucket_cap_mb" not in load_defaults(defaults_file).values
+    lane = flat(**{"engine.bucket_cap_mb": 50.0, "engine.workers": 2})
+    v = verdict(lane, "cpu", feature="bucket_cap_mb", value=100.0, baseline=50.0)
+    [change], edits = write(defaults_file, [v], policy, "r1")
+    assert (change.scope, change.old, change.overrides) == ("lane", reference, {v.lane_shape: 100.0})
+    assert change.evidence[0]["previous"] == 50.0  # the lane's own baseline is still recorded as such
+    assert defaults_writer.num_promoted(edits) == 1
+    defaults = load_defaults(defaults_file)
+    assert defaults.values["bucket_cap_mb"] == reference
+    assert defaults.effective(lane)["bucket_cap_mb"] == 100.0  # the promoting lane's shape gets its override
+    assert defaults.effective(flat(**{"engine.workers": 2, "batch.seq_len": 128}))["bucket_cap_mb"] == reference
+    # A global flip of a feature without an entry records the reference as the value it replaced.
+    cuda = flat(**{"hardware.device": "cuda", "precision": "bf16", "engine.workers": 2})
+    pinned = {"feature": "reduce_bucket_size", "value": 10**8, "baseline": 3 * 10**7}
+    flips = [verdict(flat(**{"engine.workers": 2}), "cpu", **pinned), verdict(cuda, "cuda", **pinned)]
+    [change], _ = write(defaults_file, flips, policy, "r2")
+    replaced = LaneConfig().engine.reduce_bucket_size
+    assert change.scope == "global" and change.old == replaced != 3 * 10**7
+    assert {r["replaced"] for r in change.evidence} == {replaced}
+
+
+def test_write_keeps_the_files_mode_and_symlink_and_leaves_no_temporary_file(
+        policy: Policy, defaults_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    result = promote(simulate(Sim(features=[moe(1.05)], **QUIET), 0), policy_path=anywhere(policy),
+                     defaults_path=defaults_file)
+    before = defaults_file.read_text()
+
+    # A failed replace (a busy file, another filesystem) leaves the file as it was and no temporary beside it.
+    def refused(src: object, dst: object) -> None:
+        raise OSError(errno.EBUSY, "Device or resource busy", str(dst))
+
+    monkeypatch.setattr(os, "replace", refused)
+    with pytest.raises(OSError, match="busy"):
+        write_defaults(result, defaults_file)
+    monkeypatch.undo()
+    assert defaults_file.read_text() == before and list(defaults_file.parent.iterdir()) == [defaults_file]
+    # A group-writable file shared through a symlink stays both: the promotion lands in the link's target.
+    shared = defaults_file.parent / "shared" / "defaults.yaml"
+    shared.parent.mkdir()
+    defaults_file.rename(shared)
+    shared.chmod(0o664)
+    defaults_file.symlink_to(shared)
+    assert write_defaults(result, defaults_file)
+    assert defaults_file.is_symlink() and load_defaults(shared).values["moe_dispatch"] == "jagged"
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o664
+    assert sorted(p.name for p in shared.parent.iterdir()) == ["defaults.yaml"]

@@ -14,6 +14,7 @@ from conftest import DEFAULT_POLICY, DEFAULTS, REPO
 from promote_sim import Sim, moe, simulate
 from ruamel.yaml import YAML
 
+from ablate.config.schema import ConfigError
 from ablate.promote import Policy, make_branch, promote, write_defaults
 from ablate.receipts.store import seal
 
@@ -111,3 +112,87 @@ def test_promote_write_branch_counts_values_and_leaves_one_report(repo: Path, tm
     assert reports == sorted(f for f in committed if f.startswith("reports/"))  # the committed copy only
     assert sorted({f.rsplit(".", 1)[1] for f in reports}) == ["json", "md", "png"]  # report + its trade-off plot
     assert git(repo, "status", "--porcelain") == "?? unrelated.txt"
+
+
+@pytest.fixture(scope="module")
+def cli_inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Sealed receipts of a campaign that promotes moe_dispatch=jagged, and a fast policy that lets CPU arms
+    flip it globally."""
+    tmp = tmp_path_factory.mktemp("cli_inputs")
+    receipts = tmp / "receipts.jsonl"
+    receipts.write_text("".join(seal(r).model_dump_json() + "\n" for r in simulate(
+        Sim(features=[moe(1.05)], noise=0.007, aa_per_host=2), 0)))
+    data = YAML(typ="safe").load(DEFAULT_POLICY.read_text())
+    data["bootstrap"].update(resamples=2000, loss_resamples=500)
+    data["scope"]["global_device_classes"] = []
+    policy_file = tmp / "policy.yaml"
+    with policy_file.open("w") as handle:
+        YAML(typ="safe").dump(data, handle)
+    return receipts, policy_file
+
+
+def _promote_cli(repo: Path, cli_inputs: tuple[Path, Path], *args: str) -> subprocess.CompletedProcess[str]:
+    receipts, policy_file = cli_inputs
+    return subprocess.run([sys.executable, "-m", "ablate", "promote", "--source", str(receipts), "--policy",
+                           str(policy_file), *args], cwd=repo, capture_output=True, text=True, timeout=300,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(repo.parent),
+                               "COLUMNS": "200"})
+
+
+@pytest.mark.parametrize("write", [False, True], ids=["branch", "write-branch"])
+def test_a_refused_branch_name_writes_nothing(repo: Path, cli_inputs: tuple[Path, Path], write: bool) -> None:
+    git(repo, "reset", "--quiet")
+    git(repo, "branch", "promote/moe")  # last week's promotion branch
+    for name, allowed in (("promote/moe", "branch 'promote/moe' already exists"),
+                          ("bad..name", "a valid git branch name")):
+        out = _promote_cli(repo, cli_inputs, *(["--write"] if write else []), "--branch", name)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.strip().splitlines()[-1].startswith(f"error: --branch: got {name!r}; allowed: ")
+        assert allowed in out.stderr and "Traceback" not in out.stderr
+        # Nothing written: not the defaults on the branch the user is on, not a report.
+        assert git(repo, "status", "--porcelain") == "?? unrelated.txt"
+        assert git(repo, "branch", "--show-current") == "main"
+
+
+def test_branch_without_write_edits_the_defaults_on_the_new_branch_only(repo: Path,
+                                                                       cli_inputs: tuple[Path, Path]) -> None:
+    git(repo, "reset", "--quiet")
+    out = _promote_cli(repo, cli_inputs, "--branch", "promote/moe")
+    assert out.returncode == 0, out.stderr
+    assert "defaults: 1 value(s) promoted (2 edit(s))" in out.stdout and "on branch promote/moe" in out.stdout
+    assert "value: jagged" in git(repo, "show", "promote/moe:search_spaces/defaults.yaml")
+    assert "value: jagged" not in git(repo, "show", "main:search_spaces/defaults.yaml")
+    assert git(repo, "status", "--porcelain") == "?? unrelated.txt"
+
+
+LOCAL_EDIT = ("    value: sequential    # reference SSD recurrence", "    value: chunked       # trying this locally")
+
+
+def test_local_edits_to_the_defaults_refuse_the_branch(policy: Policy, repo: Path) -> None:
+    defaults = repo / "search_spaces" / "defaults.yaml"
+    assert LOCAL_EDIT[0] in defaults.read_text()
+    edited = defaults.read_text().replace(*LOCAL_EDIT)
+    defaults.write_text(edited)  # a hand edit of another feature, not committed
+    result = promote(simulate(Sim(features=[moe(1.05)], noise=0.007, aa_per_host=2), 0), policy_path=policy,
+                     defaults_path=defaults)
+    with pytest.raises(ConfigError, match="search_spaces/defaults.yaml: it has uncommitted local edits.*commit or "
+                                          "stash them"):
+        make_branch(result, "promote/moe", repo)
+    assert defaults.read_text() == edited  # neither promoted nor reverted
+    assert git(repo, "branch", "--show-current") == "main" and git(repo, "branch", "--list", "promote/moe") == ""
+    git(repo, "stash", "--quiet")  # as the error says: the promotion now commits only its own edit
+    outcome = make_branch(result, "promote/moe", repo)
+    diff = git(repo, "show", outcome.commit, "--", "search_spaces/defaults.yaml")
+    assert "+    value: jagged" in diff and "chunked" not in diff
+
+
+def test_write_branch_with_local_edits_is_refused_before_the_write(repo: Path, cli_inputs: tuple[Path, Path]) -> None:
+    git(repo, "reset", "--quiet")
+    defaults = repo / "search_spaces" / "defaults.yaml"
+    edited = defaults.read_text().replace(*LOCAL_EDIT)
+    defaults.write_text(edited)
+    out = _promote_cli(repo, cli_inputs, "--write", "--branch", "promote/moe")
+    assert out.returncode == 2, out.stderr
+    assert "error: --branch: got 'promote/moe'" in out.stderr and "commit or stash them first" in out.stderr
+    assert defaults.read_text() == edited and git(repo, "branch", "--list", "promote/moe") == ""
+    assert not (repo / "reports").exists()

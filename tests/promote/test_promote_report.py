@@ -106,3 +106,42 @@ def test_every_block_and_arm_is_a_labelled_link_in_json_and_per_block_in_markdow
     assert f"[{labels[row['baseline']]['arm']}]({links[row['baseline']]})" in block
     assert f"[{labels[row['candidate']]['arm']}]({links[row['candidate']]})" in block
     assert f"({row['winner']})" in block
+
+
+def test_diff_and_title_claim_only_the_overrides_that_are_written(policy: Policy, tmp_path) -> None:
+    from promote_sim import base_lane
+
+    from ablate.config.load import load_defaults
+    from ablate.promote import write_defaults
+    from ablate.promote.git_pr import _title
+
+    loud = {"noise": 0.007, "aa_per_host": 2}
+    defaults = tmp_path / "defaults.yaml"
+    defaults.write_text(DEFAULTS.read_text())
+    promoting = simulate(Sim(features=[moe(1.05)], lane=base_lane(), block_prefix="A-", **loud), 0)
+
+    def diff_row(result: PromotionResult) -> str:
+        return next(line for line in result.markdown.split("### Defaults diff")[1].splitlines()
+                    if line.startswith("| `moe_dispatch`"))
+
+    # Two lanes of one shape (feature values are not part of it): one promotes, its sibling holds. No override
+    # can be written (it would make the sibling run a value it did not earn), so nothing may claim one.
+    sibling = simulate(Sim(features=[moe(1.0)], lane=base_lane(**{"features.mamba_scan": "chunked"}),
+                           block_prefix="B-", **loud), 1)
+    held = promote(promoting + sibling, policy_path=policy, defaults_path=defaults)
+    assert sorted(v.verdict for v in held.verdicts) == ["HOLD", "PROMOTE"]
+    [change] = held.changes
+    assert change.scope == "lane" and change.overrides == {}
+    row = diff_row(held)
+    assert "lane override" not in row and "| `padded` | no change (evidence only): " in row
+    assert all(why.replace("'", "") in row.replace("'", "") for why in change.not_global)
+    assert _title(held) == f"promotion report {held.report_id} (no change)"
+    write_defaults(held, defaults)
+    assert "lane_overrides" not in load_defaults(defaults).raw["features"]["moe_dispatch"]
+    # The control: with the holding lane of another shape, the promoting lane's shape gets its override, and
+    # the report and title say so.
+    other_shape = simulate(Sim(features=[moe(1.0)], lane=base_lane(**{"batch.seq_len": 128}), block_prefix="B-",
+                               **loud), 1)
+    alone = promote(promoting + other_shape, policy_path=policy, defaults_path=DEFAULTS)
+    assert "| `padded` | `padded` (lane override: `jagged`) | lane |" in diff_row(alone)
+    assert _title(alone) == "promote: moe_dispatch=jagged (lane) (sim)"

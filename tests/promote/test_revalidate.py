@@ -228,7 +228,49 @@ def test_a_lane_override_is_demoted_by_removing_it(policy: Policy, tmp_path: Pat
     defaults = load_defaults(m.defaults)
     assert defaults.overrides == {}  # the lane runs the global padded again
     assert "lane_overrides" not in defaults.raw["features"]["moe_dispatch"]
-    assert result.changes == [] and "### Demoted" in result.markdown
+    assert "### Demoted" in result.markdown
+    # The defaults diff shows the removal it makes (it used to say "nothing was promoted"): the global value
+    # stays, the lane's override goes.
+    [change] = result.changes
+    assert (change.scope, change.old, change.new) == ("lane", "padded", None)
+    assert change.override_edits == {rec["lane_shape"]: ("jagged", None)}
+    diff = result.markdown.split("### Defaults diff")[1].split("\n### ")[0]
+    assert "nothing was promoted" not in diff and "Rollback" not in diff
+    assert (f"| `moe_dispatch` | `jagged` (lane override on `{rec['lane_shape'][:12]}…`) | `padded` (override "
+            f"removed: the lane runs the global value) | lane |") in diff
+
+
+def test_a_global_demotion_diff_shows_the_restored_value_and_the_override_it_moves(policy: Policy,
+                                                                                 tmp_path: Path) -> None:
+    # The promoting lane ran an override (grouped_mm) while the global value was padded: a demotion restores the
+    # global padded (``replaced``) and puts the lane's override back on grouped_mm (``previous``). The diff said
+    # the global value became grouped_mm, a value the file never gets.
+    m = mark_jagged(tmp_path, policy)
+    yaml = YAML()
+    doc = yaml.load(m.defaults.read_text())
+    entry = doc["features"]["moe_dispatch"]
+    rec = entry["evidence"][0]
+    rec["previous"] = "grouped_mm"
+    assert (rec["replaced"], entry["value"]) == ("padded", "jagged")
+    entry["lane_overrides"] = [{"lane_shape": rec["lane_shape"], "value": "jagged", "previous": "grouped_mm",
+                                "report": rec["report"], "date": rec["date"]}]
+    with m.defaults.open("w") as handle:
+        yaml.dump(doc, handle)
+    result = retest(m, policy, tmp_path, retest_sim(m, FeatureTruth("moe_dispatch", "jagged", "grouped_mm", 0.95)))
+    assert [(o.outcome, o.scope) for o in result.revalidations] == [(DEMOTED, "global")]
+    defaults = load_defaults(m.defaults)
+    assert defaults.values["moe_dispatch"] == "padded"
+    assert defaults.for_shape(rec["lane_shape"])["moe_dispatch"] == "grouped_mm"
+    [change] = result.changes
+    assert (change.scope, change.old, change.new) == ("global", "jagged", "padded")
+    assert change.override_edits == {rec["lane_shape"]: ("jagged", "grouped_mm")}
+    md = result.markdown
+    diff = md.split("### Defaults diff")[1].split("\n### ")[0]
+    assert "| `moe_dispatch` | `jagged` | `padded` | global |" in diff
+    assert f"| `moe_dispatch` | `jagged` (lane override on `{rec['lane_shape'][:12]}…`) | `grouped_mm` (lane " \
+           f"override) | lane |" in diff
+    assert "`grouped_mm` | global" not in diff
+    assert "| `moe_dispatch` | `jagged` → `padded` | global |" in md.split("### Demoted")[1]
 
 
 # --- (d) bad input ---

@@ -10,6 +10,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 import pytest
@@ -152,6 +153,18 @@ def test_a_zip_bomb_payload_is_refused_without_inflating_it(monkeypatch: pytest.
         payload.payload_json({**bomb, payload.COUNT_TAG: str(int(bomb[payload.COUNT_TAG]) + 1)})
     assert payload.payload_json({"ablate.receipt_id": "x"}) is None
     assert sum(map(len, bomb.values())) < 20_000, "a few KB of tags that would inflate to 4 MB"
+
+
+def test_a_download_error_becomes_a_reason_without_the_tracking_uris_password(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # MLflow's error quotes the URI it called; the reason goes to stderr and into the report (PR body, JSON).
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    run = SimpleNamespace(info=SimpleNamespace(run_id="r1", artifact_uri="mlflow-artifacts:/1/r1/artifacts"),
+                          data=SimpleNamespace(tags={"ablate.logged": "1"}))  # no payload: read receipt.json
+    [outcome] = bulk_read.read_arm_runs([run], "http://alice:s3cr3tPW@127.0.0.1:9")
+    assert outcome.receipt is None and outcome.reason is not None
+    assert "http://<redacted>@127.0.0.1:9" in outcome.reason and "s3cr3tPW" not in outcome.reason
 
 
 @pytest.fixture(scope="module")
