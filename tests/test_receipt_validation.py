@@ -172,3 +172,58 @@ def test_only_the_declared_violation_waives_only_the_unattributed_limit(
     with pytest.raises(InvalidReceipt) as info:
         validate_receipt(data)
     assert fragment in str(info.value), str(info.value)
+
+
+def _recompile_in_steady_state(data: dict[str, Any]) -> None:
+    """Budget step 3 compiled again after warmup: its label becomes ``recompile`` and every figure is re-derived
+    from the records, as an honest trainer would write them, except the disqualifier and its counter."""
+    from ablate.receipts import derive
+
+    st, badput = data["steps"], data["time"]["badput_s"]
+    st["compile_events"][4] = 1
+    st["labels"] = derive.classify(st["phases"], st["compile_events"], st["sampled"],
+                                   data["observed"]["compile"]["warmup_resolved"])
+    steps = [derive.Step(phase=p, label=lb, step_s=s, data_s=x, cadence_s=c, tokens=t, phase_s=ph)
+             for p, lb, s, x, c, t, ph in zip(st["phases"], st["labels"], st["step_s"], st["data_s"],
+                                              st["cadence_s"], st["tokens"], st["phase_s"])]
+    parts = derive.loop_parts(steps, st["data_is_badput"])
+    moved = (data["time"]["goodput_s"] - parts.goodput_s) + (badput["sampling"] - parts.sampling_s)
+    data["time"]["goodput_s"] = parts.goodput_s
+    badput.update(recompile=parts.recompile_s, sampling=parts.sampling_s, compile_warmup=parts.compile_warmup_s,
+                  idle=parts.idle_s)
+    badput["unattributed"] += moved - parts.recompile_s
+    data["time"]["goodput_fraction"] = parts.goodput_s / data["time"]["wall_s"]
+    steady = [s for s in steps if s.label == "steady"]
+    st["steady"] = len(steady)
+    st.update(derive.step_statistics([s.step_s for s in steady]))
+    data["throughput"]["steady_tokens_per_s"] = sum(s.tokens for s in steady) / sum(s.step_s for s in steady)
+    data["projection"] = derive.project(badput["setup"], steps, data["projection"]["horizon_steps"],
+                                        data["requested"]["tokens_per_step"]).to_dict()
+
+
+def test_a_valid_receipt_whose_records_show_a_disqualifier_is_refused(good: dict[str, Any]) -> None:
+    """The codes and counters are the trainer's word, the per-step records the measurement (measurement review):
+    a 'valid' arm with a steady-state recompile in its records, or a steady window below the lane's
+    min_steady_steps, paired into blocks as evidence."""
+    recompiled = copy.deepcopy(good)
+    _recompile_in_steady_state(recompiled)
+    with pytest.raises(InvalidReceipt, match="recompiles_in_steady_state is 0"):
+        validate_receipt(recompiled)
+    recompiled["observed"]["compile"]["recompiles_in_steady_state"] = None  # no compile counters on this host
+    with pytest.raises(InvalidReceipt, match="a valid arm's steps carry 1 compile event"):
+        validate_receipt(recompiled)
+    # The same records with the trainer's own disqualifier and counter validate, as a disqualified arm.
+    honest = copy.deepcopy(recompiled)
+    honest["observed"]["compile"]["recompiles_in_steady_state"] = 1
+    honest["identity"]["status"] = "disqualified"
+    honest["disqualifiers"] = [{"code": "RECOMPILE_IN_STEADY_STATE", "severity": "fatal", "detail": "1 event"}]
+    assert validate_receipt(honest).identity.status.value == "disqualified"
+    counted_wrong = copy.deepcopy(honest)
+    counted_wrong["observed"]["compile"]["recompiles_in_steady_state"] = 0
+    with pytest.raises(InvalidReceipt, match="recompiles_in_steady_state is 0"):
+        validate_receipt(counted_wrong)
+    with pytest.raises(InvalidReceipt, match="steady step"):
+        make_receipt(receipt_id="r2", sweep_id="s1", block_id="b1", arm="candidate", arm_index=1, order=0,
+                     feature="moe_dispatch", feature_value="jagged", baseline_value="padded",
+                     lane=base_lane(**{"features.moe_dispatch": "jagged"}), host="node-0", tps=5000.0, loss=5.0,
+                     created_at=T0, steps=2)

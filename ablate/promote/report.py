@@ -421,12 +421,15 @@ def _summary(result: PromotionResult) -> list[str]:
 
 
 def sprt_line(seq: dict[str, Any], width: int = 12) -> str:
-    """One line: the LLR trace (last ``width`` looks) against its bounds, and the stop reason."""
-    trace = [x for x in seq["llr_trace"] if x is not None]
-    shown = ", ".join(f"{x:.2f}" for x in trace[-width:]) or "none yet"
-    cut = "…, " if len(trace) > width else ""
-    return (f"LLR [{cut}{shown}] against bounds ({seq['lower']:.2f}, {seq['upper']:.2f}) over "
-            f"{seq['blocks']} of {seq['blocks_seen']} block(s); {seq['decision']}: {seq['stop_reason']}")
+    """One line: each LLR trace (last ``width`` looks) against its own bound, and the stop reason. The promotion
+    test's trace alone, against both bounds, showed an undecided test far below the lower bound (review)."""
+    def shown(key: str) -> str:
+        trace = [x for x in seq.get(key) or [] if x is not None]
+        return ("…, " if len(trace) > width else "") + (", ".join(f"{x:.2f}" for x in trace[-width:]) or "none yet")
+
+    return (f"LLR promotion test [{shown('llr_trace')}] against {seq['upper']:.2f}, rejection test "
+            f"[{shown('llr_lower_trace')}] against {seq['lower']:.2f}, over {seq['blocks']} of "
+            f"{seq['blocks_seen']} block(s); {seq['decision']}: {seq['stop_reason']}")
 
 
 def _sequential(result: PromotionResult) -> list[str]:

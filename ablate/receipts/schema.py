@@ -507,6 +507,7 @@ def derived_figure_errors(receipt: "Receipt") -> list[str]:
     if st.total != len(steps) or st.steady != len(steady):
         errors.append(f"steps.total/steady ({st.total}/{st.steady}) do not match the per-step records "
                       f"({len(steps)}/{len(steady)})")
+    errors += _disqualifying_facts(receipt, len(steady))
     setup = time.badput_s.get("setup", 0.0)
     stated = receipt.requested.lane.get("budget.horizon_steps", 0)
     try:
@@ -533,6 +534,29 @@ def derived_figure_errors(receipt: "Receipt") -> list[str]:
         problem = _mismatch(f"projection.{name}", getattr(stored, name), getattr(proj, name))
         if problem:
             errors.append(problem)
+    return errors
+
+
+def _disqualifying_facts(receipt: "Receipt", steady: int) -> list[str]:
+    """What the per-step records show that the trainer disqualifies for, on a receipt that says otherwise: the
+    codes and counters are the trainer's word, the records are the measurement (found in review: a valid receipt
+    with a 2-step steady window, or a steady-state recompile and a counter of 0, paired into blocks)."""
+    errors = []
+    recompile_events = sum(events for events, label in zip(receipt.steps.compile_events, receipt.steps.labels)
+                           if label == "recompile")
+    stated = receipt.observed.compile.recompiles_in_steady_state
+    if stated is not None and stated != recompile_events:
+        errors.append(f"observed.compile.recompiles_in_steady_state is {stated} but the steps labelled recompile "
+                      f"carry {recompile_events} compile event(s)")
+    if receipt.identity.status is not Status.valid:
+        return errors
+    if recompile_events:
+        errors.append(f"a valid arm's steps carry {recompile_events} compile event(s) after warmup (labelled "
+                      f"recompile): {Code.RECOMPILE_IN_STEADY_STATE.value} disqualifies it")
+    least = receipt.requested.lane.get("budget.min_steady_steps")
+    if isinstance(least, int) and not isinstance(least, bool) and steady < least:
+        errors.append(f"a valid arm has {steady} steady step(s) < budget.min_steady_steps ({least}): "
+                      f"{Code.INSUFFICIENT_STEADY_STEPS.value} disqualifies it")
     return errors
 
 

@@ -134,7 +134,12 @@ def test_report_shows_the_trace_its_bounds_and_the_stop_reason(seq_policy: Polic
     md = result.markdown
     assert "### Sequential test (SPRT)" in md
     line = next(x for x in md.splitlines() if x.startswith("- `moe_dispatch`→`jagged`"))
-    assert f"against bounds ({v.sequential['lower']:.2f}, {v.sequential['upper']:.2f})" in line
+    line = line.replace("\\[", "[").replace("\\]", "]")  # Markdown-escaped brackets, as rendered
+    # Each trace against its own bound: the promotion test's alone, shown against both, looked decided when it sat
+    # far below the lower bound while the rejection test had not crossed (review).
+    assert f"] against {v.sequential['upper']:.2f}, rejection test [" in line
+    assert f"] against {v.sequential['lower']:.2f}, over" in line
+    assert f"{v.sequential['llr_lower_trace'][-1]:.2f}]" in line
     assert "upper bound crossed at block" in line and f"{v.sequential['llr_trace'][-1]:.2f}" in line
     data = json.loads(result.to_json())["verdicts"][0]["sequential"]
     assert data["decision"] == UPPER and len(data["llr_trace"]) == data["blocks"] and data["stop_reason"]
