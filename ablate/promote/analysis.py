@@ -177,6 +177,8 @@ class FeatureVerdict:
     rounds_after_stop: list[RoundRow] = field(default_factory=list)
     """Rounds whose blocks all came in after the sequential test stopped: only the confirming round a suspicious
     win needs reads them (promotion-rule.md §5.5.8: it comes after the decision by design)."""
+    stop_unmatched: Optional[str] = None
+    """Why the blocks up to the sequential test's stop do not reproduce that stop (the test holds)."""
     not_looked_at: list[str] = field(default_factory=list)
     """Blocks that came in after the sequential test stopped (or past its cap): the verdict is judged on the blocks
     up to the stop, as it stopped (``ablate.promote.engine``)."""

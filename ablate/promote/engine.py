@@ -40,6 +40,7 @@ from ablate.promote.match import BUNDLE, Block, match_blocks
 from ablate.promote.policy import Policy, load_policy
 from ablate.promote.report import LaneSummary, PromotionResult
 from ablate.promote.rule import apply_holm, decide_all, sprt_of
+from ablate.promote.sequential import LOWER, UPPER
 from ablate.receipts.rejection import UnreadArm, from_identity, from_left_out, unread_arms
 from ablate.receipts.schema import InvalidReceipt, Receipt, utc_moment, validate_receipt
 
@@ -200,36 +201,47 @@ def _left_out_arms(left_out: Iterable[Receipt], blocks: list[Block]) -> list[Unr
     return arms
 
 
+_SAFETY_FACTS = ("failures", "fisher_p", "failure_hosts", "gated_disqualifiers", "gated_arms", "counter_violations")
+"""What a verdict judged as it stopped still takes from every block: bad news about the feature (a crash, a gated
+code on any attempt, a counter above its baseline) is never ignored (found in review: six candidate crashes in a
+later round, and a retried block's gated first attempt, were dropped with the blocks and the test promoted)."""
+
+
 def _as_stopped(test: TestEvidence, v: FeatureVerdict, policy: Policy, blocks: list[Block],
-                calibrations: Mapping[str, Calibration], flags: dict[str, str], curves: bool,
-                family: int) -> FeatureVerdict:
-    """``v`` measured again on the blocks its sequential test looked at, when that test stopped (or reached its cap)
-    before blocks that came in later: a decided test is judged as it stopped. Measured on every block, the
-    fixed-sample clauses (hosts, rounds, win fraction, loss bounds) were judged again with each later block until
-    they passed (found in review: a HOLD for "2 hosts < 3" at a rejection became a REJECT once blocks of a third
-    host came in, blocks that showed a 10% win and that the test never looked at). A later block whose candidate
-    carries a gated code is kept: a disqualifier is never ignored."""
+                calibration: Calibration, flags: dict[str, str], curves: bool, family: int) -> FeatureVerdict:
+    """``v`` measured again on the blocks its sequential test looked at, when it crossed a bound before blocks that
+    came in later: a decided test is judged as it stopped. Measured on every block, the fixed-sample clauses
+    (hosts, rounds, win fraction, loss bounds) were judged again with each later block until they passed (found in
+    review: a HOLD for "2 hosts < 3" at a rejection became a REJECT once blocks of a third host came in, blocks
+    that showed a 10% win and that the test never looked at).
+
+    Only the blocks change: the calibrations are the ones the SPRT itself judged the stop with (today's and every
+    earlier one), or the clauses would read another lane than the stop did (a lane calibrated only by later A/A
+    blocks held a rejection for good). A cap is not measured again: it holds whatever the blocks, and cut at its
+    last round the test would no longer be capped. The failure and gate facts stay those of every block
+    (``_SAFETY_FACTS``). If the SPRT on the blocks kept does not stop where it stopped on all of them, the test
+    holds and says so (``stop_unmatched``)."""
     if v.kind != "speed" or v.work is None or not v.n_blocks:
         return v
     state = sprt_of(v, policy, family)
-    if not state.decided or state.last_looked is None:
+    if state.decision not in (UPPER, LOWER) or state.last_looked is None:
         return v
     until = str(np.sort(v.work.created_at.astype(str), kind="stable")[state.last_looked])
-    looked = [b for b in test.blocks if str(b.created_at) <= until or b.candidate.gated_codes]
+    looked = [b for b in test.blocks if str(b.created_at) <= until]
     if len(looked) == len(test.blocks):
         return v
-    # The calibration too, from the A/A blocks beside the sweeps it looked at: a later round's A/A blocks moved
-    # epsilon and turned a quality HOLD at the stop into a PROMOTE on the same blocks (found in review).
-    sweeps = {b.round_id for b in looked}
-    then = [cal for sweep, cal in test.calibration_then if sweep in sweeps]
-    calibration = then[-1] if then else (test.calibration or calibrations[test.lane_key])
-    stopped = dataclasses.replace(test, blocks=looked, rounds=rounds_of_test(looked, policy, sweep_windows(blocks)),
-                                  calibration=calibration, calibration_then=[
-                                      (sweep, cal) for sweep, cal in test.calibration_then if sweep in sweeps])
+    stopped = dataclasses.replace(test, blocks=looked, rounds=rounds_of_test(looked, policy, sweep_windows(blocks)))
     judged = analyse(stopped, calibration, policy, flags, curve=curves)
+    for name in _SAFETY_FACTS:
+        setattr(judged, name, getattr(v, name))
     kept = {id(b) for b in looked}
     judged.not_looked_at = [b.block_id for b in test.blocks if id(b) not in kept]
     judged.rounds_after_stop = [r for r in v.rounds if r.round_id not in {j.round_id for j in judged.rounds}]
+    again = sprt_of(judged, policy, family) if judged.work is not None and judged.n_blocks else None
+    if again is None or (again.decision, again.blocks) != (state.decision, state.blocks):
+        judged.stop_unmatched = (f"the sequential test stopped ({state.decision}) at block {state.blocks} on every "
+                                 f"block, but {again.decision if again else 'nowhere'} at block "
+                                 f"{again.blocks if again else 0} on the {len(looked)} block(s) up to that stop")
     return judged
 
 
@@ -264,8 +276,8 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
                         min_share=ANALYSE_MIN_SHARE)
     if policy.sequential.enabled:
         family = apply_holm(measured, policy)  # the family the SPRT's upper bound is split over, as decide_all's
-        measured = [_as_stopped(test, v, policy, blocks, calibrations, flags, curves, family)
-                    for test, v in zip(tests, measured)]
+        measured = [_as_stopped(test, v, policy, blocks, test.calibration or calibrations[test.lane_key], flags,
+                                curves, family) for test, v in zip(tests, measured)]
     family = decide_all(measured, policy, defaults)  # the Defaults: rule reads each lane's own default
     for v in measured:
         if v.not_looked_at:

@@ -465,6 +465,11 @@ def decide(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, Any], num_t
                     f"on (its *_sequential twin)")
         v.clauses.append(Clause("judged_by_its_stopping_rule", False, v.reason))
         return v
+    if v.stop_unmatched:
+        v.verdict = HOLD
+        v.reason = f"not judged: {v.stop_unmatched}"
+        v.clauses.append(Clause("judged_as_it_stopped", False, v.stop_unmatched))
+        return v
     sprt = None
     if policy.sequential.enabled and v.work is not None and v.n_blocks:
         sprt = sprt_of(v, policy, num_tests)

@@ -727,6 +727,25 @@ def _found_in_fallback(campaign: str, sweep_id: str, known: set[str], recorder: 
     return found
 
 
+def sweep_arms(campaign_dir: Path, sweep_id: str,
+               known: Callable[[str], bool]) -> tuple[list[ArmOutline], list[Receipt]]:
+    """(outlines of every receipt of the sweep on disk, the receipts among them ``known`` does not know): the files
+    are the truth at a sweep's end, held as outlines (2,000 whole receipts were ~130 MB of the driver); only those
+    the store neither logged nor spooled stay whole, for the catch-up that writes them. A receipt whose copies
+    differ is refused by the scan after its first copy was seen: it is caught up nowhere (found in review: that
+    copy was logged to MLflow, where promotion would read it)."""
+    unlogged: list[Receipt] = []
+
+    def keep(receipt: Receipt) -> ArmOutline:
+        if receipt.identity.sweep_id == sweep_id and not known(receipt.identity.receipt_id):
+            unlogged.append(receipt)
+        return outline(receipt)
+
+    kept = scan_receipts([campaign_dir], keep)[0]
+    return ([arm for arm in kept.values() if arm.sweep_id == sweep_id],
+            [r for r in unlogged if r.identity.receipt_id in kept])
+
+
 def _catch_up(store: MlflowStore, on_disk: list[Receipt]) -> int:
     """Log (or spool) this sweep's receipts on disk that the store has neither logged nor spooled: arms that wrote
     their receipt while the driver was no longer listening (Ctrl+C). Returns how many."""
@@ -904,16 +923,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
             errors = {block: "its trial errored (Ray Tune's results could not be read back)"
                       for block, entry in recorder.timeline.items() if "trial_errored_at" in entry}
         mine = recorder.received
-        # Every receipt of this sweep on disk (the files are the truth), held as outlines: only those the store
-        # neither logged nor spooled are kept whole, for the catch-up that writes them.
-        unlogged: list[Receipt] = []
-
-        def keep(receipt: Receipt) -> ArmOutline:
-            if receipt.identity.sweep_id == sweep_id and not store.has(receipt.identity.receipt_id):
-                unlogged.append(receipt)
-            return outline(receipt)
-
-        arms = [arm for arm in scan_receipts([layout.local_dir], keep)[0].values() if arm.sweep_id == sweep_id]
+        arms, unlogged = sweep_arms(layout.local_dir, sweep_id, store.has)
         seen = {arm.receipt_id for arm in arms}
         elsewhere = [r for r in recorder.off_campaign if r.identity.receipt_id not in seen]  # in a fallback dir
         seen |= {r.identity.receipt_id for r in elsewhere}
