@@ -26,6 +26,8 @@ Figures:
 - ``hooks_s``: driver time inside the recorder's and the progress display's Tune hooks;
 - ``timed.close_*``: parts of ``mlflow_close_sweep`` (``close_settle_blocks`` also counts the one in
   ``open_sweep``); ``timed.end_*``: the sweep's end outside it (every receipt on disk read back, the catch-up);
+  each ``timed`` entry's ``rss_mb_around_last``: the driver's RSS before and after its latest call (the end's read
+  of every receipt is one call: what it holds shows there);
 - ``rss_mb``: the driver's resident memory sampled every second (peak, and at each tenth of the blocks done);
 - ``threads``: the driver process's OS threads (psutil ``num_threads``: Python's, Ray's and gRPC's), sampled with
   the RSS (peak and last), and Python's ``threading.active_count()`` at the end;
@@ -97,6 +99,12 @@ def campaign(directory: Path, num_blocks: int) -> Path:
     return _write(directory, data)
 
 
+def _rss_mb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2 ** 20
+
+
 class _Timed:
     """Wraps methods of a class to add up their calls' durations (thread-safe enough: one writer per method)."""
 
@@ -105,18 +113,21 @@ class _Timed:
         self.cpu_seconds: dict[str, list[float]] = {}
         """The calling thread's own CPU time per call (``time.thread_time``): what the call cost, not its wait."""
         self._saved: list[tuple[Any, str, Callable[..., Any]]] = []
+        self.rss_mb: dict[str, tuple[float, float]] = {}
+        """The driver's RSS (MB) before and after the latest call: what the sweep's end holds (one call each)."""
 
     def wrap(self, cls: Any, name: str, label: str) -> None:
         original = getattr(cls, name)
         samples, cpu = self.seconds.setdefault(label, []), self.cpu_seconds.setdefault(label, [])
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start, start_cpu = time.perf_counter(), time.thread_time()
+            start, start_cpu, rss = time.perf_counter(), time.thread_time(), _rss_mb()
             try:
                 return original(*args, **kwargs)
             finally:
                 samples.append(time.perf_counter() - start)
                 cpu.append(time.thread_time() - start_cpu)
+                self.rss_mb[label] = (rss, _rss_mb())
 
         self._saved.append((cls, name, original))
         setattr(cls, name, timed)
@@ -128,6 +139,7 @@ class _Timed:
     def summary(self) -> dict[str, dict[str, float]]:
         return {label: {"calls": len(s), "total_s": round(sum(s), 3),
                         "cpu_total_s": round(sum(self.cpu_seconds[label]), 3),
+                        "rss_mb_around_last": [round(x, 1) for x in self.rss_mb.get(label, ())],
                         "mean_ms": round(1000 * statistics.fmean(s), 3) if s else 0.0,
                         "median_ms": round(1000 * statistics.median(s), 3) if s else 0.0,
                         "max_ms": round(1000 * max(s), 3) if s else 0.0}
@@ -249,8 +261,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     timed.wrap(MlflowStore, "open_sweep", "mlflow_open_sweep")
     timed.wrap(MlflowStore, "close_sweep", "mlflow_close_sweep")
     timed.wrap(sweep_run._Recorder, "flush", "recorder_flush")
-    # What the sweep's end costs besides close_sweep: every receipt on disk read back and validated, the catch-up.
-    timed.wrap(sweep_run, "gather", "end_gather_receipts")
+    # What the sweep's end costs besides close_sweep: every receipt on disk read back and validated (as outlines
+    # since 2026-11-24g; ``gather``, whole receipts, before), the catch-up.
+    timed.wrap(sweep_run, "scan_receipts" if hasattr(sweep_run, "scan_receipts") else "gather", "end_gather_receipts")
     timed.wrap(sweep_run, "_catch_up", "end_catch_up")
     # close_sweep's parts (module functions, looked up by name when called).
     timed.wrap(mlflow_store, "settle_blocks", "close_settle_blocks")
