@@ -287,10 +287,17 @@ def _amdahl(test: TestEvidence, steady_speedup: Optional[float]) -> dict[str, An
             "note": f"the most a feature touching only {family} blocks can gain per step here"}
 
 
-def break_even(one_time_delta_s: Optional[float], step_saving_s: Optional[float]) -> dict[str, Any]:
-    """When the candidate's projected time drops below the baseline's: one_c + H r_c < one_b + H r_b.
+def _intercept(arm: Any) -> float:
+    """``project_time``'s constant term: one + (H - w) r = (one - w r) + H r, for H at least the w warm steps."""
+    return float(arm.one_time_s) - arm.warm_budget_steps * float(arm.recurring_step_s)
 
-    ``one_time_delta_s`` = one_c - one_b (seconds), ``step_saving_s`` = r_b - r_c (seconds per step).
+
+def break_even(one_time_delta_s: Optional[float], step_saving_s: Optional[float]) -> dict[str, Any]:
+    """When the candidate's projected time drops below the baseline's: a_c + H r_c < a_b + H r_b, where a is the
+    projection's intercept, one-time cost less the warm budget steps' share (``project_time``: one + (H - w) r).
+
+    ``one_time_delta_s`` = a_c - a_b (seconds; the one-time delta when neither arm has warm budget steps),
+    ``step_saving_s`` = r_b - r_c (seconds per step).
     """
     if one_time_delta_s is None or step_saving_s is None:
         return {"kind": "unknown", "steps": None, "text": "unknown (no paired one-time and step times)"}
@@ -471,9 +478,13 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
         one_theta = bootstrap_hl(one, None, policy.bootstrap.loss_resamples, rng)
         verdict.one_time_delta_s = hodges_lehmann(one)
         verdict.one_time_ci95 = (quantile(one_theta, 0.025), quantile(one_theta, 0.975))
-        savings = np.asarray([b.baseline.recurring_step_s - b.candidate.recurring_step_s for _, b in deltas
-                              if b.baseline.recurring_step_s and b.candidate.recurring_step_s], dtype=float)
-        verdict.break_even = break_even(verdict.one_time_delta_s,
+        paired = [b for _, b in deltas if b.baseline.recurring_step_s and b.candidate.recurring_step_s]
+        savings = np.asarray([b.baseline.recurring_step_s - b.candidate.recurring_step_s for b in paired],
+                             dtype=float)
+        # The projection's intercepts, not the one-time costs: an arm that skipped warmup projects its warm budget
+        # steps inside one_time, and the break-even read off one_time alone was off by those steps (review).
+        intercepts = np.asarray([_intercept(b.candidate) - _intercept(b.baseline) for b in paired], dtype=float)
+        verdict.break_even = break_even(hodges_lehmann(intercepts) if intercepts.size else None,
                                         hodges_lehmann(savings) if savings.size else None)
     else:
         verdict.break_even = break_even(None, None)

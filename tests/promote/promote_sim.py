@@ -67,7 +67,7 @@ def make_receipt(*, receipt_id: str, sweep_id: str, block_id: str, arm: str, arm
                  setup_s: float = 0.05, one_time_extra_s: float = 0.0, steps: int = 8, step_jitter: float = 0.0,
                  seed: int = 0, backends: Optional[list[dict[str, str]]] = None,
                  engine: Optional[dict[str, Any]] = None, model: Optional[dict[str, Any]] = None,
-                 contended: bool = False, device: str = "cpu") -> Receipt:
+                 contended: bool = False, device: str = "cpu", warmup: str = "explicit") -> Receipt:
     """One fully valid receipt: ``tps`` is the arm's steady tokens/s (its recurring step = tokens_per_step / tps);
     ``startup_s`` is executor start-up (never compared), ``one_time_extra_s`` extra feature setup cost."""
     rng = np.random.default_rng(seed)
@@ -75,7 +75,8 @@ def make_receipt(*, receipt_id: str, sweep_id: str, block_id: str, arm: str, arm
     lane.setdefault("budget.horizon_steps", 10_000)
     failed = status == "failed"
     recurring = tokens_per_step / tps if tps else 0.01
-    phases = ["warmup"] + ["budget"] * (0 if failed and tps is None else steps)
+    # ``warmup: skip``: no warmup phase; the first budget step compiles (a warm budget step of the projection).
+    phases = ["budget" if warmup == "skip" else "warmup"] + ["budget"] * (0 if failed and tps is None else steps)
     cadence = [recurring * 3.0] + [recurring * math.exp(rng.normal(0, step_jitter)) if step_jitter else recurring
                                    for _ in phases[1:]]
     # Real step timings never repeat across arms; identical series are refused as a replayed measurement. A few
@@ -86,10 +87,10 @@ def make_receipt(*, receipt_id: str, sweep_id: str, block_id: str, arm: str, arm
     if len(phases) > 3:
         sampled[-1] = True
     events = [1] + [0] * (len(phases) - 1)
-    labels = derive.classify(phases, events, sampled, "explicit")
+    labels = derive.classify(phases, events, sampled, warmup)
     step_s = [c * 0.95 for c in cadence]
     data_s = [c * 0.01 for c in cadence]
-    tokens = [0 if ph == "warmup" else tokens_per_step for ph in phases]
+    tokens = [0 if ph == "warmup" else tokens_per_step for ph in phases]  # a skipped warmup's step trains
     steps_v = [derive.Step(phase=ph, label=lb, step_s=st, data_s=d, cadence_s=c, tokens=t)
                for ph, lb, st, d, c, t in zip(phases, labels, step_s, data_s, cadence, tokens)]
     parts = derive.loop_parts(steps_v, data_is_badput=True)
@@ -129,7 +130,7 @@ def make_receipt(*, receipt_id: str, sweep_id: str, block_id: str, arm: str, arm
             "hardware": {"kind": device, "cpu_model": "sim"}, "backends": backends if backends is not None else
             sim_backends,
             "compile": {"posture_requested": "eager", "posture_observed": str(lane.get("compile.posture", "eager")),
-                        "warmup_requested": "auto", "warmup_resolved": "explicit", "warmup_reason": "cpu",
+                        "warmup_requested": "auto", "warmup_resolved": warmup, "warmup_reason": "cpu",
                         "graph_breaks": graph_breaks, "recompiles_in_steady_state": 0},
             "tokens_per_step": tokens_per_step, "engine": engine or {"name": "ddp"},
             "model": model if model is not None else sim_model,

@@ -7,6 +7,7 @@ The simulated arms split their time exactly as real receipts do (``ablate.receip
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -206,3 +207,31 @@ def test_energy_per_token_is_reported_beside_the_speed_up_and_never_decides(poli
     assert (v.verdict, v.speedup) == (plain.verdict, plain.speedup), "energy never changes a verdict"
     assert "0.800× (" in render_markdown(result) and "energy/token" in render_markdown(result)
     assert plain.energy["ratio"] is None and "no arm measured energy" in plain.energy["why"]
+
+
+def test_break_even_is_where_the_projected_times_cross_when_an_arm_skips_warmup(single_node_policy: Policy) -> None:
+    """A candidate that skips warmup projects its compiling first budget step inside its one-time cost, and its
+    horizon counts that step (``project_time``: one + (H - w) r). The break-even read off the one-time costs
+    alone was off by those steps (measurement review); it is where the two projections cross."""
+    from ablate.receipts.derive import project_time
+
+    receipts = []
+    for block in range(8):
+        for cand in (False, True):
+            lane = base_lane(**{"features.moe_dispatch": "jagged" if cand else "padded"})
+            receipts.append(make_receipt(
+                receipt_id=f"r-{block}-{int(cand)}", sweep_id="s1", block_id=f"b{block}",
+                arm="candidate" if cand else "baseline", arm_index=int(cand), order=int(cand) ^ (block % 2),
+                feature="moe_dispatch", feature_value="jagged" if cand else "padded", baseline_value="padded", lane=lane,
+                host=f"node-{block % 3}", tps=5500.0 if cand else 5000.0, loss=5.0, one_time_extra_s=12.0 if cand else 0,
+                created_at=T0 + timedelta(minutes=block), device="cuda", warmup="skip" if cand else "explicit"))
+    v = verdict_of(run(receipts, single_node_policy))
+    steps = v.break_even["steps"]
+    assert v.break_even["kind"] == "after"
+    base, cand = (next(r for r in receipts if r.identity.arm_index == i).projection for i in (0, 1))
+    assert cand.warm_budget_steps == 1 and base.warm_budget_steps == 0
+    cross = (project_time(cand.one_time_s, cand.recurring_step_s, 1, math.ceil(steps)),
+             project_time(base.one_time_s, base.recurring_step_s, 0, math.ceil(steps)))
+    before = (project_time(cand.one_time_s, cand.recurring_step_s, 1, math.floor(steps) - 1),
+              project_time(base.one_time_s, base.recurring_step_s, 0, math.floor(steps) - 1))
+    assert cross[0] <= cross[1] and before[0] > before[1], (steps, cross, before)
