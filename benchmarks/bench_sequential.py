@@ -167,8 +167,9 @@ def sequential_verdict(c: Campaign, policy: Policy, rng: np.random.Generator) ->
             n = state.blocks
             d, hosts, rounds = c.d[keep][:n], c.hosts[keep][:n], c.rounds[keep][:n]
             calibrated = num_aa >= policy.threshold.min_aa_blocks
-            small = (state.variance.get("mean", 0.0) + state.variance.get("mean_sd", 0.0)
-                     <= math.log1p(policy.threshold.min_effect))  # as the rule's sprt_lower clause
+            # As the rule's sprt_lower clause: the estimate raised by the A/A bias bound the crossing used.
+            small = (state.variance.get("mean", 0.0) + (state.variance.get("bias") or 0.0)
+                     + state.variance.get("mean_sd", 0.0) <= math.log1p(policy.threshold.min_effect))
             if state.decision == LOWER and calibrated and small:
                 return REJECT, n
             if state.decision == UPPER and calibrated and consistent(d, hosts, rounds, policy, rng):
@@ -278,8 +279,9 @@ def main() -> None:
     record = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "git": _git(),
               "code_sha256": _code_digest(),
               "design": "SPRT upper/lower tests with the A/A bias bound moved against/for the candidate; "
-                        "variance of the mean = max(iid with A/A floor, host-clustered CR1); REJECT needs the "
-                        "lower crossing and mean + 1 SE <= log(1 + min_effect)",
+                        "variance of the mean = max(iid with A/A floor, host-clustered CR1); no crossing before the "
+                        "blocks span evidence.min_hosts hosts; REJECT needs the lower crossing and mean + A/A bias "
+                        "bound + 1 SE <= log(1 + min_effect) (since 2026-11-24g; before: without the bias bound)",
               "python": platform.python_version(), "cpu_count": threads,
               "threads": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")},
               "load_avg": load, "elapsed_s": round(elapsed, 1),
