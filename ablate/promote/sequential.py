@@ -165,8 +165,9 @@ def llr(d: np.ndarray, hosts: np.ndarray, bounds: SprtBounds, var_floor: float =
     for shift in (bounds.bias, -bounds.bias):
         centre = float(d.mean()) - shift - (bounds.theta0 + bounds.theta1) / 2.0
         values.append(_clip(gap * centre / v) if v > 0 else math.copysign(LLR_CLIP, centre))
-    facts = {"mean": float(d.mean()), "bias": bounds.bias, "block_sd": float(np.std(d, ddof=1)), "mean_sd": math.sqrt(v),
-             "mean_sd_iid": math.sqrt(v_iid), "mean_sd_host": None if math.isnan(v_cluster) else math.sqrt(v_cluster),
+    facts = {"mean": float(d.mean()), "bias": bounds.bias, "block_sd": float(np.std(d, ddof=1)),
+             "mean_sd": math.sqrt(v), "mean_sd_iid": math.sqrt(v_iid),
+             "mean_sd_host": None if math.isnan(v_cluster) else math.sqrt(v_cluster),
              "aa_floor_sd": math.sqrt(var_floor) if var_floor > 0 else None}
     return values[0], values[1], facts
 

@@ -222,8 +222,9 @@ def test_break_even_is_where_the_projected_times_cross_when_an_arm_skips_warmup(
             receipts.append(make_receipt(
                 receipt_id=f"r-{block}-{int(cand)}", sweep_id="s1", block_id=f"b{block}",
                 arm="candidate" if cand else "baseline", arm_index=int(cand), order=int(cand) ^ (block % 2),
-                feature="moe_dispatch", feature_value="jagged" if cand else "padded", baseline_value="padded", lane=lane,
-                host=f"node-{block % 3}", tps=5500.0 if cand else 5000.0, loss=5.0, one_time_extra_s=12.0 if cand else 0,
+                feature="moe_dispatch", feature_value="jagged" if cand else "padded", baseline_value="padded",
+                lane=lane, host=f"node-{block % 3}", tps=5500.0 if cand else 5000.0, loss=5.0,
+                one_time_extra_s=12.0 if cand else 0,
                 created_at=T0 + timedelta(minutes=block), device="cuda", warmup="skip" if cand else "explicit"))
     v = verdict_of(run(receipts, single_node_policy))
     steps = v.break_even["steps"]
