@@ -121,7 +121,8 @@ class _Timed:
         samples, cpu = self.seconds.setdefault(label, []), self.cpu_seconds.setdefault(label, [])
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start, start_cpu, rss = time.perf_counter(), time.thread_time(), _rss_mb()
+            rss = _rss_mb()  # read outside the timed span
+            start, start_cpu = time.perf_counter(), time.thread_time()
             try:
                 return original(*args, **kwargs)
             finally:

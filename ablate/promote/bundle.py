@@ -244,28 +244,18 @@ ALL_LANES = "every lane"
 """The lanes a global flip lands on: all of them, whatever their shape."""
 
 
-def _passed_sets(verdicts: Iterable[FeatureVerdict], held: set[str] | frozenset[str]) -> list[dict[str, str]]:
-    """The sets a bundle check passed, read off the verdicts as ``check_bundles`` groups them: a lane with two or
-    more promoted features none of which ``held_keys`` holds (under ``bundle.required`` a set that is not measured
-    is held too, so an unheld one passed)."""
-    by_lane: dict[str, list[FeatureVerdict]] = defaultdict(list)
-    for v in verdicts:
-        if v.verdict == PROMOTE and v.kind == "speed":
-            by_lane[v.lane_key].append(v)
-    return [{v.feature: str(v.value) for v in promoted} for promoted in by_lane.values()
-            if len({v.feature for v in promoted}) >= 2 and not any(v.test_key in held for v in promoted)]
-
-
-def unmeasured_together(changes: list["DefaultsChange"], verdicts: Iterable[FeatureVerdict],
-                        held: set[str] | frozenset[str], policy: Policy) -> dict[str, str]:
+def unmeasured_together(changes: list["DefaultsChange"], checks: Iterable[BundleCheck],
+                        policy: Policy) -> dict[str, str]:
     """Feature -> why its change must be held: with it, two or more new values would become effective together on
     some lane (global flips land on every lane, an override on its shape) and no passed bundle check measured that
     set. ``check_bundles`` only sees features promoted in one lane; two features each promoted in its own lane
     and both written would make every lane run them together, never measured so. Applied until nothing more is
-    held: holding one value changes the set another lane would run. Empty unless ``bundle.required``."""
+    held: holding one value changes the set another lane would run. Empty unless ``bundle.required``. ``checks``:
+    ``check_bundles``' results; a set counts as measured only when a check of exactly those values passed."""
     if not policy.bundle.required:
         return {}
-    passed = _passed_sets(verdicts, held)
+    passed = [{feature: str(value) for feature, value in check.values.items()} for check in checks
+              if check.status == PASSED]
     reasons: dict[str, str] = {}
     while True:
         flips = {c.feature: str(c.new) for c in changes if c.scope == "global" and c.feature not in reasons}

@@ -42,7 +42,7 @@ from ablate.config.features import FEATURES
 from ablate.config.load import Defaults
 from ablate.config.schema import LaneConfig
 from ablate.promote.analysis import PROMOTE, REJECT, FeatureVerdict
-from ablate.promote.bundle import unmeasured_together
+from ablate.promote.bundle import BundleCheck, unmeasured_together
 from ablate.promote.evidence import LaneState
 from ablate.promote.policy import Policy
 
@@ -197,14 +197,13 @@ def _shape_overrides(tests: list[FeatureVerdict], promoted: list[FeatureVerdict]
 
 
 def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mapping[str, Any], policy: Policy, *,
-                 report_id: str, campaign: str, date: str, held: frozenset[str] | set[str] = frozenset()
-                 ) -> list[DefaultsChange]:
+                 report_id: str, campaign: str, date: str, held: frozenset[str] | set[str] = frozenset(),
+                 bundles: Iterable[BundleCheck] = ()) -> list[DefaultsChange]:
     """One change per promoted feature: a global flip, or lane overrides (see the module docstring). Tests in
     ``held`` (their lane's bundle check did not pass, ``ablate.promote.bundle``) are measured lanes that do not
     promote, so they are neither written nor counted towards a global flip. A change whose value would run
-    together with another new value on some lane, a set no passed bundle check measured, is held
+    together with another new value on some lane, a set no passed bundle check (of ``bundles``) measured, is held
     (``DefaultsChange.held``) under ``bundle.required``."""
-    verdicts = list(verdicts)
     globals_ = _global_values(defaults)
     by_feature: dict[str, list[FeatureVerdict]] = defaultdict(list)
     for v in verdicts:
@@ -247,7 +246,7 @@ def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mappin
             evidence=[evidence_record(v, report_id=report_id, campaign=campaign, date=date, policy=policy,
                                       scope=scope, replaced=old) for v in promoted],
             overrides=overrides, not_global=not_global))
-    held_together = unmeasured_together(changes, verdicts, held, policy)
+    held_together = unmeasured_together(changes, bundles, policy)
     # Held: no value, no override, no evidence record is written; the reason goes into the report.
     return [DefaultsChange(feature=c.feature, old=c.old, new=None, scope="lane", lanes=c.lanes, held=why)
             if (why := held_together.get(c.feature)) else c for c in changes]

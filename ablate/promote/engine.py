@@ -280,7 +280,7 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
                                 curves, family) for test, v in zip(tests, measured)]
     family = decide_all(measured, policy, defaults)  # the Defaults: rule reads each lane's own default
     for v in measured:
-        if v.not_looked_at:
+        if v.not_looked_at and not v.stop_unmatched:  # that HOLD says it was not judged on them
             v.reason += (f" (judged on the {v.n_blocks} block(s) up to the sequential test's stop; "
                          f"{len(v.not_looked_at)} later block(s) not looked at)")
     campaigns = sorted({r.identity.campaign for r in valid})
@@ -288,7 +288,7 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     date = now.date().isoformat()
     bundles = check_bundles(measured, bundle_blocks, policy, unread, refusals)
     changes = plan_changes(measured, defaults, policy, report_id=report_id,
-                           campaign="+".join(campaigns), date=date, held=held_keys(bundles, policy))
+                           campaign="+".join(campaigns), date=date, held=held_keys(bundles, policy), bundles=bundles)
     lane_summaries = [LaneSummary(lane_key=k, software_fingerprint=s.current_fingerprint,
                                   fingerprints=s.fingerprints, hosts=s.hosts, calibration=calibrations[k],
                                   lane=s.lane, **_lane_facts([b for b in blocks if b.lane_key == k]))
