@@ -24,9 +24,10 @@ How an outcome is decided: the promotion rule, unchanged, on the re-test's recei
 as they were before the promotion (so "measured against the current default" holds). PROMOTE confirms (the mark
 is resolved, the re-test becomes a fresh evidence record under the new fingerprint); REJECT means the win is gone
 (no meaningful win with a calibrated lane and enough blocks, a gated disqualifier, flakiness or worse quality):
-the value is demoted to ``previous``. Anything else (HOLD, too few blocks, no verdict) keeps the value and the
-mark, with the re-test recorded as "still unconfirmed": a wrong demotion is as bad as a wrong promotion, and the
-rule's own REJECT already requires enough evidence.
+the value is demoted to ``previous``, except a global value whose re-test found the toggle inert on the lane: that
+stays, still marked (inert here says nothing about the lanes where it acts). Anything else (HOLD, too few blocks,
+no verdict) keeps the value and the mark, with the re-test recorded as "still unconfirmed": a wrong demotion is as
+bad as a wrong promotion, and the rule's own REJECT already requires enough evidence.
 """
 
 from __future__ import annotations
@@ -381,6 +382,14 @@ def outcome_of(target: Target, v: Optional[FeatureVerdict], policy: Policy, *, r
         outcome, reason = UNCONFIRMED, (f"the win is gone on lane {target.lane_key[:12]} ({v.reason}), but the record "
                                         f"does not say which global value the promotion replaced: set "
                                         f"features.{target.feature}.value back by hand; the value stays marked")
+    elif v.verdict == REJECT and target.scope == "global" and v.inert_reason is not None:
+        # A global value was flipped because every measured lane promoted it; on this lane it now does nothing
+        # (say the new software falls back to the reference path here), which says nothing about the lanes where
+        # it acts: demoting it would take their win away on no evidence from them.
+        outcome, reason = UNCONFIRMED, (f"the toggle is inert on lane {target.lane_key[:12]} under the new software "
+                                        f"({v.inert_reason}): that says nothing about the lanes where it acts, so "
+                                        f"the global value stays, still marked; re-test it on a lane where it "
+                                        f"acts, or set features.{target.feature}.value back by hand")
     elif v.verdict == REJECT:
         outcome, reason = DEMOTED, v.reason
     else:

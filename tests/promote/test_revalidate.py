@@ -19,8 +19,9 @@ from ablate.config.load import flat_lane, load_defaults, load_sweep, with_featur
 from ablate.config.schema import ConfigError
 from ablate.promote import PROMOTE, REJECT, Policy, promote, with_overrides, write_defaults
 from ablate.promote.defaults_writer import CONFIRMED, DEMOTED, UNCONFIRMED
+from ablate.promote.evidence import shape_key
 from ablate.promote.revalidate import find_targets, judge, plan_retests
-from ablate.receipts.schema import Receipt
+from ablate.receipts.schema import Code, Disqualifier, Receipt
 from ablate.sweep.plan import lane_key, plan_sweep
 
 QUIET = {"noise": 0.007, "aa_per_host": 2}
@@ -246,18 +247,23 @@ def test_a_global_demotion_diff_shows_the_restored_value_and_the_override_it_mov
     # global padded (``replaced``) and puts the lane's override back on grouped_mm (``previous``). The diff said
     # the global value became grouped_mm, a value the file never gets.
     m = mark_jagged(tmp_path, policy)
+    # The lane runs where grouped_mm has its own backend (bf16 on CUDA): on CPU jagged and grouped_mm run the same
+    # code, and a re-test that finds the toggle inert keeps a global value instead of demoting it.
+    sim = retest_sim(m, FeatureTruth("moe_dispatch", "jagged", "grouped_mm", 0.95))
+    sim.lane = {**sim.lane, "hardware.device": "cuda", "precision": "bf16", "features.moe_dispatch": "grouped_mm"}
     yaml = YAML()
     doc = yaml.load(m.defaults.read_text())
     entry = doc["features"]["moe_dispatch"]
     rec = entry["evidence"][0]
-    rec["previous"] = "grouped_mm"
+    rec["previous"], rec["lane_shape"] = "grouped_mm", shape_key(sim.lane, policy)
     assert (rec["replaced"], entry["value"]) == ("padded", "jagged")
     entry["lane_overrides"] = [{"lane_shape": rec["lane_shape"], "value": "jagged", "previous": "grouped_mm",
                                 "report": rec["report"], "date": rec["date"]}]
     with m.defaults.open("w") as handle:
         yaml.dump(doc, handle)
-    result = retest(m, policy, tmp_path, retest_sim(m, FeatureTruth("moe_dispatch", "jagged", "grouped_mm", 0.95)))
+    result = retest(m, policy, tmp_path, sim)
     assert [(o.outcome, o.scope) for o in result.revalidations] == [(DEMOTED, "global")]
+    assert result.verdicts[0].inert_reason is None
     defaults = load_defaults(m.defaults)
     assert defaults.values["moe_dispatch"] == "padded"
     assert defaults.for_shape(rec["lane_shape"])["moe_dispatch"] == "grouped_mm"
@@ -353,3 +359,52 @@ def test_a_global_value_is_not_demoted_to_a_guess_when_its_record_does_not_say_w
     mark = record(m.defaults)["revalidate"]
     assert mark["required"] is True and mark["status"] != DEMOTED
     assert "by hand" in mark["retests"][0]["reason"] and "which global value" in mark["retests"][0]["reason"]
+
+
+def inert_candidates(receipts: list[Receipt]) -> list[Receipt]:
+    """Every candidate arm observed the toggle acting on nothing (say the new software falls back to the reference
+    path on this lane): the re-test REJECTs it as inert."""
+    for r in receipts:
+        if r.identity.arm.value == "candidate":
+            r.disqualifiers.append(Disqualifier(code=Code.INERT_TOGGLE, detail="dispatch fell back to padded"))
+    return receipts
+
+
+def test_a_global_value_found_inert_on_its_retest_lane_stays_marked_instead_of_being_demoted(
+        policy: Policy, tmp_path: Path) -> None:
+    """A global flip needs every measured lane's win; the toggle doing nothing on the re-tested lane says nothing
+    about the lanes where it acts, so the value stays, still marked, and the reason says what to do by hand."""
+    m = mark_jagged(tmp_path, policy)
+    [target], _, _ = find_targets(m.defaults)
+    receipts = inert_candidates(keyed(simulate(retest_sim(m, moe(1.0)), 7), m.lane_key))
+    result = judge([target], receipts, policy, m.defaults, workdir=tmp_path / "work")
+    write_defaults(result, m.defaults)
+    [v] = result.verdicts
+    assert v.verdict == REJECT and v.inert_reason is not None
+    assert [o.outcome for o in result.revalidations] == [UNCONFIRMED]
+    assert load_defaults(m.defaults).values["moe_dispatch"] == "jagged"
+    mark = record(m.defaults)["revalidate"]
+    assert mark["required"] is True and mark["status"] == UNCONFIRMED
+    reason = mark["retests"][0]["reason"]
+    assert "inert" in reason and "by hand" in reason and "features.moe_dispatch.value" in reason
+    assert result.changes == [] and "### Demoted" not in result.markdown
+
+
+def test_a_lane_override_found_inert_on_its_lane_is_still_demoted(policy: Policy, tmp_path: Path) -> None:
+    """A lane override only ever acted on its own lane: inert there, it goes (the lane runs the global value)."""
+    m = mark_jagged(tmp_path, policy)
+    yaml = YAML()
+    doc = yaml.load(m.defaults.read_text())
+    entry = doc["features"]["moe_dispatch"]
+    rec = entry["evidence"][0]
+    entry["value"], rec["scope"] = "padded", "lane"
+    entry["lane_overrides"] = [{"lane_shape": rec["lane_shape"], "value": "jagged", "previous": "padded",
+                                "report": rec["report"], "date": rec["date"], "revalidate": dict(rec["revalidate"])}]
+    with m.defaults.open("w") as handle:
+        yaml.dump(doc, handle)
+    [target], _, _ = find_targets(m.defaults)
+    receipts = inert_candidates(keyed(simulate(retest_sim(m, moe(1.0)), 7), m.lane_key))
+    result = judge([target], receipts, policy, m.defaults, workdir=tmp_path / "work")
+    write_defaults(result, m.defaults)
+    assert [(o.verdict, o.outcome) for o in result.revalidations] == [(REJECT, DEMOTED)]
+    assert load_defaults(m.defaults).overrides == {}
