@@ -450,10 +450,14 @@ def _demote(entry: CommentedMap, o: RevalidationOutcome, report_id: str, date: s
     if o.scope == "global":
         if str(entry.get("value")) != str(o.value) or o.replaced is None:
             return []  # something else has been promoted since, or nothing says what to restore (outcome_of)
-        entry["value"] = _node(o.replaced)
-        _replace_value_comment(entry, f"demoted by {report_id} on {date} (was {o.value}: its win is gone on "
-                                      f"re-test); evidence below")
-        edits = [Edit(f"{where}.value: {o.value!r} -> {o.replaced!r} (demoted)", "demote")]
+        edits = []
+        # A promotion that found the global value already in place only moved the promoting lane's override: then
+        # only the override goes back (found in review: the file said "jagged -> jagged (demoted)").
+        if str(o.replaced) != str(o.value):
+            entry["value"] = _node(o.replaced)
+            _replace_value_comment(entry, f"demoted by {report_id} on {date} (was {o.value}: its win is gone on "
+                                          f"re-test); evidence below")
+            edits.append(Edit(f"{where}.value: {o.value!r} -> {o.replaced!r} (demoted)", "demote"))
         # Overrides the global promotion moved onto the value go back to what they held before it.
         for override in list(entry.get("lane_overrides") or []):
             if override.get("report") == o.report and str(override.get("value")) == str(o.value):

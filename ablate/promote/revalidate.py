@@ -24,14 +24,17 @@ How an outcome is decided: the promotion rule, unchanged, on the re-test's recei
 as they were before the promotion (so "measured against the current default" holds). PROMOTE confirms (the mark
 is resolved, the re-test becomes a fresh evidence record under the new fingerprint); REJECT means the win is gone
 (no meaningful win with a calibrated lane and enough blocks, a gated disqualifier, flakiness or worse quality):
-the value is demoted to ``previous``, except a global value whose re-test found the toggle inert on the lane: that
-stays, still marked (inert here says nothing about the lanes where it acts). Anything else (HOLD, too few blocks,
-no verdict) keeps the value and the mark, with the re-test recorded as "still unconfirmed": a wrong demotion is as
-bad as a wrong promotion, and the rule's own REJECT already requires enough evidence.
+the value is demoted to ``previous``, except: a global value whose re-test found the toggle inert on the lane
+(inert here says nothing about the lanes where it acts); a REJECT by a gate on fewer hosts than
+``evidence.min_hosts`` (``_why_a_reject_keeps``); a re-test under the software the value was promoted on; re-tests
+of one value that disagree (``settle_conflicts``). Those, and anything else (HOLD, too few blocks, no verdict), keep
+the value and the mark, with the re-test recorded as "still unconfirmed": a wrong demotion is as bad as a wrong
+promotion.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import time
@@ -141,9 +144,9 @@ def find_targets(defaults_path: str | Path, repeat: bool = False) -> tuple[list[
             if earlier and not repeat:
                 last = earlier[-1]
                 notes.append(f"{target.where}: re-tested already ({last.get('verdict')} under "
-                             f"{last.get('software_fingerprint')}, report {last.get('report')}), still unconfirmed; "
-                             f"an inconclusive re-test is sticky: pass --repeat once the software or the lane has "
-                             f"changed again")
+                             f"{last.get('software_fingerprint')}, report {last.get('report')}), still unconfirmed "
+                             f"({str(last.get('reason') or '')[:200]}); a re-test that did not decide is not "
+                             f"planned again unasked: pass --repeat once the software or the lane has changed again")
                 continue
             targets.append(target)
     return targets, refused, notes
@@ -369,11 +372,38 @@ def defaults_before(defaults_path: Path, targets: list[Target], directory: Path)
     return path
 
 
+def _why_a_reject_keeps(target: Target, v: FeatureVerdict, policy: Policy) -> Optional[str]:
+    """Why this re-test's REJECT does not show that the win is gone (None: it does, and the value is demoted).
+
+    The rule REJECTs on one gated candidate arm: right for a promotion (nothing is written), too little to take a
+    default away from every run (found in review: one LOW_PRIORITY arm of twelve demoted a 5% win). A gate demotes
+    from as many hosts as a PROMOTE needs, counting only codes about the arm itself."""
+    deciding = v.clauses[-1].name if v.clauses else ""
+    lane = f"lane {target.lane_key[:12]}"
+    if deciding == "not_inert" and target.scope == "global":
+        # A global value was flipped because every measured lane promoted it; on this lane it now does nothing
+        # (say the new software falls back to the reference path here), which says nothing about the lanes where
+        # it acts: demoting it would take their win away on no evidence from them.
+        return (f"the toggle is inert on {lane} under the new software, which says nothing about the lanes where "
+                f"it acts; once it has been measured on one of those, set features.{target.feature}.value back or "
+                f"clear the mark by hand")
+    hosts = {"no_disqualifier": v.gated_hosts, "exact_counters": v.counter_hosts}.get(deciding)
+    if hosts is not None and hosts < policy.evidence.min_hosts:
+        return (f"the gate is on {hosts} host(s) < {policy.evidence.min_hosts} (evidence.min_hosts; a node's "
+                f"priority, hardware or failed node check counts on none): that is those hosts' fact, not a lost win")
+    return None
+
+
 def outcome_of(target: Target, v: Optional[FeatureVerdict], policy: Policy, *, report_id: str, campaign: str,
                date: str, sweeps: list[str]) -> RevalidationOutcome:
     """PROMOTE confirms, REJECT demotes, anything else keeps the value with the mark (see the module docstring)."""
+    keep = _why_a_reject_keeps(target, v, policy) if v is not None and v.verdict == REJECT else None
     if v is None:
         outcome, reason = UNCONFIRMED, "the re-test gave no verdict for this value on this lane (no usable block)"
+    elif v.software_fingerprint == target.recorded_fingerprint:
+        outcome, reason = UNCONFIRMED, (f"re-tested under the software it was promoted on ({v.software_fingerprint}), "
+                                        f"which says nothing about the new software ({v.verdict}: {v.reason}); the "
+                                        f"value stays, still marked")
     elif v.verdict == PROMOTE:
         outcome, reason = CONFIRMED, "the win holds under the new software"
     elif v.verdict == REJECT and target.scope == "global" and target.replaced is None:
@@ -382,14 +412,8 @@ def outcome_of(target: Target, v: Optional[FeatureVerdict], policy: Policy, *, r
         outcome, reason = UNCONFIRMED, (f"the win is gone on lane {target.lane_key[:12]} ({v.reason}), but the record "
                                         f"does not say which global value the promotion replaced: set "
                                         f"features.{target.feature}.value back by hand; the value stays marked")
-    elif v.verdict == REJECT and target.scope == "global" and v.inert_reason is not None:
-        # A global value was flipped because every measured lane promoted it; on this lane it now does nothing
-        # (say the new software falls back to the reference path here), which says nothing about the lanes where
-        # it acts: demoting it would take their win away on no evidence from them.
-        outcome, reason = UNCONFIRMED, (f"the toggle is inert on lane {target.lane_key[:12]} under the new software "
-                                        f"({v.inert_reason}): that says nothing about the lanes where it acts, so "
-                                        f"the global value stays, still marked; re-test it on a lane where it "
-                                        f"acts, or set features.{target.feature}.value back by hand")
+    elif v.verdict == REJECT and keep is not None:
+        outcome, reason = UNCONFIRMED, f"REJECT ({v.reason}), but {keep}; the value stays, still marked"
     elif v.verdict == REJECT:
         outcome, reason = DEMOTED, v.reason
     else:
@@ -442,6 +466,34 @@ def demotion_changes(defaults_path: Path, outcomes: list[RevalidationOutcome], r
     return changes
 
 
+def settle_conflicts(outcomes: list[RevalidationOutcome]) -> list[RevalidationOutcome]:
+    """Re-tests of one value in one place (the global value, or one lane shape's override) that disagree, one
+    confirming and one demoting, both stay unconfirmed: applied one by one, the order of the evidence records chose
+    what the file ends with, and a confirmed lane's win ran nowhere while its mark was resolved (found in review).
+    The promotion rule itself keeps a value promoted in one lane and rejected in another off the global default."""
+    places: dict[tuple[str, str, str], list[int]] = {}
+    for i, o in enumerate(outcomes):
+        where = "global" if o.scope == "global" else f"lane {o.lane_shape}"
+        places.setdefault((o.feature, str(o.value), where), []).append(i)
+    settled = list(outcomes)
+    for (feature, value, where), indices in places.items():
+        lanes = {kind: sorted(outcomes[i].lane_key[:12] for i in indices if outcomes[i].outcome == kind)
+                 for kind in (CONFIRMED, DEMOTED)}
+        if not (lanes[CONFIRMED] and lanes[DEMOTED]):
+            continue
+        for i in indices:
+            o = outcomes[i]
+            if o.outcome not in (CONFIRMED, DEMOTED):
+                continue
+            reason = (f"conflicting re-tests of {feature}={value} ({where}): the win holds on lane(s) "
+                      f"{', '.join(lanes[CONFIRMED])} and is gone on lane(s) {', '.join(lanes[DEMOTED])}; decide by "
+                      f"hand (the promotion rule would keep it only as the confirming lanes' overrides); the value "
+                      f"stays, still marked (this lane: {o.verdict}, {o.reason})")
+            settled[i] = dataclasses.replace(o, outcome=UNCONFIRMED, reason=reason, evidence=None,
+                                             retest={**o.retest, "outcome": UNCONFIRMED, "reason": reason})
+    return settled
+
+
 def _verdict_for(target: Target, verdicts: list[FeatureVerdict]) -> Optional[FeatureVerdict]:
     return next((v for v in verdicts if v.feature == target.feature and str(v.value) == str(target.value)
                  and v.lane_key == target.lane_key and str(v.baseline_value) == str(target.previous)), None)
@@ -464,6 +516,7 @@ def judge(targets: list[Target], receipts: list[Receipt], policy: Policy, defaul
         outcomes.append(outcome_of(target, _verdict_for(target, result.verdicts), policy,
                                    report_id=result.report_id, campaign=result.campaign, date=result.date,
                                    sweeps=sweeps))
+    outcomes = settle_conflicts(outcomes)
     # What this report changes is the outcomes, not the promotions the rule would plan against the old defaults.
     result.changes = demotion_changes(defaults_path, outcomes, result.report_id, result.date)
     result.revalidations = list(outcomes)

@@ -408,3 +408,139 @@ def test_a_lane_override_found_inert_on_its_lane_is_still_demoted(policy: Policy
     write_defaults(result, m.defaults)
     assert [(o.verdict, o.outcome) for o in result.revalidations] == [(REJECT, DEMOTED)]
     assert load_defaults(m.defaults).overrides == {}
+
+
+def gated(receipts: list[Receipt], code: Code, hosts: int) -> list[Receipt]:
+    """One candidate arm of the tested feature on each of the first ``hosts`` hosts carries ``code``."""
+    marked: list[str] = []
+    for r in receipts:
+        host = r.identity.host
+        if r.identity.feature and r.identity.arm.value == "candidate" and host not in marked and len(marked) < hosts:
+            r.disqualifiers.append(Disqualifier(code=code, detail="from the re-test"))
+            marked.append(host)
+    assert len(marked) == hosts
+    return receipts
+
+
+def judged(m: Marked, policy: Policy, tmp_path: Path, receipts: list[Receipt]) -> object:
+    [target], _, _ = find_targets(m.defaults, repeat=True)  # an unconfirmed re-test is not planned again unasked
+    return judge([target], receipts, policy, m.defaults, workdir=tmp_path / "work")
+
+
+def test_a_gate_on_fewer_hosts_than_a_promote_needs_keeps_the_value_marked(policy: Policy, tmp_path: Path) -> None:
+    """The rule REJECTs on one gated candidate arm; on a re-test that alone demoted a 5% win for every run (found in
+    review). A gate demotes from evidence.min_hosts hosts, and a node's own facts count on none."""
+    m = mark_jagged(tmp_path, policy)
+    win = keyed(simulate(retest_sim(m, moe(1.05)), 7), m.lane_key)
+    cases = [(Code.LOW_PRIORITY, 1), (Code.LOW_PRIORITY, 3), (Code.HARDWARE_MISMATCH, 3), (Code.NONFINITE_LOSS, 1),
+             (Code.NONFINITE_LOSS, 2)]
+    for code, hosts in cases:
+        receipts = gated([r.model_copy(deep=True) for r in win], code, hosts)
+        result = judged(m, policy, tmp_path / f"{code.value}-{hosts}", receipts)
+        [v] = result.verdicts
+        assert v.verdict == REJECT and code.value in v.reason, (code, hosts)
+        [o] = result.revalidations
+        assert o.outcome == UNCONFIRMED and "host(s) < 3" in o.reason, (code, hosts, o.reason)
+        assert result.changes == []
+    result = judged(m, policy, tmp_path / "all", gated([r.model_copy(deep=True) for r in win], Code.NONFINITE_LOSS, 3))
+    assert [(o.verdict, o.outcome) for o in result.revalidations] == [(REJECT, DEMOTED)]
+
+
+def test_a_slower_value_with_one_inert_arm_and_a_gate_on_every_host_is_demoted(policy: Policy,
+                                                                              tmp_path: Path) -> None:
+    """INERT_TOGGLE on one arm of twelve is not "the toggle is inert here": it must not shield a value that is 10%
+    slower and loses its loss on every host from the demotion (found in review of the inert rule)."""
+    m = mark_jagged(tmp_path, policy)
+    receipts = gated(gated(keyed(simulate(retest_sim(m, moe(0.90)), 7), m.lane_key), Code.NONFINITE_LOSS, 3),
+                     Code.INERT_TOGGLE, 1)
+    result = judged(m, policy, tmp_path, receipts)
+    [v] = result.verdicts
+    assert v.verdict == REJECT and not v.inert_everywhere and v.reason.startswith("candidate arms disqualified")
+    assert [o.outcome for o in result.revalidations] == [DEMOTED]
+    write_defaults(result, m.defaults)
+    assert load_defaults(m.defaults).values["moe_dispatch"] == "padded"
+
+
+def test_a_retest_under_the_software_it_was_promoted_on_decides_nothing(policy: Policy, tmp_path: Path) -> None:
+    """The mark asks whether the win holds under the new software: receipts of the recorded software neither
+    confirm (and resolve the mark) nor demote."""
+    m = mark_jagged(tmp_path, policy)
+    for truth, verdict in ((moe(1.05), PROMOTE), (moe(0.95), REJECT)):
+        result = judged(m, policy, tmp_path / str(truth.ratio),
+                        keyed(simulate(retest_sim(m, truth, software="sw-1"), 7), m.lane_key))
+        [o] = result.revalidations
+        assert (o.verdict, o.outcome) == (verdict, UNCONFIRMED) and "promoted on (sw-1)" in o.reason
+        assert o.evidence is None and result.changes == []
+        write_defaults(result, m.defaults)
+        assert record(m.defaults)["revalidate"]["required"] is True
+        assert load_defaults(m.defaults).values["moe_dispatch"] == "jagged"
+
+
+def two_marked_lanes(tmp_path: Path, policy: Policy) -> tuple[Path, dict[str, str], dict[str, dict]]:
+    """moe_dispatch=jagged promoted globally from two lanes in one report (sw-1), both lanes measured again under
+    sw-2: two marked records of one global value."""
+    campaigns = {"A": tiny_smoke(tmp_path / "a", name="tiny"),
+                 "B": tiny_smoke(tmp_path / "b", name="tinyb", lane={"batch": {"seq_len": 128}})}
+    defaults = campaigns["A"].parent / "defaults.yaml"
+    lanes = {k: load_sweep(c)[0].lane for k, c in campaigns.items()}
+    flats, keys = {k: flat_lane(lane) for k, lane in lanes.items()}, {k: lane_key(lane) for k, lane in lanes.items()}
+    receipts = []
+    for i, k in enumerate("AB"):
+        receipts += keyed(simulate(Sim(features=[moe(1.05)], lane=flats[k], horizon=flats[k]["budget.horizon_steps"],
+                                       campaign="tiny", block_prefix=f"P{k}-", **QUIET), i), keys[k])
+    first = promote(receipts, policy_path=with_overrides(policy, {"scope.global_device_classes": []}),
+                    defaults_path=defaults)
+    assert [(c.scope, c.new) for c in first.changes] == [("global", "jagged")]
+    write_defaults(first, defaults)
+    for i, k in enumerate("AB"):
+        later_campaign(defaults, lanes[k], policy, software="sw-2", seed=20 + i)
+    return defaults, keys, flats
+
+
+def test_retests_of_one_global_value_that_disagree_both_stay_marked(policy: Policy, tmp_path: Path) -> None:
+    """Lane A confirms, lane B finds the win gone: applied one by one, the order of the evidence records chose the
+    file's end state, and A's confirmed win ran nowhere with its mark resolved (found in review)."""
+    defaults, keys, flats = two_marked_lanes(tmp_path, policy)
+    targets, refused, _ = find_targets(defaults)
+    assert refused == [] and len(targets) == 2
+    receipts = []
+    for i, (k, effect) in enumerate((("A", 1.05), ("B", 0.95))):
+        sim = Sim(features=[moe(effect)], lane=flats[k], horizon=flats[k]["budget.horizon_steps"],
+                  fingerprints=["sw-2"] * 2, campaign="reval-sw-2", block_prefix=f"R{k}-", **QUIET)
+        receipts += keyed(simulate(sim, 7 + i), keys[k])
+    for order in (targets, targets[::-1]):
+        result = judge(order, receipts, policy, defaults, workdir=tmp_path / "work")
+        assert sorted(v.verdict for v in result.verdicts) == [PROMOTE, REJECT]
+        assert [o.outcome for o in result.revalidations] == [UNCONFIRMED, UNCONFIRMED]
+        assert all("conflicting re-tests" in o.reason and o.evidence is None for o in result.revalidations)
+        assert result.changes == [] and "### Demoted" not in result.markdown
+    write_defaults(result, defaults)
+    assert load_defaults(defaults).values["moe_dispatch"] == "jagged"
+    assert len(find_targets(defaults, repeat=True)[0]) == 2  # both still marked
+
+
+def test_a_global_promotion_that_only_moved_an_override_is_demoted_by_moving_it_back(policy: Policy,
+                                                                                      tmp_path: Path) -> None:
+    """jagged was already the global value; the promotion moved the lane's padded override onto it (``replaced``
+    is jagged). Found in review: the demotion wrote "jagged -> jagged (demoted)" over the value's comment."""
+    m = mark_jagged(tmp_path, policy)
+    yaml = YAML()
+    doc = yaml.load(m.defaults.read_text())
+    entry = doc["features"]["moe_dispatch"]
+    rec = entry["evidence"][0]
+    rec["replaced"] = "jagged"
+    entry["lane_overrides"] = [{"lane_shape": rec["lane_shape"], "value": "jagged", "previous": "padded",
+                                "report": rec["report"], "date": rec["date"]}]
+    with m.defaults.open("w") as handle:
+        yaml.dump(doc, handle)
+    result = judged(m, policy, tmp_path, keyed(simulate(retest_sim(m, moe(0.95)), 7), m.lane_key))
+    assert [o.outcome for o in result.revalidations] == [DEMOTED]
+    edits = [str(e) for e in write_defaults(result, m.defaults)]
+    defaults = load_defaults(m.defaults)
+    assert defaults.values["moe_dispatch"] == "jagged"
+    assert defaults.for_shape(rec["lane_shape"])["moe_dispatch"] == "padded"
+    assert any("lane_overrides" in e and "demoted with the global value" in e for e in edits)
+    assert not any("features.moe_dispatch.value:" in e for e in edits)
+    assert "(was jagged: its win is gone" not in m.defaults.read_text()  # the value's own comment is kept
+    demoted = result.markdown.split("### Demoted")[1].split("\n### ")[0]
+    assert "`jagged` → `jagged`" not in demoted and "the global value stays" in demoted
