@@ -111,6 +111,23 @@ def _time(spec: ArmSpec, result: Optional[WorkerResult], launch: LaunchInfo) -> 
                         extra_checkpoint_s=launch.extra_checkpoint_s, setup_wait_s=result.setup_wait_s)
 
 
+def _unused_by_the_baseline_too(spec: ArmSpec, engine: dict[str, Any]) -> bool:
+    """Whether the candidate engine's "setting unused" fact makes the toggle inert, i.e. holds for the baseline's
+    value too. One DDP bucket under the candidate's cap says every cap at least as large runs the same reducer; a
+    smaller baseline cap may still split the gradients (found in review: raising the cap from 0.05 to 1 MiB merged
+    three buckets into one and was rejected as inert). Left to the block's observed comparison, which sees both
+    arms' buckets, whenever the baseline cap could split them."""
+    from trainers.engines import SINGLE_BUCKET
+
+    if spec.feature != "bucket_cap_mb" or engine["inactive"][spec.feature] != SINGLE_BUCKET:
+        return True
+    try:
+        baseline_bytes = float(spec.baseline_value) * 2**20
+    except (TypeError, ValueError):
+        return False
+    return baseline_bytes >= sum(engine.get("buckets_bytes") or [math.inf])
+
+
 def _disqualifiers(spec: ArmSpec, result: Optional[WorkerResult], launch: LaunchInfo, accounting: Accounting,
                    compile_record: CompileRecord, steady: int, tokens_per_step: int) -> list[Disqualifier]:
     found: list[Disqualifier] = []
@@ -160,8 +177,10 @@ def _disqualifiers(spec: ArmSpec, result: Optional[WorkerResult], launch: Launch
     if spec.feature is not None and spec.feature in FEATURES:
         # Against the block's baseline value: for the baseline arm itself only baseline-independent rules fire.
         reason = FEATURES[spec.feature].inert_reason(lane, spec.baseline_value)
-        inactive = ((result.engine if result is not None else None) or {}).get("inactive") or {}
-        if reason is None and spec.arm == "candidate" and spec.feature in inactive:
+        engine = (result.engine if result is not None else None) or {}
+        inactive = engine.get("inactive") or {}
+        if reason is None and spec.arm == "candidate" and spec.feature in inactive \
+                and _unused_by_the_baseline_too(spec, engine):
             # Observed: the running engine reports the setting under test has no effect in it.
             reason = f"the running engine does not use it: {inactive[spec.feature]}"
         if reason:

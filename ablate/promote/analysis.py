@@ -34,6 +34,7 @@ from ablate.promote.match import Block, winner
 from ablate.promote.policy import Policy
 from ablate.promote.stats import (bootstrap_clusters, bootstrap_hl, fisher_more_failures, hodges_lehmann,
                                   pvalue_at_most, quantile)
+from ablate.receipts.schema import Code
 
 PROMOTE, HOLD, REJECT, TAX_REPORTED = "PROMOTE", "HOLD", "REJECT", "TAX-REPORTED"
 CURVE_POINTS = 25
@@ -42,6 +43,8 @@ CURVE_RESAMPLES = 400
 """Bootstrap resamples per curve point: a plotted band, not a decision. Drawn from a stream of their own
 (``_rng(policy, key + CURVE_STREAM)``), so leaving the curve out changes no other number of the test."""
 CURVE_STREAM = "|curve"
+NODE_FACTS = frozenset(c.value for c in (Code.LOW_PRIORITY, Code.HARDWARE_MISMATCH, Code.BACKEND_FAILED_NODE_CHECK))
+"""Gated codes that say what a node was (its priority, hardware, a failed node check), not what the feature did."""
 
 
 @dataclass
@@ -144,6 +147,13 @@ class FeatureVerdict:
     fisher_p: float = 1.0
     failure_hosts: int = 0
     """Hosts on which a candidate arm of the test failed (this attempt or an earlier one of its block)."""
+    gated_hosts: int = 0
+    """Hosts of the test's blocks whose candidate arm a gate of its own disqualified (not a node's fact such as
+    ``LOW_PRIORITY``): a re-test's gate demotes a value only from as many hosts as a PROMOTE needs."""
+    counter_hosts: int = 0
+    """Hosts of the blocks with a counter above the baseline's (``counter_violations``)."""
+    inert_everywhere: bool = False
+    """``inert_reason`` holds for every candidate arm (the registry's reason, or INERT_TOGGLE on each of them)."""
     suspicious: bool = False
     amdahl: dict[str, Any] = field(default_factory=dict)
     inert_reason: Optional[str] = None
@@ -405,6 +415,9 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
     verdict.gated_disqualifiers = dict(sorted(Counter(c for _, view, _ in gated_views
                                                       for c in view.gated_codes).items()))
     verdict.counter_violations = _counter_violations(blocks, policy)
+    verdict.counter_hosts = len({b.host for b in blocks if _counter_violations([b], policy)})
+    verdict.gated_hosts = len({b.host for b in blocks for view in (b.candidate, *b.earlier_gated)
+                               if set(view.gated_codes) - NODE_FACTS})
     verdict.throughput = _throughput(blocks)
     verdict.device_class = Counter(b.device_class for b in blocks).most_common(1)[0][0] if blocks else ""
     verdict.horizon_steps = blocks[0].horizon_steps if blocks else 0
@@ -419,6 +432,10 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
     verdict.unread_arms = [arm.describe() for arm in test.unread if not arm.left_out]
     verdict.left_out_arms = [arm.describe() for arm in test.unread if arm.left_out]
     verdict.inert_reason = inert_reason(test) if test.kind == "speed" else None
+    observed = [b for b in blocks if not b.candidate.failed]  # an arm that died observed nothing either way
+    verdict.inert_everywhere = verdict.inert_reason is not None and (
+        not verdict.inert_reason.startswith("INERT_TOGGLE")
+        or bool(observed) and all("INERT_TOGGLE" in b.candidate.codes for b in observed))
     # A gated candidate arm measured something other than the feature; it is counted above, never as a ratio.
     usable = [b for b in blocks if not b.candidate.gated_codes]
     rows = [(b, b.log_ratio(policy.failures.failed_log_ratio)) for b in usable]
@@ -498,9 +515,14 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
         verdict.loss_bounds = (quantile(loss_theta, alpha), quantile(loss_theta, 1 - alpha))
     if test.kind == "tax":
         verdict.budget = policy.taxes.budget(test.feature)
-        # Unknown ("–") on fewer blocks than any verdict stands on: one block's ratio is both ends of its interval.
-        if verdict.ci95 is not None and verdict.n_blocks >= policy.evidence.min_blocks:
-            verdict.within_budget = verdict.ci95[0] >= 1.0 - verdict.budget
+        # Unknown ("–") on fewer blocks than any verdict stands on (one block's ratio is both ends of its interval),
+        # in an uncalibrated lane, or with a gated candidate arm, which left its ratio out (found in review: three
+        # OOMs and no A/A block read "within budget"). The lower end is lowered by the A/A bias bound, as the
+        # speed tests' REJECT bound is widened by it: a slot bias must not hide a cost.
+        calibrated = verdict.aa_blocks >= policy.threshold.min_aa_blocks
+        if verdict.ci95 is not None and verdict.n_blocks >= policy.evidence.min_blocks and calibrated \
+                and not verdict.gated_arms:
+            verdict.within_budget = verdict.ci95[0] / (1.0 + (verdict.bias_bound or 0.0)) >= 1.0 - verdict.budget
         mem = [b.candidate.peak_memory / b.baseline.peak_memory for b in usable
                if b.candidate.peak_memory and b.baseline.peak_memory]
         verdict.memory_ratio = float(np.median(mem)) if mem else None

@@ -31,7 +31,8 @@ import numpy as np
 from ablate.config.features import FEATURES
 from ablate.promote.match import ArmView, Block, Refusal
 from ablate.promote.policy import Policy
-from ablate.promote.stats import abs_quantile, bootstrap_clusters, bootstrap_hl, hodges_lehmann, quantile
+from ablate.promote.stats import (abs_quantile, bootstrap_clusters, bootstrap_hl, hodges_lehmann, normal_abs_quantile,
+                                  quantile)
 from ablate.receipts.rejection import UnreadArm
 
 STARTUP_FLAG_MADS = 4.0
@@ -94,6 +95,8 @@ class Calibration:
     noise_floor_log: Optional[float]
     """The policy quantile of single-block |log ratio| over A/A blocks (the spread; None without A/A blocks)."""
     loss_spread: Optional[float]
+    """The policy quantile of |loss delta| over A/A blocks, read as normal noise from their median
+    (``normal_abs_quantile``)."""
     aa_hl_log: Optional[float]
     """Hodges-Lehmann of the signed A/A log ratios: the lane's systematic bias estimate."""
     aa_interval_log: Optional[tuple[float, float]] = None
@@ -265,7 +268,7 @@ def _calibrate(lane_key: str, fingerprint: str, blocks: list[Block], policy: Pol
     return Calibration(
         lane_key=lane_key, software_fingerprint=fingerprint, num_blocks=int(ratios.size),
         noise_floor_log=abs_quantile(ratios, policy.threshold.noise_quantile) if ratios.size else None,
-        loss_spread=abs_quantile(losses, policy.quality.spread_quantile) if losses else None,
+        loss_spread=normal_abs_quantile(losses, policy.quality.spread_quantile) if losses else None,
         aa_hl_log=hodges_lehmann(ratios) if ratios.size else None, aa_interval_log=interval, bias_bound_log=bound,
         first_at=stamps[0] if stamps else None, last_at=stamps[-1] if stamps else None,
         aa_var_log=float(np.var(ratios, ddof=1)) if ratios.size >= 2 else None)

@@ -75,6 +75,10 @@ def _reject_clauses(v: FeatureVerdict, policy: Policy,
     gated = v.gated_disqualifiers
 
     def inert() -> Clause:
+        if v.inert_reason is not None and not v.inert_everywhere:
+            # Observed inert on some candidate arms only: the toggle acted on the others. Those arms are gated
+            # (no_disqualifier), which says so without claiming the toggle cannot act here.
+            return Clause("not_inert", True, f"{v.inert_reason}, not on every one: the toggle acted on the others")
         return Clause("not_inert", v.inert_reason is None, v.inert_reason or "the toggle can act in this lane")
 
     def disqualified() -> Clause:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import DEFAULTS
 from promote_sim import FeatureTruth, Sim, base_lane, moe, simulate
@@ -156,7 +157,15 @@ def test_an_inert_toggle_disqualifier_is_refused(policy: Policy) -> None:
     receipts = simulate(Sim(features=[moe(1.05)], **QUIET), 0)
     candidates(receipts)[0].disqualifiers.append(Disqualifier(code=Code.INERT_TOGGLE, detail="no E blocks"))
     v = verdict_of(run(receipts, policy))
-    assert v.verdict == REJECT and v.reason.startswith("INERT_TOGGLE disqualifier on 1 candidate arm")
+    # Inert on one arm of twelve: the toggle acted on the others, so the arm is gated, not the toggle called inert.
+    assert v.verdict == REJECT and v.reason.startswith("candidate arms disqualified: INERT_TOGGLE x1")
+    assert v.inert_reason is not None and not v.inert_everywhere
+    for receipt in candidates(receipts):
+        if Code.INERT_TOGGLE not in {d.code for d in receipt.disqualifiers}:
+            receipt.disqualifiers.append(Disqualifier(code=Code.INERT_TOGGLE, detail="no E blocks"))
+    v = verdict_of(run(receipts, policy))
+    assert v.verdict == REJECT and v.reason.startswith("INERT_TOGGLE disqualifier on 12 candidate arm")
+    assert v.inert_everywhere
 
 
 @pytest.mark.parametrize(("ratio", "within"), [(1.06, True), (0.95, True), (0.85, False)])
@@ -168,6 +177,27 @@ def test_a_tax_is_reported_never_promoted(policy: Policy, ratio: float, within: 
     assert v.ci95[0] < ratio * 1.02 and v.ci95[1] > ratio * 0.98  # two-sided interval around the true cost
     assert v.budget == 0.10 and v.within_budget is within
     assert ("over budget" in v.reason) is (not within)
+
+
+def test_a_tax_is_within_budget_only_as_far_as_its_lane_can_tell(policy: Policy) -> None:
+    # Found in review: the raw interval alone said "within budget" for a 13% cost (10% budget) whose lane's A/A
+    # blocks show the candidate slot 4% fast, and for a tax whose OOM candidate arms had left the ratios.
+    stp = FeatureTruth("stp", "on", "off", 0.87)
+    v = verdict_of(run(simulate(Sim(features=[stp], noise=0.007, aa_per_host=2, slot_bias=0.04), 0), policy,
+                       curves=False), "stp")
+    assert v.ci95[0] > 0.9 and v.bias_bound > 0.03, "the premise: the slot bias lifts the raw interval"
+    assert v.within_budget is False and "over budget" in v.reason
+    cheap = FeatureTruth("stp", "on", "off", 0.95)
+    receipts = simulate(Sim(features=[cheap], **QUIET), 0)
+    for arm in candidates(receipts)[:3]:
+        arm.disqualifiers.append(Disqualifier(code=Code.OOM, detail="CUDA out of memory"))
+        arm.identity.status = Status.disqualified
+    v = verdict_of(run(receipts, policy, curves=False), "stp")
+    assert v.gated_disqualifiers == {"OOM": 3} and v.within_budget is None
+    v = verdict_of(run(simulate(Sim(features=[cheap], noise=0.007, aa_per_host=0), 0), policy, curves=False), "stp")
+    assert v.aa_blocks == 0 and v.within_budget is None
+    v = verdict_of(run(simulate(Sim(features=[cheap], **QUIET), 0), policy, curves=False), "stp")
+    assert v.within_budget is True  # the control: calibrated, nothing gated
 
 
 def test_a_changed_software_fingerprint_restarts_the_round_count(policy: Policy) -> None:
@@ -329,6 +359,29 @@ def test_a_nan_in_a_failed_candidate_still_gates(policy: Policy) -> None:
 def test_worse_quality_is_rejected(policy: Policy) -> None:
     v = verdict_of(run(simulate(Sim(features=[moe(1.05, loss_effect=0.05)], **QUIET), 0), policy))
     assert v.verdict == REJECT and failing(v) == ["quality_not_worse"] and v.loss_delta == pytest.approx(0.05, 0.2)
+
+
+def test_one_wild_aa_block_does_not_widen_the_loss_margin_enough_to_promote_a_worse_loss(policy: Policy) -> None:
+    # With six A/A blocks the 0.95 quantile of |loss delta| was their largest: one twin whose final loss came out
+    # 0.3 higher made epsilon 0.23, and a feature whose loss is 0.05 worse in every block was promoted (found in
+    # review).
+    receipts = simulate(Sim(features=[moe(1.05, loss_effect=0.05)], noise=0.007, aa_per_host=1), 0)
+    calm = verdict_of(run(receipts, policy, curves=False))
+    twin = next(r for r in receipts if r.identity.arm.value == "aa" and r.identity.arm_index == 1)
+    assert twin.quality.lm_loss_final is not None and twin.quality.loss_final is not None
+    twin.quality.lm_loss_final += 0.3
+    twin.quality.loss_final += 0.3
+    wild = verdict_of(run(receipts, policy, curves=False))
+    assert calm.verdict == wild.verdict == REJECT and failing(wild) == ["quality_not_worse"]
+    assert wild.epsilon < 0.02 and wild.loss_bounds is not None and wild.loss_bounds[0] > wild.epsilon
+
+
+def test_the_loss_margin_is_the_normal_quantile_of_the_aa_spread() -> None:
+    from ablate.promote.stats import normal_abs_quantile
+
+    noise = np.random.default_rng(3).normal(0.0, 0.01, 20_000)
+    assert normal_abs_quantile(noise, 0.95) == pytest.approx(1.96 * 0.01, rel=0.03)
+    assert normal_abs_quantile([0.0, 0.0, 0.0, 0.0, 0.0, 0.3], 0.95) == 0.0  # one wild value of six: no spread
 
 
 def test_a_suspicious_win_needs_a_confirming_round(policy: Policy) -> None:

@@ -158,6 +158,39 @@ def test_ddp_caps_that_split_nothing_give_equal_records(observed: dict[str, Any]
     assert one == many
 
 
+def test_one_bucket_under_the_candidate_cap_is_inert_only_against_a_baseline_cap_that_holds_it_too(
+        observed: dict[str, Any]) -> None:
+    # Raising the cap from 0.05 MiB (three buckets here) to 1 MiB (one) changes the reducer's work: the candidate's
+    # one bucket must not make the toggle inert against it (found in review: a real win REJECTed as inert). Against
+    # 25 MiB, which holds the same bucket, it is.
+    import dataclasses
+
+    from ablate.receipts.schema import CompileRecord
+    from trainer_helpers import make_spec
+    from trainers.goodput import account_time
+    from trainers.receipt import LaunchInfo, _disqualifiers
+    from trainers.result import WorkerResult
+
+    one = _details(observed, "ddp_1")
+    assert len(_details(observed, "ddp_0.05")["buckets_bytes"]) > 1 and "bucket_cap_mb" in one["inactive"]
+    lane = tiny_lane(engine={**DDP, "bucket_cap_mb": 1})
+
+    def codes(baseline_mb: float) -> list[str]:
+        spec = dataclasses.replace(make_spec(lane, Path("/nonexistent")), arm="candidate", feature="bucket_cap_mb",
+                                   feature_value=1.0, baseline_value=baseline_mb)
+        result = WorkerResult(rank=0, world_size=WORLD, attempt=0, executor="ray_train", pid=0, host="h",
+                              node_id=None, fn_start=0.0, device="cpu", engine=one)
+        record = CompileRecord(posture_requested="eager", posture_observed="eager", warmup_requested="auto",
+                               warmup_resolved="explicit", warmup_reason="", graph_breaks=0,
+                               recompiles_in_steady_state=0)
+        found = _disqualifiers(spec, result, LaunchInfo("ray_train", 0.0, 2.0), account_time(2.0, 0.0, 1.0, 1.0, None),
+                               record, steady=100, tokens_per_step=lane.batch.micro_batch * lane.batch.seq_len)
+        return [d.code.value for d in found]
+
+    assert "INERT_TOGGLE" not in codes(0.05)
+    assert "INERT_TOGGLE" in codes(25.0)
+
+
 def test_under_whole_compile_a_one_bucket_reducer_keeps_its_cap(observed: dict[str, Any]) -> None:
     # Dynamo's DDPOptimizer splits the compiled graph by the same cap, so one reducer bucket proves nothing there.
     whole = _details(observed, "ddp_1_whole")
