@@ -624,7 +624,9 @@ def _lane_detail(result: PromotionResult, lane: LaneSummary) -> list[str]:
               if len(lane.fingerprints) > 1 else ""),
              f"- lane: {_t(', '.join(f'{k}={v}' for k, v in shown.items()))}; horizon {lane.horizon_steps:,} steps; "
              f"hosts: {_t(', '.join(lane.hosts))}",
-             f"- A/A: {cal.num_blocks} block(s); bias HL interval {interval} {calibrated}; bias bound {bias}; "
+             f"- A/A, every block of the lane under this software (each test is judged on those beside its own "
+             f"rounds, in its clauses): {cal.num_blocks} block(s); bias HL interval {interval} {calibrated}; "
+             f"bias bound {bias}; "
              f"delta {cal.delta(result.policy):.2%}; single-block spread {spread}"
              f", loss spread {'–' if cal.loss_spread is None else f'{cal.loss_spread:.4g}'}"
              f" (measured {_t((cal.first_at or '–')[:10])} to {_t((cal.last_at or '–')[:10])})"]

@@ -253,7 +253,7 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
         bias = _pct(None if v.bias_bound is None else 1 + v.bias_bound)
         where = ("contains 1" if v.aa_interval[0] <= 1.0 <= v.aa_interval[1] else "excludes 1: systematic bias"
                  ) if v.aa_interval else "none"
-        return Clause("calibrated", ok, f"{v.aa_blocks} A/A blocks in this lane (need "
+        return Clause("calibrated", ok, f"{v.aa_blocks} A/A blocks beside this test's rounds (need "
                                         f"{policy.threshold.min_aa_blocks}); bias bound {bias}, A/A interval {where}")
 
     def failure_rate() -> Clause:
