@@ -148,8 +148,15 @@ class FeatureVerdict:
     failure_hosts: int = 0
     """Hosts on which a candidate arm of the test failed (this attempt or an earlier one of its block)."""
     gated_hosts: int = 0
-    """Hosts of the test's blocks whose candidate arm a gate of its own disqualified (not a node's fact such as
-    ``LOW_PRIORITY``): a re-test's gate demotes a value only from as many hosts as a PROMOTE needs."""
+    """Hosts of the candidate arms a gate about the feature disqualified (not a node's fact such as
+    ``LOW_PRIORITY``, nor INERT_TOGGLE): a re-test's gate demotes only from as many hosts as a PROMOTE needs."""
+    gated_own_arms: int = 0
+    gate_fisher_p: float = 1.0
+    """Fisher's exact p that those arms are gated more often than the baseline's: one gated arm of twelve is not
+    a feature that breaks (the flaky clause's test, on gates)."""
+    also_rejected: list[Clause] = field(default_factory=list)
+    """The REJECT clauses after the deciding one that fail too: a revalidation whose gate is too thin to demote on
+    still demotes on a lost win."""
     counter_hosts: int = 0
     """Hosts of the blocks with a counter above the baseline's (``counter_violations``)."""
     inert_everywhere: bool = False
@@ -416,8 +423,13 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
                                                       for c in view.gated_codes).items()))
     verdict.counter_violations = _counter_violations(blocks, policy)
     verdict.counter_hosts = len({b.host for b in blocks if _counter_violations([b], policy)})
-    verdict.gated_hosts = len({b.host for b in blocks for view in (b.candidate, *b.earlier_gated)
-                               if set(view.gated_codes) - NODE_FACTS})
+    # Codes about what the feature did (not a node's facts; INERT_TOGGLE says it did nothing) on candidate arms, kept
+    # or in refused blocks: what a revalidation may demote on.
+    own = [view for _, view, _ in gated_views if set(view.gated_codes) - NODE_FACTS - {Code.INERT_TOGGLE.value}]
+    verdict.gated_hosts, verdict.gated_own_arms = len({view.host for view in own}), len(own)
+    baseline_own = sum(1 for b in blocks if set(b.baseline.gated_codes) - NODE_FACTS - {Code.INERT_TOGGLE.value})
+    verdict.gate_fisher_p = fisher_more_failures(len(own), len(blocks) + len(test.refused_gates), baseline_own,
+                                                 len(blocks))
     verdict.throughput = _throughput(blocks)
     verdict.device_class = Counter(b.device_class for b in blocks).most_common(1)[0][0] if blocks else ""
     verdict.horizon_steps = blocks[0].horizon_steps if blocks else 0

@@ -95,8 +95,8 @@ class Calibration:
     noise_floor_log: Optional[float]
     """The policy quantile of single-block |log ratio| over A/A blocks (the spread; None without A/A blocks)."""
     loss_spread: Optional[float]
-    """The policy quantile of |loss delta| over A/A blocks, read as normal noise from their median
-    (``normal_abs_quantile``)."""
+    """The policy quantile of |loss delta| over A/A blocks: the smaller of the empirical one and the one read as
+    normal noise from their median (``normal_abs_quantile``)."""
     aa_hl_log: Optional[float]
     """Hodges-Lehmann of the signed A/A log ratios: the lane's systematic bias estimate."""
     aa_interval_log: Optional[tuple[float, float]] = None
@@ -268,7 +268,10 @@ def _calibrate(lane_key: str, fingerprint: str, blocks: list[Block], policy: Pol
     return Calibration(
         lane_key=lane_key, software_fingerprint=fingerprint, num_blocks=int(ratios.size),
         noise_floor_log=abs_quantile(ratios, policy.threshold.noise_quantile) if ratios.size else None,
-        loss_spread=normal_abs_quantile(losses, policy.quality.spread_quantile) if losses else None,
+        # Never above the largest A/A delta (the median of a handful of blocks, scaled up, is noisy), never set by
+        # one wild block (the empirical 0.95 quantile of a handful is their largest): the smaller of the two.
+        loss_spread=min(normal_abs_quantile(losses, policy.quality.spread_quantile),
+                        abs_quantile(losses, policy.quality.spread_quantile)) if losses else None,
         aa_hl_log=hodges_lehmann(ratios) if ratios.size else None, aa_interval_log=interval, bias_bound_log=bound,
         first_at=stamps[0] if stamps else None, last_at=stamps[-1] if stamps else None,
         aa_var_log=float(np.var(ratios, ddof=1)) if ratios.size >= 2 else None)

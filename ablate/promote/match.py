@@ -87,6 +87,8 @@ class ArmView:
     execution: str = ""
     """What actually ran (resolved backends, compile posture, warmup as resolved, engine, model structure)."""
     gate_details: tuple[str, ...] = ()
+    host: str = ""
+    """The arm's own host (a refused block's gated arm has no block to say it)."""
     joules_per_token: Optional[float] = None
     energy_source: Optional[str] = None
     """Where ``joules_per_token`` came from (``Receipt.energy``); reported beside the speed-up, never decided on."""
@@ -258,7 +260,7 @@ def _arm_view(receipt: Receipt, policy: Policy) -> ArmView:
         tokens_per_s=proj.tokens_per_s if proj is not None else None,
         loss=getattr(receipt.quality, policy.quality.metric, None), codes=tuple(sorted(receipt.codes())),
         gated_codes=tuple(sorted(gated)), counters=counters, peak_memory=peak, created_at=ident.created_at,
-        git_sha=ident.git_sha, git_dirty=ident.git_dirty,
+        git_sha=ident.git_sha, git_dirty=ident.git_dirty, host=ident.host or "",
         one_time_s=proj.one_time_s if proj is not None else None,
         recurring_step_s=proj.recurring_step_s if proj is not None else None,
         warm_budget_steps=proj.warm_budget_steps if proj is not None else 0,

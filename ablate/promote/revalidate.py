@@ -25,11 +25,11 @@ as they were before the promotion (so "measured against the current default" hol
 is resolved, the re-test becomes a fresh evidence record under the new fingerprint); REJECT means the win is gone
 (no meaningful win with a calibrated lane and enough blocks, a gated disqualifier, flakiness or worse quality):
 the value is demoted to ``previous``, except: a global value whose re-test found the toggle inert on the lane
-(inert here says nothing about the lanes where it acts); a REJECT by a gate on fewer hosts than
-``evidence.min_hosts`` (``_why_a_reject_keeps``); a re-test under the software the value was promoted on; re-tests
-of one value that disagree (``settle_conflicts``). Those, and anything else (HOLD, too few blocks, no verdict), keep
-the value and the mark, with the re-test recorded as "still unconfirmed": a wrong demotion is as bad as a wrong
-promotion.
+(inert here says nothing about the lanes where it acts); a REJECT by a gate too thin to demote on, unless a later
+clause shows the win gone (``_why_a_reject_keeps``); a re-test under the software the value was promoted on;
+re-tests of one value that disagree (``settle_conflicts``); a demotion that would put nothing back
+(``_nothing_to_put_back``). Those, and anything else (HOLD, too few blocks, no verdict), keep the value and the
+mark, with the re-test recorded as "still unconfirmed": a wrong demotion is as bad as a wrong promotion.
 """
 
 from __future__ import annotations
@@ -372,12 +372,18 @@ def defaults_before(defaults_path: Path, targets: list[Target], directory: Path)
     return path
 
 
-def _why_a_reject_keeps(target: Target, v: FeatureVerdict, policy: Policy) -> Optional[str]:
-    """Why this re-test's REJECT does not show that the win is gone (None: it does, and the value is demoted).
+LOST_WIN = ("not_flaky", "quality_not_worse", "win_possible")
+"""REJECT clauses that measure the win gone (a flaky candidate, a worse loss, no meaningful win)."""
+
+
+def _why_a_reject_keeps(target: Target, v: FeatureVerdict, policy: Policy) -> tuple[Optional[str], str]:
+    """(why this re-test's REJECT does not show the win gone, None when it does; the reason a demotion gives).
 
     The rule REJECTs on one gated candidate arm: right for a promotion (nothing is written), too little to take a
     default away from every run (found in review: one LOW_PRIORITY arm of twelve demoted a 5% win). A gate demotes
-    from as many hosts as a PROMOTE needs, counting only codes about the arm itself."""
+    when its arms are on evidence.min_hosts hosts and gated more often than the baseline's (Fisher, as the flaky
+    clause), counting only codes about what the feature did; behind a thinner gate a measured lost win still
+    demotes."""
     deciding = v.clauses[-1].name if v.clauses else ""
     lane = f"lane {target.lane_key[:12]}"
     if deciding == "not_inert" and target.scope == "global":
@@ -386,18 +392,31 @@ def _why_a_reject_keeps(target: Target, v: FeatureVerdict, policy: Policy) -> Op
         # it acts: demoting it would take their win away on no evidence from them.
         return (f"the toggle is inert on {lane} under the new software, which says nothing about the lanes where "
                 f"it acts; once it has been measured on one of those, set features.{target.feature}.value back or "
-                f"clear the mark by hand")
-    hosts = {"no_disqualifier": v.gated_hosts, "exact_counters": v.counter_hosts}.get(deciding)
-    if hosts is not None and hosts < policy.evidence.min_hosts:
-        return (f"the gate is on {hosts} host(s) < {policy.evidence.min_hosts} (evidence.min_hosts; a node's "
-                f"priority, hardware or failed node check counts on none): that is those hosts' fact, not a lost win")
-    return None
+                f"clear the mark by hand"), ""
+    thin: list[str] = []
+    if deciding == "no_disqualifier":
+        thin = [why for short, why in (
+            (v.gated_hosts < policy.evidence.min_hosts,
+             f"on {v.gated_hosts} host(s) < {policy.evidence.min_hosts} (evidence.min_hosts)"),
+            (v.gate_fisher_p >= policy.failures.fisher_alpha,
+             f"{v.gated_own_arms} gated candidate arm(s), not more often than the baseline's (Fisher "
+             f"p={v.gate_fisher_p:.3g})")) if short]
+    elif deciding == "exact_counters" and v.counter_hosts < policy.evidence.min_hosts:
+        thin = [f"on {v.counter_hosts} host(s) < {policy.evidence.min_hosts} (evidence.min_hosts)"]
+    if not thin:
+        return None, v.reason
+    lost = next((c for c in v.also_rejected if c.name in LOST_WIN), None)
+    if lost is not None:
+        return None, f"{lost.detail} (behind a gate too thin to demote on alone: {v.reason})"
+    return (f"the gate is too thin to demote on ({'; '.join(thin)}; a node's priority, hardware or failed node "
+            f"check and INERT_TOGGLE count as none), and no other clause shows the win gone"), ""
 
 
 def outcome_of(target: Target, v: Optional[FeatureVerdict], policy: Policy, *, report_id: str, campaign: str,
                date: str, sweeps: list[str]) -> RevalidationOutcome:
     """PROMOTE confirms, REJECT demotes, anything else keeps the value with the mark (see the module docstring)."""
-    keep = _why_a_reject_keeps(target, v, policy) if v is not None and v.verdict == REJECT else None
+    keep, demoted_because = (_why_a_reject_keeps(target, v, policy) if v is not None and v.verdict == REJECT
+                             else (None, ""))
     if v is None:
         outcome, reason = UNCONFIRMED, "the re-test gave no verdict for this value on this lane (no usable block)"
     elif v.software_fingerprint == target.recorded_fingerprint:
@@ -415,7 +434,7 @@ def outcome_of(target: Target, v: Optional[FeatureVerdict], policy: Policy, *, r
     elif v.verdict == REJECT and keep is not None:
         outcome, reason = UNCONFIRMED, f"REJECT ({v.reason}), but {keep}; the value stays, still marked"
     elif v.verdict == REJECT:
-        outcome, reason = DEMOTED, v.reason
+        outcome, reason = DEMOTED, demoted_because
     else:
         outcome, reason = UNCONFIRMED, f"inconclusive ({v.verdict}): {v.reason}; the value stays, still marked"
     retest = {"report": report_id, "date": date, "sweeps": sweeps, "verdict": v.verdict if v else None,
@@ -464,6 +483,25 @@ def demotion_changes(defaults_path: Path, outcomes: list[RevalidationOutcome], r
                                       scope="global" if flipped else "lane", lanes=[o.lane_key],
                                       override_edits=moved))
     return changes
+
+
+def _nothing_to_put_back(defaults_path: Path, outcomes: list[RevalidationOutcome], report_id: str,
+                         date: str) -> list[RevalidationOutcome]:
+    """A demotion that would edit nothing (what the promotion replaced runs already, or the override it moved was
+    edited since) stays unconfirmed: resolving the mark "demoted" left the lane on the losing value for good and the
+    report claimed a move that was never written (found in review). Applied to a copy, in order, as written."""
+    features = _yaml().load(defaults_path.read_text()).get("features") or {}
+    kept = []
+    for o in outcomes:
+        edits = apply_outcome(features, o, report_id, date)
+        if o.outcome == DEMOTED and not any(e.kind == "demote" for e in edits):
+            reason = (f"{o.reason}; but nothing in the file puts back what the promotion replaced (it runs already, or "
+                      f"the override the promotion moved was edited since): set features.{o.feature} back by hand; "
+                      f"the value stays, still marked")
+            o = dataclasses.replace(o, outcome=UNCONFIRMED, reason=reason,
+                                    retest={**o.retest, "outcome": UNCONFIRMED, "reason": reason})
+        kept.append(o)
+    return kept
 
 
 def settle_conflicts(outcomes: list[RevalidationOutcome]) -> list[RevalidationOutcome]:
@@ -516,7 +554,7 @@ def judge(targets: list[Target], receipts: list[Receipt], policy: Policy, defaul
         outcomes.append(outcome_of(target, _verdict_for(target, result.verdicts), policy,
                                    report_id=result.report_id, campaign=result.campaign, date=result.date,
                                    sweeps=sweeps))
-    outcomes = settle_conflicts(outcomes)
+    outcomes = _nothing_to_put_back(defaults_path, settle_conflicts(outcomes), result.report_id, result.date)
     # What this report changes is the outcomes, not the promotions the rule would plan against the old defaults.
     result.changes = demotion_changes(defaults_path, outcomes, result.report_id, result.date)
     result.revalidations = list(outcomes)

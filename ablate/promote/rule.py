@@ -454,7 +454,11 @@ def decide(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, Any], num_t
         v.verdict = TAX_REPORTED
         v.reason = "taxes are never promoted: opt-in only"
         if v.within_budget is False:
-            v.reason = f"over budget: lower bound {v.ci95[0]:.4f} < {1 - (v.budget or 0):.4f}" if v.ci95 else v.reason
+            if v.ci95:
+                lowered = v.ci95[0] / (1.0 + (v.bias_bound or 0.0))
+                v.reason = (f"over budget: lower bound {v.ci95[0]:.4f}"
+                            + (f", lowered by the A/A bias bound {_pct(1 + v.bias_bound)} to {lowered:.4f}"
+                               if v.bias_bound else "") + f" < {1 - (v.budget or 0):.4f}")
         return v
     if not v.receipt_ids:
         v.verdict, v.reason = HOLD, "no block under the lane's current software fingerprint (count restarted)"
@@ -478,10 +482,14 @@ def decide(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, Any], num_t
     if policy.sequential.enabled and v.work is not None and v.n_blocks:
         sprt = sprt_of(v, policy, num_tests)
         v.sequential = sprt.to_dict()
-    for make in _reject_clauses(v, policy, sprt):
+    rejects = _reject_clauses(v, policy, sprt)
+    for at, make in enumerate(rejects):
         clause = make()
         v.clauses.append(clause)
         if not clause.passed:
+            # The clauses are pure: what the later ones say too, for a revalidation whose deciding gate is too thin
+            # to demote on (a lost win behind one LOW_PRIORITY arm was kept for good, found in review).
+            v.also_rejected = [c for c in (later() for later in rejects[at + 1:]) if not c.passed]
             if v.left_out_arms:
                 # Every REJECT clause, not only the statistical ones: a selection that made older software's
                 # evidence current (its gate, its failures) or kept the round that failed chose the verdict.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -186,7 +187,7 @@ def test_a_tax_is_within_budget_only_as_far_as_its_lane_can_tell(policy: Policy)
     v = verdict_of(run(simulate(Sim(features=[stp], noise=0.007, aa_per_host=2, slot_bias=0.04), 0), policy,
                        curves=False), "stp")
     assert v.ci95[0] > 0.9 and v.bias_bound > 0.03, "the premise: the slot bias lifts the raw interval"
-    assert v.within_budget is False and "over budget" in v.reason
+    assert v.within_budget is False and "over budget" in v.reason and "lowered by the A/A bias bound" in v.reason
     cheap = FeatureTruth("stp", "on", "off", 0.95)
     receipts = simulate(Sim(features=[cheap], **QUIET), 0)
     for arm in candidates(receipts)[:3]:
@@ -382,6 +383,23 @@ def test_the_loss_margin_is_the_normal_quantile_of_the_aa_spread() -> None:
     noise = np.random.default_rng(3).normal(0.0, 0.01, 20_000)
     assert normal_abs_quantile(noise, 0.95) == pytest.approx(1.96 * 0.01, rel=0.03)
     assert normal_abs_quantile([0.0, 0.0, 0.0, 0.0, 0.0, 0.3], 0.95) == 0.0  # one wild value of six: no spread
+
+
+def test_the_loss_margin_never_exceeds_the_largest_aa_loss_delta(policy: Policy) -> None:
+    # The median of a handful of A/A deltas, scaled to the 0.95 quantile, can land far above any of them (review:
+    # [0.004, 0.004, 0.004, 0.001] gave 0.0116) and then lets a worse loss through: the margin is the smaller one.
+    from ablate.promote.evidence import _calibrate
+    from ablate.promote.match import match_blocks
+
+    receipts = simulate(Sim(features=[], noise=0.007, aa_per_host=1), 0)
+    blocks = [b for b in match_blocks(receipts, policy)[0] if b.is_aa][:6]
+    deltas = [0.004, 0.004, 0.004, 0.001, 0.004, 0.004]
+    assert len(blocks) == len(deltas)
+    for block, delta in zip(blocks, deltas):
+        block.candidate = dataclasses.replace(block.candidate, loss=block.baseline.loss + delta)
+    assert [round(b.loss_delta(), 6) for b in blocks] == deltas
+    cal = _calibrate("lane", "sw", blocks, policy)
+    assert cal.loss_spread is not None and cal.loss_spread <= max(deltas) + 1e-12
 
 
 def test_a_suspicious_win_needs_a_confirming_round(policy: Policy) -> None:
