@@ -211,19 +211,23 @@ def test_an_inconclusive_retest_keeps_the_value_and_the_mark(policy: Policy, tmp
     assert write_defaults(result, m.defaults) == []  # the same re-test is recorded once
 
 
-def test_a_lane_override_is_demoted_by_removing_it(policy: Policy, tmp_path: Path) -> None:
-    m = mark_jagged(tmp_path, policy)
-    # The same promotion as a lane override (CPU evidence under the default policy is never global).
+def as_lane_override(m: Marked) -> dict:
+    """The same promotion as a lane override (CPU evidence under the default policy is never global): its record."""
     yaml = YAML()
     doc = yaml.load(m.defaults.read_text())
     entry = doc["features"]["moe_dispatch"]
     rec = entry["evidence"][0]
     entry["value"], rec["scope"] = "padded", "lane"
     entry["lane_overrides"] = [{"lane_shape": rec["lane_shape"], "value": "jagged", "previous": "padded",
-                                "report": rec["report"], "date": rec["date"],
-                                "revalidate": dict(rec["revalidate"])}]
+                                "report": rec["report"], "date": rec["date"], "revalidate": dict(rec["revalidate"])}]
     with m.defaults.open("w") as handle:
         yaml.dump(doc, handle)
+    return dict(rec)
+
+
+def test_a_lane_override_is_demoted_by_removing_it(policy: Policy, tmp_path: Path) -> None:
+    m = mark_jagged(tmp_path, policy)
+    rec = as_lane_override(m)
     result = retest(m, policy, tmp_path, retest_sim(m, moe(0.95)))
     assert [v.verdict for v in result.verdicts] == [REJECT]
     defaults = load_defaults(m.defaults)
@@ -393,15 +397,7 @@ def test_a_global_value_found_inert_on_its_retest_lane_stays_marked_instead_of_b
 def test_a_lane_override_found_inert_on_its_lane_is_still_demoted(policy: Policy, tmp_path: Path) -> None:
     """A lane override only ever acted on its own lane: inert there, it goes (the lane runs the global value)."""
     m = mark_jagged(tmp_path, policy)
-    yaml = YAML()
-    doc = yaml.load(m.defaults.read_text())
-    entry = doc["features"]["moe_dispatch"]
-    rec = entry["evidence"][0]
-    entry["value"], rec["scope"] = "padded", "lane"
-    entry["lane_overrides"] = [{"lane_shape": rec["lane_shape"], "value": "jagged", "previous": "padded",
-                                "report": rec["report"], "date": rec["date"], "revalidate": dict(rec["revalidate"])}]
-    with m.defaults.open("w") as handle:
-        yaml.dump(doc, handle)
+    as_lane_override(m)
     [target], _, _ = find_targets(m.defaults)
     receipts = inert_candidates(keyed(simulate(retest_sim(m, moe(1.0)), 7), m.lane_key))
     result = judge([target], receipts, policy, m.defaults, workdir=tmp_path / "work")
