@@ -30,11 +30,10 @@ import numpy as np
 from ablate.config.features import FEATURES
 from ablate.promote.energy import energy_ratio
 from ablate.promote.evidence import Calibration, TestEvidence, shape_key
-from ablate.promote.match import Block, winner
+from ablate.promote.match import NOT_THE_FEATURES, Block, winner
 from ablate.promote.policy import Policy
 from ablate.promote.stats import (bootstrap_clusters, bootstrap_hl, fisher_more_failures, hodges_lehmann,
                                   pvalue_at_most, quantile)
-from ablate.receipts.schema import Code
 
 PROMOTE, HOLD, REJECT, TAX_REPORTED = "PROMOTE", "HOLD", "REJECT", "TAX-REPORTED"
 CURVE_POINTS = 25
@@ -43,8 +42,6 @@ CURVE_RESAMPLES = 400
 """Bootstrap resamples per curve point: a plotted band, not a decision. Drawn from a stream of their own
 (``_rng(policy, key + CURVE_STREAM)``), so leaving the curve out changes no other number of the test."""
 CURVE_STREAM = "|curve"
-NODE_FACTS = frozenset(c.value for c in (Code.LOW_PRIORITY, Code.HARDWARE_MISMATCH, Code.BACKEND_FAILED_NODE_CHECK))
-"""Gated codes that say what a node was (its priority, hardware, a failed node check), not what the feature did."""
 
 
 @dataclass
@@ -423,13 +420,15 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
                                                       for c in view.gated_codes).items()))
     verdict.counter_violations = _counter_violations(blocks, policy)
     verdict.counter_hosts = len({b.host for b in blocks if _counter_violations([b], policy)})
-    # Codes about what the feature did (not a node's facts; INERT_TOGGLE says it did nothing) on candidate arms, kept
-    # or in refused blocks: what a revalidation may demote on.
-    own = [view for _, view, _ in gated_views if set(view.gated_codes) - NODE_FACTS - {Code.INERT_TOGGLE.value}]
-    verdict.gated_hosts, verdict.gated_own_arms = len({view.host for view in own}), len(own)
-    baseline_own = sum(1 for b in blocks if set(b.baseline.gated_codes) - NODE_FACTS - {Code.INERT_TOGGLE.value})
-    verdict.gate_fisher_p = fisher_more_failures(len(own), len(blocks) + len(test.refused_gates), baseline_own,
-                                                 len(blocks))
+    # Codes about what went wrong (not a node's facts; INERT_TOGGLE says the feature did nothing) on candidate arms,
+    # kept or in refused blocks: what a revalidation may demote on, counted by block against the blocks whose
+    # baseline carried such a code (refused too: a gated baseline leaves no kept block). Views over-count a block
+    # with retried attempts, and made the table negative (found in review: promote crashed).
+    own = [(block_id, view) for block_id, view, _ in gated_views if set(view.gated_codes) - NOT_THE_FEATURES]
+    verdict.gated_hosts, verdict.gated_own_arms = len({view.host for _, view in own}), len(own)
+    total = len(blocks) + test.refused_blocks
+    verdict.gate_fisher_p = fisher_more_failures(len({block_id for block_id, _ in own}), total,
+                                                 test.refused_baseline_gated, total)
     verdict.throughput = _throughput(blocks)
     verdict.device_class = Counter(b.device_class for b in blocks).most_common(1)[0][0] if blocks else ""
     verdict.horizon_steps = blocks[0].horizon_steps if blocks else 0

@@ -168,6 +168,10 @@ class TestEvidence:
     superseded: list[Block] = field(default_factory=list)
     rounds: list[RoundInfo] = field(default_factory=list)
     refused_gates: list[tuple[str, ArmView]] = field(default_factory=list)
+    refused_blocks: int = 0
+    """Refused blocks of the test that carry a gate on either arm (``refused_gates`` lists the candidates')."""
+    refused_baseline_gated: int = 0
+    """Of those, the blocks whose baseline arm carried a gate about what ran (``Refusal.baseline_gated``)."""
     """(block id, candidate arm) of refused blocks of this test whose candidate carries a gated code."""
     unread: list[UnreadArm] = field(default_factory=list)
     """Arms of this test (or A/A arms of its lane) under its fingerprint whose receipts could not be read."""
@@ -371,13 +375,15 @@ def organise(blocks: list[Block], policy: Policy, refusals: Iterable[Refusal] = 
         old = [b for b in members if b.software_fingerprint != current]
         first = (kept or members)[0]
         value = json.dumps(first.value, default=str)
-        gates = [(r.block_id, view) for r in refusals if r.gated_candidates and r.feature == feature and
-                 r.value == value and r.lane_key == lane_key and r.software_fingerprint == current
-                 for view in r.gated_candidates]
+        refused = [r for r in refusals if (r.gated_candidates or r.baseline_gated) and r.feature == feature and
+                   r.value == value and r.lane_key == lane_key and r.software_fingerprint == current]
+        gates = [(r.block_id, view) for r in refused for view in r.gated_candidates]
         tests.append(TestEvidence(
             feature=feature, value=first.value, baseline_value=first.baseline_value, kind=first.kind,
             lane_key=lane_key, software_fingerprint=current, blocks=kept, superseded=old,
             rounds=rounds_of_test(kept, policy, windows), refused_gates=gates,
+            refused_blocks=len({r.block_id for r in refused}),
+            refused_baseline_gated=len({r.block_id for r in refused if r.baseline_gated}),
             unread=[arm for arm in unread if arm.concerns(feature, lane_key, current)],
             calibration=calibration_of(lane_key, frozenset(b.round_id for b in kept)),
             calibration_then=calibration_then(lane_key, {b.round_id for b in kept})))

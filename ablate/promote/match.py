@@ -53,6 +53,10 @@ crashed was refused for "arms differ in pairing", its failure dropped, and the t
 FAILURE_CODE = "ARM_FAILED"
 """The only code a failed arm is spared at the gate: it *is* the failure, which counts as a loss instead."""
 
+NOT_THE_FEATURES = frozenset({"LOW_PRIORITY", "HARDWARE_MISMATCH", "BACKEND_FAILED_NODE_CHECK", "INERT_TOGGLE"})
+"""Gated codes that say nothing about what the feature made go wrong: a node's facts (its priority, its hardware, a
+failed node check) and INERT_TOGGLE (the feature did nothing). A revalidation demotes on the others only."""
+
 
 @dataclass(frozen=True)
 class ArmView:
@@ -209,6 +213,9 @@ class Refusal:
     value: Optional[str] = None
     """JSON of the candidate's feature value, and the fingerprint it ran under: which test those gates belong to."""
     software_fingerprint: Optional[str] = None
+    baseline_gated: bool = False
+    """Its baseline arm carried a gate about what ran (not a node's fact, nor INERT_TOGGLE): the other side of a
+    revalidation's "gated more often than the baseline" (such a block is refused, so no kept block shows it)."""
 
 
 def execution_record(receipt: Receipt) -> dict[str, Any]:
@@ -512,6 +519,7 @@ def _refuse(reason: str, receipts: Iterable[Receipt], block_id: str, gates: Opti
     first = receipts[0].identity if receipts else None
     gated: tuple[ArmView, ...] = ()
     value = fingerprint = None
+    baseline_gated = False
     if gates is not None:
         candidates = [r for r in receipts if r.identity.arm.value == "candidate"]
         # A code the baseline shares (low priority, a failed node check) is the host's, not the feature's.
@@ -522,13 +530,14 @@ def _refuse(reason: str, receipts: Iterable[Receipt], block_id: str, gates: Opti
                                           gate_details=tuple(d for d in view.gate_details
                                                              if d.split(":", 1)[0] not in shared))
                       for view in views if set(view.gated_codes) - shared)
-        if gated:
+        baseline_gated = bool(shared - NOT_THE_FEATURES)
+        if candidates and (gated or baseline_gated):
             value = json.dumps(candidates[0].identity.feature_value, default=str)
             fingerprint = candidates[0].identity.software_fingerprint
     return Refusal(reason=reason, receipt_ids=tuple(r.identity.receipt_id for r in receipts), block_id=block_id,
                    feature=first.feature if first else None, lane_key=first.lane_key if first else None,
                    round_id=first.sweep_id if first else None, gated_candidates=gated, value=value,
-                   software_fingerprint=fingerprint)
+                   software_fingerprint=fingerprint, baseline_gated=baseline_gated)
 
 
 def _make_block(block_id: str, receipts: list[Receipt], policy: Policy) -> Block | Refusal:

@@ -405,7 +405,8 @@ def _why_a_reject_keeps(target: Target, v: FeatureVerdict, policy: Policy) -> tu
         thin = [f"on {v.counter_hosts} host(s) < {policy.evidence.min_hosts} (evidence.min_hosts)"]
     if not thin:
         return None, v.reason
-    lost = next((c for c in v.also_rejected if c.name in LOST_WIN), None)
+    lost = next((c for c in v.also_rejected if c.name in LOST_WIN or (
+        c.name == "exact_counters" and v.counter_hosts >= policy.evidence.min_hosts)), None)
     if lost is not None:
         return None, f"{lost.detail} (behind a gate too thin to demote on alone: {v.reason})"
     return (f"the gate is too thin to demote on ({'; '.join(thin)}; a node's priority, hardware or failed node "
@@ -491,10 +492,17 @@ def _nothing_to_put_back(defaults_path: Path, outcomes: list[RevalidationOutcome
     edited since) stays unconfirmed: resolving the mark "demoted" left the lane on the losing value for good and the
     report claimed a move that was never written (found in review). Applied to a copy, in order, as written."""
     features = _yaml().load(defaults_path.read_text()).get("features") or {}
-    kept = []
+    kept, demoted = [], {}
     for o in outcomes:
         edits = apply_outcome(features, o, report_id, date)
-        if o.outcome == DEMOTED and not any(e.kind == "demote" for e in edits):
+        place = (o.feature, str(o.value), "global" if o.scope == "global" else f"lane {o.lane_shape}")
+        if o.outcome == DEMOTED and any(e.kind == "demote" for e in edits):
+            demoted[place] = o.lane_key[:12]
+        elif o.outcome == DEMOTED and place in demoted:
+            # Another lane's re-test of the same value, earlier in this report, already put it back.
+            reason = f"{o.reason} (put back with lane {demoted[place]}'s re-test)"
+            o = dataclasses.replace(o, reason=reason, retest={**o.retest, "reason": reason})
+        elif o.outcome == DEMOTED:
             reason = (f"{o.reason}; but nothing in the file puts back what the promotion replaced (it runs already, or "
                       f"the override the promotion moved was edited since): set features.{o.feature} back by hand; "
                       f"the value stays, still marked")

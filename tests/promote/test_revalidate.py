@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
 from conftest import DEFAULT_POLICY, SINGLE_NODE_POLICY
-from promote_sim import FeatureTruth, Sim, moe, simulate
+from promote_sim import FeatureTruth, Sim, make_receipt, moe, simulate
 from ruamel.yaml import YAML
 from sweeps_common import fresh_mlflow_uri, tiny_smoke
 from typer.testing import CliRunner
@@ -600,3 +601,91 @@ def test_gates_in_refused_blocks_count_on_their_hosts(policy: Policy, tmp_path: 
     [v] = judged(m, policy, tmp_path, receipts).verdicts
     assert v.gated_disqualifiers == {"NONFINITE_LOSS": 6} and all("(block refused)" in a for a in v.gated_arms)
     assert (v.gated_hosts, v.gated_own_arms) == (3, 6)
+
+
+def with_a_failed_first_attempt(receipts: list[Receipt], blocks: int, code: Code) -> list[Receipt]:
+    """The first ``blocks`` blocks of the tested feature ran twice: attempt 0's candidate failed with ``code``
+    beside a valid baseline, attempt 1 is the standing pair."""
+    extra = []
+    for cand in [r for r in receipts if r.identity.feature and r.identity.arm.value == "candidate"][:blocks]:
+        base = next(r for r in receipts if r.identity.arm.value == "baseline" and
+                    (r.identity.sweep_id, r.identity.block_id) == (cand.identity.sweep_id, cand.identity.block_id))
+        for arm, status, codes in ((base, "valid", ()), (cand, "failed", ({"code": code.value, "detail": "nan"},
+                                                                           {"code": "ARM_FAILED"}))):
+            ident = arm.identity
+            extra.append(make_receipt(
+                receipt_id=ident.receipt_id + "-attempt0", sweep_id=ident.sweep_id, block_id=ident.block_id,
+                arm=ident.arm.value, arm_index=ident.arm_index, order=ident.order, feature=ident.feature,
+                feature_value=ident.feature_value, baseline_value=ident.baseline_value, lane=arm.requested.lane,
+                host=ident.host, tps=5000.0 if status == "valid" else None, loss=5.0, lane_key=ident.lane_key,
+                status=status, disqualifiers=codes, software_fingerprint=ident.software_fingerprint,
+                campaign=ident.campaign, created_at=datetime.fromisoformat(ident.created_at) - timedelta(minutes=1),
+                attempt=0))
+            ident.attempt = 1
+    return receipts + extra
+
+
+def test_a_feature_that_loses_its_loss_everywhere_with_a_retry_is_demoted_not_a_crash(policy: Policy,
+                                                                                       tmp_path: Path) -> None:
+    """Counting gated views, a retried block counted twice against one block in the denominator: the Fisher table
+    went negative and promote raised (found in review). Gates are counted by block."""
+    m = mark_jagged(tmp_path, policy)
+    receipts = gated(keyed(simulate(retest_sim(m, moe(0.95)), 7), m.lane_key), Code.NONFINITE_LOSS, 3, 4)
+    result = judged(m, policy, tmp_path, with_a_failed_first_attempt(receipts, 1, Code.NONFINITE_LOSS))
+    [v] = result.verdicts
+    assert v.verdict == REJECT and v.gated_own_arms == 13 and v.gate_fisher_p < 0.01
+    assert [o.outcome for o in result.revalidations] == [DEMOTED]
+
+
+def test_a_gate_both_arms_share_at_the_same_rate_does_not_demote(policy: Policy, tmp_path: Path) -> None:
+    """The new software OOMs baseline and candidate arms alike: the gate is the software's, not the feature's. A
+    gated baseline's block is refused, so it was invisible and a 5% win was demoted (found in review)."""
+    m = mark_jagged(tmp_path, policy)
+    receipts = keyed(simulate(retest_sim(m, moe(1.05), blocks_per_host=8), 7), m.lane_key)
+    by_host: dict[str, list[tuple[str, str]]] = {}
+    for key in sorted({(r.identity.host, r.identity.sweep_id, r.identity.block_id) for r in receipts
+                       if r.identity.feature}):
+        by_host.setdefault(key[0], []).append(key[1:])
+    hit = {"candidate": {k for keys in by_host.values() for k in keys[0:4:2]},
+           "baseline": {k for keys in by_host.values() for k in keys[1:4:2]}}
+    for r in receipts:
+        if r.identity.feature and (r.identity.sweep_id, r.identity.block_id) in hit.get(r.identity.arm.value, ()):
+            r.disqualifiers.append(Disqualifier(code=Code.OOM, detail="CUDA out of memory"))
+    result = judged(m, policy, tmp_path, receipts)
+    [v] = result.verdicts
+    assert v.verdict == REJECT and v.gated_hosts == 3 and v.gate_fisher_p > 0.5
+    assert [o.outcome for o in result.revalidations] == [UNCONFIRMED]
+
+
+def test_a_thin_gate_does_not_shield_a_counter_on_every_host(policy: Policy, tmp_path: Path) -> None:
+    m = mark_jagged(tmp_path, policy)
+    receipts = keyed(simulate(retest_sim(m, moe(1.05)), 7), m.lane_key)
+    for r in receipts:
+        if r.identity.feature and r.identity.arm.value == "candidate":
+            r.observed.compile.graph_breaks = 3
+    result = judged(m, policy, tmp_path, gated(receipts, Code.LOW_PRIORITY, 1))
+    [v] = result.verdicts
+    assert failing_names(v) == ["no_disqualifier"] and "exact_counters" in [c.name for c in v.also_rejected]
+    assert [o.outcome for o in result.revalidations] == [DEMOTED]
+
+
+def test_two_lanes_that_both_find_the_win_gone_both_demote(policy: Policy, tmp_path: Path) -> None:
+    """The first demotion puts the global value back; the second lane's then edits nothing, and was called "set it
+    back by hand" although the file already had (found in review)."""
+    defaults, keys, flats = two_marked_lanes(tmp_path, policy)
+    targets, _, _ = find_targets(defaults)
+    receipts = []
+    for i, k in enumerate("AB"):
+        sim = Sim(features=[moe(0.95)], lane=flats[k], horizon=flats[k]["budget.horizon_steps"],
+                  fingerprints=["sw-2"] * 2, campaign="reval-sw-2", block_prefix=f"R{k}-", **QUIET)
+        receipts += keyed(simulate(sim, 7 + i), keys[k])
+    result = judge(targets, receipts, policy, defaults, workdir=tmp_path / "work")
+    assert [o.outcome for o in result.revalidations] == [DEMOTED, DEMOTED]
+    assert "put back with lane" in result.revalidations[1].reason
+    write_defaults(result, defaults)
+    assert load_defaults(defaults).values["moe_dispatch"] == "padded"
+    assert find_targets(defaults, repeat=True)[0] == []
+
+
+def failing_names(v: object) -> list[str]:
+    return [c.name for c in v.clauses if not c.passed]
