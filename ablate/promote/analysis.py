@@ -427,8 +427,8 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
     own = [(block_id, view) for block_id, view, _ in gated_views if set(view.gated_codes) - NOT_THE_FEATURES]
     verdict.gated_hosts, verdict.gated_own_arms = len({view.host for _, view in own}), len(own)
     total = len(blocks) + test.refused_blocks
-    verdict.gate_fisher_p = fisher_more_failures(len({block_id for block_id, _ in own}), total,
-                                                 test.refused_baseline_gated, total)
+    baseline_gated = test.refused_baseline_gated + sum(b.earlier_baseline_gated for b in blocks)
+    verdict.gate_fisher_p = fisher_more_failures(len({block_id for block_id, _ in own}), total, baseline_gated, total)
     verdict.throughput = _throughput(blocks)
     verdict.device_class = Counter(b.device_class for b in blocks).most_common(1)[0][0] if blocks else ""
     verdict.horizon_steps = blocks[0].horizon_steps if blocks else 0

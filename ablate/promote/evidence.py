@@ -168,11 +168,11 @@ class TestEvidence:
     superseded: list[Block] = field(default_factory=list)
     rounds: list[RoundInfo] = field(default_factory=list)
     refused_gates: list[tuple[str, ArmView]] = field(default_factory=list)
+    """(block id, candidate arm) of refused blocks of this test whose candidate carries a gated code."""
     refused_blocks: int = 0
     """Refused blocks of the test that carry a gate on either arm (``refused_gates`` lists the candidates')."""
     refused_baseline_gated: int = 0
     """Of those, the blocks whose baseline arm carried a gate about what ran (``Refusal.baseline_gated``)."""
-    """(block id, candidate arm) of refused blocks of this test whose candidate carries a gated code."""
     unread: list[UnreadArm] = field(default_factory=list)
     """Arms of this test (or A/A arms of its lane) under its fingerprint whose receipts could not be read."""
     calibration: Optional[Calibration] = None

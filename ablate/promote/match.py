@@ -137,6 +137,9 @@ class Block:
     earlier_gated: tuple[ArmView, ...] = ()
     """Candidate arms of earlier attempts (a retried block) that carry a gated code: each gates its test as the
     standing candidate's would, although only the latest attempt's pair is measured."""
+    earlier_baseline_gated: bool = False
+    """A baseline arm of an earlier attempt carried a gate about what ran (not in ``NOT_THE_FEATURES``): the other
+    side of a revalidation's "gated more often than the baseline", as ``earlier_gated`` is the candidate's."""
     failure_hosts: tuple[str, ...] = ()
     """Hosts of the block's failed candidate arms, each its own (a retry may run on another node than ``host``)."""
 
@@ -580,6 +583,8 @@ def _make_block(block_id: str, receipts: list[Receipt], policy: Policy) -> Block
     standing = {id(base), id(cand)}
     earlier_gated = tuple(view for view in (_arm_view(r, policy) for r in receipts if id(r) not in standing
                                             and r.identity.arm.value == "candidate") if view.gated_codes)
+    earlier_baseline_gated = any(set(_arm_view(r, policy).gated_codes) - NOT_THE_FEATURES for r in receipts
+                                 if id(r) not in standing and r.identity.arm.value == "baseline")
     ident = base.identity
     # A baseline whose worker died unobserved has no fingerprint of its own: the block is its candidate's.
     observed = cand.identity if _unobserved_failure(base) else ident
@@ -595,6 +600,7 @@ def _make_block(block_id: str, receipts: list[Receipt], policy: Policy) -> Block
                                     and r.identity.status.value == "failed"})),
         horizon_steps=int(base.requested.lane.get("budget.horizon_steps") or 0),
         tokens_per_step=base.requested.tokens_per_step, schedule=ident.schedule, earlier_gated=earlier_gated,
+        earlier_baseline_gated=earlier_baseline_gated,
         device_class=base_view.device_class if base_view.device_class else cand_view.device_class)
 
 

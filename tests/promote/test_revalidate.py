@@ -603,26 +603,33 @@ def test_gates_in_refused_blocks_count_on_their_hosts(policy: Policy, tmp_path: 
     assert (v.gated_hosts, v.gated_own_arms) == (3, 6)
 
 
-def with_a_failed_first_attempt(receipts: list[Receipt], blocks: int, code: Code) -> list[Receipt]:
-    """The first ``blocks`` blocks of the tested feature ran twice: attempt 0's candidate failed with ``code``
-    beside a valid baseline, attempt 1 is the standing pair."""
+def with_a_failed_first_attempt(receipts: list[Receipt], failing: dict[tuple[str, str], str],
+                                code: Code) -> list[Receipt]:
+    """Blocks (sweep id, block id) that ran twice: attempt 0's arm of the given role failed with ``code`` beside a
+    valid partner, attempt 1 is the standing pair."""
     extra = []
-    for cand in [r for r in receipts if r.identity.feature and r.identity.arm.value == "candidate"][:blocks]:
-        base = next(r for r in receipts if r.identity.arm.value == "baseline" and
-                    (r.identity.sweep_id, r.identity.block_id) == (cand.identity.sweep_id, cand.identity.block_id))
-        for arm, status, codes in ((base, "valid", ()), (cand, "failed", ({"code": code.value, "detail": "nan"},
-                                                                           {"code": "ARM_FAILED"}))):
-            ident = arm.identity
-            extra.append(make_receipt(
-                receipt_id=ident.receipt_id + "-attempt0", sweep_id=ident.sweep_id, block_id=ident.block_id,
-                arm=ident.arm.value, arm_index=ident.arm_index, order=ident.order, feature=ident.feature,
-                feature_value=ident.feature_value, baseline_value=ident.baseline_value, lane=arm.requested.lane,
-                host=ident.host, tps=5000.0 if status == "valid" else None, loss=5.0, lane_key=ident.lane_key,
-                status=status, disqualifiers=codes, software_fingerprint=ident.software_fingerprint,
-                campaign=ident.campaign, created_at=datetime.fromisoformat(ident.created_at) - timedelta(minutes=1),
-                attempt=0))
-            ident.attempt = 1
+    for arm in [r for r in receipts if r.identity.feature and (r.identity.sweep_id, r.identity.block_id) in failing]:
+        ident = arm.identity
+        failed = ident.arm.value == failing[(ident.sweep_id, ident.block_id)]
+        extra.append(make_receipt(
+            receipt_id=ident.receipt_id + "-attempt0", sweep_id=ident.sweep_id, block_id=ident.block_id,
+            arm=ident.arm.value, arm_index=ident.arm_index, order=ident.order, feature=ident.feature,
+            feature_value=ident.feature_value, baseline_value=ident.baseline_value, lane=arm.requested.lane,
+            host=ident.host, tps=None if failed else 5000.0, loss=5.0, lane_key=ident.lane_key,
+            status="failed" if failed else "valid",
+            disqualifiers=({"code": code.value, "detail": "from attempt 0"}, {"code": "ARM_FAILED"}) if failed else (),
+            software_fingerprint=ident.software_fingerprint, campaign=ident.campaign,
+            created_at=datetime.fromisoformat(ident.created_at) - timedelta(minutes=1), attempt=0))
+        ident.attempt = 1
     return receipts + extra
+
+
+def blocks_by_host(receipts: list[Receipt]) -> dict[str, list[tuple[str, str]]]:
+    by_host: dict[str, list[tuple[str, str]]] = {}
+    for host, sweep, block in sorted({(r.identity.host, r.identity.sweep_id, r.identity.block_id) for r in receipts
+                                      if r.identity.feature}):
+        by_host.setdefault(host, []).append((sweep, block))
+    return by_host
 
 
 def test_a_feature_that_loses_its_loss_everywhere_with_a_retry_is_demoted_not_a_crash(policy: Policy,
@@ -631,7 +638,9 @@ def test_a_feature_that_loses_its_loss_everywhere_with_a_retry_is_demoted_not_a_
     went negative and promote raised (found in review). Gates are counted by block."""
     m = mark_jagged(tmp_path, policy)
     receipts = gated(keyed(simulate(retest_sim(m, moe(0.95)), 7), m.lane_key), Code.NONFINITE_LOSS, 3, 4)
-    result = judged(m, policy, tmp_path, with_a_failed_first_attempt(receipts, 1, Code.NONFINITE_LOSS))
+    first = next(iter(blocks_by_host(receipts).values()))[0]
+    result = judged(m, policy, tmp_path, with_a_failed_first_attempt(receipts, {first: "candidate"},
+                                                                     Code.NONFINITE_LOSS))
     [v] = result.verdicts
     assert v.verdict == REJECT and v.gated_own_arms == 13 and v.gate_fisher_p < 0.01
     assert [o.outcome for o in result.revalidations] == [DEMOTED]
@@ -641,20 +650,20 @@ def test_a_gate_both_arms_share_at_the_same_rate_does_not_demote(policy: Policy,
     """The new software OOMs baseline and candidate arms alike: the gate is the software's, not the feature's. A
     gated baseline's block is refused, so it was invisible and a 5% win was demoted (found in review)."""
     m = mark_jagged(tmp_path, policy)
-    receipts = keyed(simulate(retest_sim(m, moe(1.05), blocks_per_host=8), 7), m.lane_key)
-    by_host: dict[str, list[tuple[str, str]]] = {}
-    for key in sorted({(r.identity.host, r.identity.sweep_id, r.identity.block_id) for r in receipts
-                       if r.identity.feature}):
-        by_host.setdefault(key[0], []).append(key[1:])
-    hit = {"candidate": {k for keys in by_host.values() for k in keys[0:4:2]},
-           "baseline": {k for keys in by_host.values() for k in keys[1:4:2]}}
-    for r in receipts:
-        if r.identity.feature and (r.identity.sweep_id, r.identity.block_id) in hit.get(r.identity.arm.value, ()):
+    win = keyed(simulate(retest_sim(m, moe(1.05), blocks_per_host=8), 7), m.lane_key)
+    by_host = blocks_by_host(win)
+    role = {**{k: "candidate" for keys in by_host.values() for k in keys[0:4:2]},
+            **{k: "baseline" for keys in by_host.values() for k in keys[1:4:2]}}
+    refused = [r.model_copy(deep=True) for r in win]  # the standing pair carries the gate: a gated baseline is refused
+    for r in refused:
+        if r.identity.feature and role.get((r.identity.sweep_id, r.identity.block_id)) == r.identity.arm.value:
             r.disqualifiers.append(Disqualifier(code=Code.OOM, detail="CUDA out of memory"))
-    result = judged(m, policy, tmp_path, receipts)
-    [v] = result.verdicts
-    assert v.verdict == REJECT and v.gated_hosts == 3 and v.gate_fisher_p > 0.5
-    assert [o.outcome for o in result.revalidations] == [UNCONFIRMED]
+    retried = with_a_failed_first_attempt([r.model_copy(deep=True) for r in win], role, Code.OOM)  # kept, retried
+    for receipts in (refused, retried):
+        result = judged(m, policy, tmp_path, receipts)
+        [v] = result.verdicts
+        assert v.verdict == REJECT and v.gated_hosts == 3 and v.gate_fisher_p > 0.5
+        assert [o.outcome for o in result.revalidations] == [UNCONFIRMED]
 
 
 def test_a_thin_gate_does_not_shield_a_counter_on_every_host(policy: Policy, tmp_path: Path) -> None:
