@@ -12,7 +12,8 @@ the report says which and why.
 Calibration (departing from promotion-rule.md §5.3, see ``ThresholdPolicy``): the A/A blocks bound the lane's
 *systematic* bias — the Hodges-Lehmann of their signed log ratios and its bootstrap interval; the bias bound is
 the larger end of that interval in absolute value — and show whether the A/A interval contains 1 (calibrated).
-Their single-block spread is reported (and triggers the suspicious-win check) but is not the win threshold.
+Their single-block spread is reported but is not the win threshold (the suspicious-win check reads Amdahl's bound,
+not the spread).
 """
 
 from __future__ import annotations
