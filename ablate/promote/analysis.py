@@ -30,7 +30,7 @@ import numpy as np
 from ablate.config.features import FEATURES
 from ablate.promote.energy import energy_ratio
 from ablate.promote.evidence import Calibration, TestEvidence, shape_key
-from ablate.promote.match import NOT_THE_FEATURES, Block, winner
+from ablate.promote.match import Block, feature_gates, winner
 from ablate.promote.policy import Policy
 from ablate.promote.stats import (bootstrap_clusters, bootstrap_hl, fisher_more_failures, hodges_lehmann,
                                   pvalue_at_most, quantile)
@@ -148,6 +148,7 @@ class FeatureVerdict:
     """Hosts of the candidate arms a gate about the feature disqualified (not a node's fact such as
     ``LOW_PRIORITY``, nor INERT_TOGGLE): a re-test's gate demotes only from as many hosts as a PROMOTE needs."""
     gated_own_arms: int = 0
+    """Those candidate arms, earlier attempts included (the reason a thin gate keeps a value names them)."""
     gate_fisher_p: float = 1.0
     """Fisher's exact p that those arms are gated more often than the baseline's: one gated arm of twelve is not
     a feature that breaks (the flaky clause's test, on gates)."""
@@ -418,13 +419,14 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
     gated_views += [(block_id, view, " (block refused)") for block_id, view in test.refused_gates]
     verdict.gated_disqualifiers = dict(sorted(Counter(c for _, view, _ in gated_views
                                                       for c in view.gated_codes).items()))
-    verdict.counter_violations = _counter_violations(blocks, policy)
-    verdict.counter_hosts = len({b.host for b in blocks if _counter_violations([b], policy)})
+    per_block = [(b, _counter_violations([b], policy)) for b in blocks]
+    verdict.counter_violations = [found for _, violations in per_block for found in violations]
+    verdict.counter_hosts = len({b.host for b, violations in per_block if violations})
     # Codes about what went wrong (not a node's facts; INERT_TOGGLE says the feature did nothing) on candidate arms,
     # kept or in refused blocks: what a revalidation may demote on, counted by block against the blocks whose
     # baseline carried such a code (refused too: a gated baseline leaves no kept block). Views over-count a block
     # with retried attempts, and made the table negative (found in review: promote crashed).
-    own = [(block_id, view) for block_id, view, _ in gated_views if set(view.gated_codes) - NOT_THE_FEATURES]
+    own = [(block_id, view) for block_id, view, _ in gated_views if feature_gates(view.gated_codes)]
     verdict.gated_hosts, verdict.gated_own_arms = len({view.host for _, view in own}), len(own)
     total = len(blocks) + test.refused_blocks
     baseline_gated = test.refused_baseline_gated + sum(b.earlier_baseline_gated for b in blocks)
@@ -443,10 +445,11 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
     verdict.unread_arms = [arm.describe() for arm in test.unread if not arm.left_out]
     verdict.left_out_arms = [arm.describe() for arm in test.unread if arm.left_out]
     verdict.inert_reason = inert_reason(test) if test.kind == "speed" else None
+    # The registry's reason (no arm flagged) holds for every arm; observed flags must be on every arm that ran.
+    flagged = [b for b in blocks if "INERT_TOGGLE" in b.candidate.codes]
     observed = [b for b in blocks if not b.candidate.failed]  # an arm that died observed nothing either way
     verdict.inert_everywhere = verdict.inert_reason is not None and (
-        not verdict.inert_reason.startswith("INERT_TOGGLE")
-        or bool(observed) and all("INERT_TOGGLE" in b.candidate.codes for b in observed))
+        not flagged or bool(observed) and all("INERT_TOGGLE" in b.candidate.codes for b in observed))
     # A gated candidate arm measured something other than the feature; it is counted above, never as a ratio.
     usable = [b for b in blocks if not b.candidate.gated_codes]
     rows = [(b, b.log_ratio(policy.failures.failed_log_ratio)) for b in usable]

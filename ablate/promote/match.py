@@ -58,6 +58,11 @@ NOT_THE_FEATURES = frozenset({"LOW_PRIORITY", "HARDWARE_MISMATCH", "BACKEND_FAIL
 failed node check) and INERT_TOGGLE (the feature did nothing). A revalidation demotes on the others only."""
 
 
+def feature_gates(codes: Iterable[str]) -> set[str]:
+    """The gated codes among ``codes`` that say what went wrong in the run (``NOT_THE_FEATURES`` left out)."""
+    return set(codes) - NOT_THE_FEATURES
+
+
 @dataclass(frozen=True)
 class ArmView:
     """The few facts of one receipt that promotion uses (keeps the hot loops off pydantic objects)."""
@@ -533,7 +538,7 @@ def _refuse(reason: str, receipts: Iterable[Receipt], block_id: str, gates: Opti
                                           gate_details=tuple(d for d in view.gate_details
                                                              if d.split(":", 1)[0] not in shared))
                       for view in views if set(view.gated_codes) - shared)
-        baseline_gated = bool(shared - NOT_THE_FEATURES)
+        baseline_gated = bool(feature_gates(shared))
         if candidates and (gated or baseline_gated):
             value = json.dumps(candidates[0].identity.feature_value, default=str)
             fingerprint = candidates[0].identity.software_fingerprint
@@ -583,7 +588,7 @@ def _make_block(block_id: str, receipts: list[Receipt], policy: Policy) -> Block
     standing = {id(base), id(cand)}
     earlier_gated = tuple(view for view in (_arm_view(r, policy) for r in receipts if id(r) not in standing
                                             and r.identity.arm.value == "candidate") if view.gated_codes)
-    earlier_baseline_gated = any(set(_arm_view(r, policy).gated_codes) - NOT_THE_FEATURES for r in receipts
+    earlier_baseline_gated = any(feature_gates(_arm_view(r, policy).gated_codes) for r in receipts
                                  if id(r) not in standing and r.identity.arm.value == "baseline")
     ident = base.identity
     # A baseline whose worker died unobserved has no fingerprint of its own: the block is its candidate's.

@@ -486,6 +486,11 @@ def demotion_changes(defaults_path: Path, outcomes: list[RevalidationOutcome], r
     return changes
 
 
+def _place(o: RevalidationOutcome) -> tuple[str, str, str]:
+    """Which value in the file an outcome is about: the global value, or one lane shape's override."""
+    return o.feature, str(o.value), "global" if o.scope == "global" else f"lane {o.lane_shape}"
+
+
 def _nothing_to_put_back(defaults_path: Path, outcomes: list[RevalidationOutcome], report_id: str,
                          date: str) -> list[RevalidationOutcome]:
     """A demotion that would edit nothing (what the promotion replaced runs already, or the override it moved was
@@ -495,7 +500,7 @@ def _nothing_to_put_back(defaults_path: Path, outcomes: list[RevalidationOutcome
     kept, demoted = [], {}
     for o in outcomes:
         edits = apply_outcome(features, o, report_id, date)
-        place = (o.feature, str(o.value), "global" if o.scope == "global" else f"lane {o.lane_shape}")
+        place = _place(o)
         if o.outcome == DEMOTED and any(e.kind == "demote" for e in edits):
             demoted[place] = o.lane_key[:12]
         elif o.outcome == DEMOTED and place in demoted:
@@ -519,8 +524,7 @@ def settle_conflicts(outcomes: list[RevalidationOutcome]) -> list[RevalidationOu
     The promotion rule itself keeps a value promoted in one lane and rejected in another off the global default."""
     places: dict[tuple[str, str, str], list[int]] = {}
     for i, o in enumerate(outcomes):
-        where = "global" if o.scope == "global" else f"lane {o.lane_shape}"
-        places.setdefault((o.feature, str(o.value), where), []).append(i)
+        places.setdefault(_place(o), []).append(i)
     settled = list(outcomes)
     for (feature, value, where), indices in places.items():
         lanes = {kind: sorted(outcomes[i].lane_key[:12] for i in indices if outcomes[i].outcome == kind)
