@@ -67,6 +67,7 @@ from ablate.sweep.resources import (Capacity, block_need, check_cluster, gpu_res
                                     tune_env_filter)
 from ablate.sweep.trial import (block_progress, clear_interrupted_scratch, run_block, start_clock, trial_dirname,
                                 trial_name)
+from ablate.sweep.worker_output import drop_teardown_tracebacks
 from ablate.tracking.mlflow_store import MAX_TAG_CHARS, SKIPPED_TAG, SWEEPS_DIR, MlflowStore
 from ablate.tracking.uri import check_sqlite_store, resolve_tracking_uri, shown
 
@@ -525,6 +526,7 @@ def ensure_ray() -> bool:
         init["runtime_env"]["env_vars"]["PYTHONPATH"] = path
         with process_env_only():  # Ray's processes inherit the environment: only allowlisted variables, no secrets
             ray.init(address="local", include_dashboard=False, **init, **quiet)
+    drop_teardown_tracebacks()
     return True
 
 
