@@ -23,14 +23,14 @@ import typing
 import zlib
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import numpy as np
 
 from ablate.config.features import FEATURES
 from ablate.promote.energy import energy_ratio
 from ablate.promote.evidence import Calibration, TestEvidence, shape_key
-from ablate.promote.match import Block, feature_gates, winner
+from ablate.promote.match import Block, Refusal, feature_gates, winner
 from ablate.promote.policy import Policy
 from ablate.promote.stats import (bootstrap_clusters, bootstrap_hl, fisher_more_failures, hodges_lehmann,
                                   pvalue_at_most, quantile)
@@ -358,11 +358,15 @@ def _throughput(blocks: list[Block]) -> dict[str, Any]:
     return out
 
 
-def _failures(blocks: list[Block]) -> dict[str, dict[str, int]]:
+def _failures(blocks: list[Block], refused: Iterable[Refusal] = ()) -> dict[str, dict[str, int]]:
+    """Failed and run arms per role: the blocks' (earlier attempts included) and refused blocks' (``refused``)."""
+    refused = list(refused)
     out = {}
     for role in ("baseline", "candidate"):
         failed = sum(getattr(b, role).failed for b in blocks) + sum(b.earlier_failures.get(role, 0) for b in blocks)
         arms = len(blocks) + sum(b.earlier_failures.get(role, 0) for b in blocks)
+        failed += sum(r.failures[role]["failed"] for r in refused)
+        arms += sum(r.failures[role]["arms"] for r in refused)
         out[role] = {"failed": failed, "arms": arms}
     return out
 
@@ -408,9 +412,10 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
     verdict.superseded = {"blocks": len(test.superseded),
                           "fingerprints": sorted({b.software_fingerprint for b in test.superseded}),
                           "rounds": sorted({b.round_id for b in test.superseded})}
-    verdict.failures = _failures(blocks)
+    verdict.failures = _failures(blocks, test.refused_failures)
     f = verdict.failures
-    verdict.failure_hosts = len({host for b in blocks for host in b.failure_hosts})
+    verdict.failure_hosts = len({host for b in blocks for host in b.failure_hosts} |
+                                {host for r in test.refused_failures for host in r.failure_hosts})
     verdict.fisher_p = fisher_more_failures(f["candidate"]["failed"], f["candidate"]["arms"],
                                             f["baseline"]["failed"], f["baseline"]["arms"])
     verdict.disqualifiers = _disqualifiers(blocks)

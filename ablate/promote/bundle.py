@@ -40,6 +40,7 @@ from ablate.receipts.rejection import UnreadArm
 
 if TYPE_CHECKING:
     from ablate.promote.defaults_writer import DefaultsChange
+    from ablate.promote.evidence import SweepWindow
 
 PASSED, FAILED, NOT_MEASURED = "passed", "failed", "not_measured"
 
@@ -82,10 +83,13 @@ def _campaign_hint(values: dict[str, Any], policy: Policy, where: str = "this la
 
 
 def check_bundles(verdicts: list[FeatureVerdict], bundle_blocks: list[Block], policy: Policy,
-                  unread: Iterable[UnreadArm] = (), refusals: Iterable[Refusal] = ()) -> list[BundleCheck]:
+                  unread: Iterable[UnreadArm] = (), refusals: Iterable[Refusal] = (),
+                  windows: Optional[dict[str, SweepWindow]] = None) -> list[BundleCheck]:
     """One check per lane where two or more features promoted (see the module docstring). ``unread``: arms whose
     receipts could not be read; one from a bundle block of the lane fails its set. ``refusals``: refused blocks,
-    whose gated bundle candidates (a fallback beside a missing partner) fail their set as a matched one's do."""
+    whose gated bundle candidates (a fallback beside a missing partner) fail their set as a matched one's do.
+    ``windows``: each sweep's span over every block read (``sweep_windows``), so sweeps that overlapped are one
+    round here as for the single tests (default: over the bundle blocks alone)."""
     unread = list(unread)
     refused_bundles = [r for r in refusals if r.feature == BUNDLE and r.gated_candidates and r.value is not None]
     by_lane: dict[str, list[FeatureVerdict]] = defaultdict(list)
@@ -146,7 +150,7 @@ def check_bundles(verdicts: list[FeatureVerdict], bundle_blocks: list[Block], po
         rows = [(b, b.log_ratio(policy.failures.failed_log_ratio)) for b in measured]
         rows = [(b, r) for b, r in rows if r is not None]
         check.num_blocks = len(rows)
-        shortfall = _shortfall([b for b, _ in rows], policy)
+        shortfall = _shortfall([b for b, _ in rows], policy, windows)
         if len(rows) < policy.bundle.min_blocks or shortfall:
             why = shortfall or f"need {policy.bundle.min_blocks}"
             check.reason = (f"bundle not measured: {len(rows)} bundle block(s) of {len(values)} values together "
@@ -194,11 +198,11 @@ def _failure_problems(blocks: list[Block], policy: Policy) -> list[str]:
     return problems
 
 
-def _shortfall(blocks: list[Block], policy: Policy) -> str:
+def _shortfall(blocks: list[Block], policy: Policy, windows: Optional[dict[str, SweepWindow]] = None) -> str:
     """Why the bundle's evidence is too thin to judge (rounds separate in time, hosts), as for a single test."""
     from ablate.promote.evidence import _rounds
 
-    rounds = [r for r in _rounds(blocks, policy) if r.counted] if blocks else []
+    rounds = [r for r in _rounds(blocks, policy, windows) if r.counted] if blocks else []
     hosts = {b.host for b in blocks}
     problems = []
     if len(rounds) < policy.evidence.min_rounds:

@@ -34,8 +34,8 @@ from ablate.parallel import fork_map
 from ablate.promote.analysis import FeatureVerdict, analyse
 from ablate.promote.bundle import check_bundles, held_keys
 from ablate.promote.defaults_writer import find_revalidations, plan_changes
-from ablate.promote.evidence import (Calibration, TestEvidence, epoch_s, organise, startup_outliers, sweep_windows,
-                                     rounds_of_test)
+from ablate.promote.evidence import (Calibration, SweepWindow, TestEvidence, epoch_s, organise, rounds_of_test,
+                                     startup_outliers, sweep_windows)
 from ablate.promote.match import BUNDLE, Block, match_blocks
 from ablate.promote.policy import Policy, load_policy
 from ablate.promote.report import LaneSummary, PromotionResult
@@ -207,7 +207,7 @@ code on any attempt, a counter above its baseline) is never ignored (found in re
 later round, and a retried block's gated first attempt, were dropped with the blocks and the test promoted)."""
 
 
-def _as_stopped(test: TestEvidence, v: FeatureVerdict, policy: Policy, blocks: list[Block],
+def _as_stopped(test: TestEvidence, v: FeatureVerdict, policy: Policy, windows: dict[str, SweepWindow],
                 calibration: Calibration, flags: dict[str, str], curves: bool, family: int) -> FeatureVerdict:
     """``v`` measured again on the blocks its sequential test looked at, when it crossed a bound before blocks that
     came in later: a decided test is judged as it stopped. Measured on every block, the fixed-sample clauses
@@ -230,7 +230,7 @@ def _as_stopped(test: TestEvidence, v: FeatureVerdict, policy: Policy, blocks: l
     looked = [b for b in test.blocks if str(b.created_at) <= until]
     if len(looked) == len(test.blocks):
         return v
-    stopped = dataclasses.replace(test, blocks=looked, rounds=rounds_of_test(looked, policy, sweep_windows(blocks)))
+    stopped = dataclasses.replace(test, blocks=looked, rounds=rounds_of_test(looked, policy, windows))
     judged = analyse(stopped, calibration, policy, flags, curve=curves)
     for name in _SAFETY_FACTS:
         setattr(judged, name, getattr(v, name))
@@ -267,7 +267,11 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     unread = _unseen_as_unknown(_with_partner_fingerprints(
         [arm for arm in unread_arms(rejected) if arm.receipt_id not in read], valid), blocks)
     unread += [arm for arm in _left_out_arms(left_out, blocks + bundle_blocks) if arm.receipt_id not in read]
-    tests, calibrations, lanes = organise(blocks, policy, refusals, unread)
+    # A sweep's span in time covers its bundle blocks too: two sweeps that overlapped are one round for the single
+    # tests and the bundle check alike (found in review: windows over the bundle blocks alone made two
+    # concurrent sweeps two rounds, and the set was written).
+    windows = sweep_windows(blocks + bundle_blocks)
+    tests, calibrations, lanes = organise(blocks, policy, refusals, unread, windows)
     flags = startup_outliers(blocks)
     # Each test is measured on its own (its bootstrap draws from a generator seeded by its key), so the tests are
     # split over the CPUs with results identical to one process's.
@@ -276,7 +280,7 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
                         min_share=ANALYSE_MIN_SHARE)
     if policy.sequential.enabled:
         family = apply_holm(measured, policy)  # the family the SPRT's upper bound is split over, as decide_all's
-        measured = [_as_stopped(test, v, policy, blocks, test.calibration or calibrations[test.lane_key], flags,
+        measured = [_as_stopped(test, v, policy, windows, test.calibration or calibrations[test.lane_key], flags,
                                 curves, family) for test, v in zip(tests, measured)]
     family = decide_all(measured, policy, defaults)  # the Defaults: rule reads each lane's own default
     for v in measured:
@@ -286,7 +290,7 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     campaigns = sorted({r.identity.campaign for r in valid})
     report_id = _report_id(campaigns, valid, policy)
     date = now.date().isoformat()
-    bundles = check_bundles(measured, bundle_blocks, policy, unread, refusals)
+    bundles = check_bundles(measured, bundle_blocks, policy, unread, refusals, windows)
     changes = plan_changes(measured, defaults, policy, report_id=report_id,
                            campaign="+".join(campaigns), date=date, held=held_keys(bundles, policy), bundles=bundles)
     lane_summaries = [LaneSummary(lane_key=k, software_fingerprint=s.current_fingerprint,

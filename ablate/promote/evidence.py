@@ -174,6 +174,8 @@ class TestEvidence:
     """Refused blocks of the test that carry a gate on either arm (``refused_gates`` lists the candidates')."""
     refused_baseline_gated: int = 0
     """Of those, the blocks whose baseline arm carried a gate about what ran (``Refusal.baseline_gated``)."""
+    refused_failures: list[Refusal] = field(default_factory=list)
+    """Refused blocks of this test that hold a failed arm (``Refusal.failures``): counted with its blocks'."""
     unread: list[UnreadArm] = field(default_factory=list)
     """Arms of this test (or A/A arms of its lane) under its fingerprint whose receipts could not be read."""
     calibration: Optional[Calibration] = None
@@ -330,12 +332,13 @@ def _lane_states(blocks: list[Block], policy: Policy) -> dict[str, LaneState]:
 
 
 def organise(blocks: list[Block], policy: Policy, refusals: Iterable[Refusal] = (),
-             unread: Iterable[UnreadArm] = ()
+             unread: Iterable[UnreadArm] = (), windows: Optional[dict[str, SweepWindow]] = None
              ) -> tuple[list[TestEvidence], dict[str, Calibration], dict[str, LaneState]]:
     """Tests (sorted by feature, lane, value), per-lane calibration under the current fingerprint, lane states.
     ``refusals``: the candidate gates they carry join their test's (same feature, value, lane, fingerprint).
     ``unread``: arms whose receipts could not be read join every test they may have been evidence for (their
-    value is not compared: a damaged receipt's value is not trusted to route it)."""
+    value is not compared: a damaged receipt's value is not trusted to route it). ``windows``: each sweep's time
+    span over every block read, bundle blocks included (default: over ``blocks``)."""
     unread = list(unread)
     lanes = _lane_states(blocks, policy)
     aa_current: dict[str, list[Block]] = defaultdict(list)
@@ -368,7 +371,7 @@ def organise(blocks: list[Block], policy: Policy, refusals: Iterable[Refusal] = 
         ordered = sorted(sweeps, key=lambda s: (windows[s].start, s))
         return [(sweep, calibration_of(lane_key, frozenset(ordered[:j + 1]))) for j, sweep in enumerate(ordered)]
 
-    windows = sweep_windows(blocks)
+    windows = windows or sweep_windows(blocks)
     tests = []
     for (feature, _, lane_key), members in sorted(grouped.items()):
         current = lanes[lane_key].current_fingerprint
@@ -379,12 +382,15 @@ def organise(blocks: list[Block], policy: Policy, refusals: Iterable[Refusal] = 
         refused = [r for r in refusals if (r.gated_candidates or r.baseline_gated) and r.feature == feature and
                    r.value == value and r.lane_key == lane_key and r.software_fingerprint == current]
         gates = [(r.block_id, view) for r in refused for view in r.gated_candidates]
+        failing = [r for r in refusals if r.failures and r.feature == feature and r.value == value and
+                   r.lane_key == lane_key and r.failure_fingerprint in (None, current)]
         tests.append(TestEvidence(
             feature=feature, value=first.value, baseline_value=first.baseline_value, kind=first.kind,
             lane_key=lane_key, software_fingerprint=current, blocks=kept, superseded=old,
             rounds=rounds_of_test(kept, policy, windows), refused_gates=gates,
             refused_blocks=len({r.block_id for r in refused}),
             refused_baseline_gated=len({r.block_id for r in refused if r.baseline_gated}),
+            refused_failures=failing,
             unread=[arm for arm in unread if arm.concerns(feature, lane_key, current)],
             calibration=calibration_of(lane_key, frozenset(b.round_id for b in kept)),
             calibration_then=calibration_then(lane_key, {b.round_id for b in kept})))

@@ -224,6 +224,18 @@ class Refusal:
     baseline_gated: bool = False
     """Its baseline arm carried a gate about what ran (not a node's fact, nor INERT_TOGGLE): the other side of a
     revalidation's "gated more often than the baseline" (such a block is refused, so no kept block shows it)."""
+    failures: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Role -> {"failed", "arms"}: the baseline and candidate arms of a refused block that holds a failed arm and a
+    candidate (every attempt's). Nothing is measured on them, but a crash is a crash: they join their test's failure
+    counts as a matched block's do (found in review: a candidate that crashed on every attempt of a candidate-first
+    block left no baseline, the block was refused as unpaired, its crashes vanished and the test promoted; so did
+    a retry's crash on another node, refused for "arms differ in host")."""
+    failure_hosts: tuple[str, ...] = ()
+    """Hosts of its failed candidate arms."""
+    failure_fingerprint: Optional[str] = None
+    """The fingerprint its failures count under: an observed candidate's, else an observed arm's of the same
+    attempt; None when no arm of the block observed its hardware (then the lane's current test: the cautious
+    side, as an unread arm's)."""
 
 
 def execution_record(receipt: Receipt) -> dict[str, Any]:
@@ -521,8 +533,11 @@ def _select_attempt(receipts: list[Receipt]) -> tuple[dict[int, Receipt], dict[s
     return chosen, dict(earlier), cross, None
 
 
-def _refuse(reason: str, receipts: Iterable[Receipt], block_id: str, gates: Optional[Policy] = None) -> Refusal:
-    """``gates``: the policy, when the block's own candidate arms are trustworthy enough to gate their test."""
+def _refuse(reason: str, receipts: Iterable[Receipt], block_id: str, gates: Optional[Policy] = None,
+            failures: bool = True) -> Refusal:
+    """``gates``: the policy, when the block's own candidate arms are trustworthy enough to gate their test.
+    ``failures``: False when what failed cannot be told apart or placed (two receipts for one arm, replayed
+    copies, simulated arms, an unregistered value), so their failures are not counted."""
     receipts = list(receipts)
     first = receipts[0].identity if receipts else None
     gated: tuple[ArmView, ...] = ()
@@ -542,16 +557,36 @@ def _refuse(reason: str, receipts: Iterable[Receipt], block_id: str, gates: Opti
         if candidates and (gated or baseline_gated):
             value = json.dumps(candidates[0].identity.feature_value, default=str)
             fingerprint = candidates[0].identity.software_fingerprint
+    failures, failure_hosts, failure_fingerprint = _refused_failures(receipts) if failures else ({}, (), None)
+    if failures and value is None:
+        value = json.dumps(next(r for r in receipts if r.identity.arm.value == "candidate").identity.feature_value,
+                           default=str)
     return Refusal(reason=reason, receipt_ids=tuple(r.identity.receipt_id for r in receipts), block_id=block_id,
                    feature=first.feature if first else None, lane_key=first.lane_key if first else None,
                    round_id=first.sweep_id if first else None, gated_candidates=gated, value=value,
-                   software_fingerprint=fingerprint, baseline_gated=baseline_gated)
+                   software_fingerprint=fingerprint, baseline_gated=baseline_gated, failures=failures,
+                   failure_hosts=failure_hosts, failure_fingerprint=failure_fingerprint)
+
+
+def _refused_failures(receipts: list[Receipt]) -> tuple[dict[str, dict[str, int]], tuple[str, ...], Optional[str]]:
+    """``Refusal.failures``, ``failure_hosts`` and ``failure_fingerprint`` of a refused block's receipts."""
+    roles = {role: [r for r in receipts if r.identity.arm.value == role] for role in ("baseline", "candidate")}
+    failed = {role: [r for r in arms if r.identity.status.value == "failed"] for role, arms in roles.items()}
+    if not roles["candidate"] or not (failed["baseline"] or failed["candidate"]):
+        return {}, (), None
+    counts = {role: {"failed": len(failed[role]), "arms": len(roles[role])} for role in roles}
+    hosts = tuple(sorted({r.identity.host for r in failed["candidate"]}))
+    observed = [r for r in roles["candidate"] if not _unobserved_failure(r)]
+    if not observed:  # a candidate that died unobserved ran the code its partner of the same attempt ran
+        attempts = {r.identity.attempt for r in roles["candidate"]}
+        observed = [r for r in roles["baseline"] if r.identity.attempt in attempts and not _unobserved_failure(r)]
+    return counts, hosts, (observed[-1].identity.software_fingerprint if observed else None)
 
 
 def _make_block(block_id: str, receipts: list[Receipt], policy: Policy) -> Block | Refusal:
     latest, earlier_failed, cross_attempt, ambiguous = _select_attempt(receipts)
     if ambiguous:
-        return _refuse(ambiguous, receipts, block_id)
+        return _refuse(ambiguous, receipts, block_id, failures=False)
     if sorted(latest) != [0, 1]:
         present = ", ".join(f"{latest[i].identity.arm.value}#{i}" for i in sorted(latest))
         return _refuse(f"block has arm(s) {present} only: its partner arm is missing (never paired elsewhere)",
@@ -655,7 +690,7 @@ def match_blocks(receipts: Iterable[Receipt], policy: Policy) -> tuple[list[Bloc
             refusals.append(_refuse(f"simulated arms ({', '.join(simulated[:2])}"
                                     f"{f' and {len(simulated) - 2} more' if len(simulated) > 2 else ''}): made by "
                                     f"the test-only no-op arm executor (trainers.simulate); no arm ran, so the block "
-                                    f"measures nothing and is never evidence", members, block_id))
+                                    f"measures nothing and is never evidence", members, block_id, failures=False))
             continue
         copied = [(r.identity.receipt_id, replays[r.identity.receipt_id]) for r in members
                   if r.identity.receipt_id in replays]
@@ -663,11 +698,12 @@ def match_blocks(receipts: Iterable[Receipt], policy: Policy) -> tuple[list[Bloc
             shown = "; ".join(f"{rid} has the per-step timings of {', '.join(others[:3])}" for rid, others in copied)
             refusals.append(_refuse(f"replayed measurements: {shown}. A measurement filed under two receipt ids (a "
                                     f"round copied as another round, a relabelled sweep) is not new evidence; "
-                                    f"neither copy counts", members, block_id))
+                                    f"neither copy counts", members, block_id, failures=False))
             continue
         unknown = [f"{r.identity.receipt_id}: {p}" for r in members for p in unregistered_values(r)]
         if unknown:
-            refusals.append(_refuse("unregistered feature value: " + "; ".join(unknown[:3]), members, block_id))
+            refusals.append(_refuse("unregistered feature value: " + "; ".join(unknown[:3]), members, block_id,
+                                    failures=False))
             continue
         made = _make_block(block_id, members, policy)
         (refusals if isinstance(made, Refusal) else blocks).append(made)  # type: ignore[arg-type]

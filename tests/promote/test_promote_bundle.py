@@ -236,3 +236,32 @@ def test_wins_from_different_lanes_that_would_run_together_are_held_until_measur
         ("mamba_scan", "chunked", ""), ("moe_dispatch", "jagged", "")]
     write_defaults(bundled, defaults_file)
     assert {f: load_defaults(defaults_file).values[f] for f in NEW} == NEW
+
+
+def test_bundle_sweeps_that_ran_at_the_same_time_are_one_round(singles: list[Receipt], policy: Policy,
+                                                                defaults_file: Path) -> None:
+    """A sweep's span in time is over all of its blocks, as for the single tests: the second bundle sweep started
+    while the first still ran (its later A/A blocks), so the set has one counted round and is held. Found in
+    review: windows over the bundle blocks alone made the two sweeps two rounds, and the set was written."""
+    from datetime import datetime, timedelta
+
+    from promote_sim import T0, base_lane, lane_key_of, make_receipt
+
+    bundle = simulate_bundle(NEW, OLD, 1.05 * 1.06, 4)  # sim-bundle-r0 on day 2, sim-bundle-r1 on day 3
+    apart = run(singles + bundle, policy, defaults_file)
+    assert apart.bundles[0].status == "passed" and len(apart.changes) == 2  # the control: two rounds, written
+    for receipt in bundle:  # r1 started 100 minutes into day 2 instead
+        if receipt.identity.sweep_id == "sim-bundle-r1":
+            started = datetime.fromisoformat(receipt.identity.created_at)
+            receipt.identity.created_at = (started - timedelta(days=1) + timedelta(minutes=100)).isoformat()
+    lane = base_lane() | {"features.moe_dispatch": "padded", "features.mamba_scan": "sequential"}
+    still_running = [make_receipt(receipt_id=f"tail-{m}-{i}", sweep_id="sim-bundle-r0", block_id=f"tail-{m}", arm="aa",
+                                  arm_index=i, order=i, feature=None, feature_value=None, baseline_value=None,
+                                  lane=lane, host="node-0", tps=5000.0 * (1 + 0.001 * i), loss=5.0,
+                                  created_at=T0 + timedelta(days=2, minutes=m + i), lane_key=lane_key_of(lane),
+                                  device="cuda", seed=m + i)
+                     for m in (200, 300) for i in (0, 1)]
+    result = run(singles + bundle + still_running, policy, defaults_file)
+    [check] = result.bundles
+    assert check.status == "not_measured" and "1 counted round(s), need 2" in check.reason, check.reason
+    assert result.changes == []

@@ -168,3 +168,53 @@ def test_arms_prepared_differently_are_not_one_block(policy: Policy) -> None:
     assert got["mixed"] == ("arms differ in process preparation: 'fork_server' vs 'fresh_interpreter' "
                             "(identity.process.how)")
     assert got["forked"] == "matched"
+
+
+def _moe_win() -> list[Receipt]:
+    return simulate(Sim(features=[moe(1.05)], noise=0.003, aa_per_host=2), 0)
+
+
+def _failures_of(receipts: list[Receipt], policy: Policy) -> tuple[str, dict]:
+    [verdict] = [v for v in promote(receipts, policy_path=policy, defaults_path=DEFAULTS).verdicts
+                 if v.feature == "moe_dispatch"]
+    return verdict.verdict, verdict.failures
+
+
+def test_a_candidate_that_crashed_on_every_attempt_of_an_unpaired_block_still_counts(policy: Policy) -> None:
+    """A candidate-first block whose candidate crashed on every attempt leaves no baseline: the block is refused,
+    but its crashes are the test's failures (found in review: they vanished and the test promoted)."""
+    base, cand = pair("cf", cand_order=0)
+    for receipt in (base, cand):
+        receipt.identity.sweep_id = "sim-r1"
+    crashes = [_failed(cand, 0, 0), _failed(cand, 1, 0)]
+    assert _failures_of(_moe_win(), policy)[0] == "PROMOTE"  # the control: a clean 5% win
+    verdict, failures = _failures_of(_moe_win() + crashes, policy)
+    assert failures["candidate"]["failed"] == 2 and failures["baseline"]["failed"] == 0
+    assert verdict == "HOLD"  # 2 of 14 candidate arms failed: above the policy's rate
+    _, refusals = match_blocks(crashes, policy)
+    assert refusals[0].failures == {"baseline": {"failed": 0, "arms": 0}, "candidate": {"failed": 2, "arms": 2}}
+
+
+def test_a_retry_that_crashed_on_another_node_keeps_both_crashes(policy: Policy) -> None:
+    """Attempt 0: baseline fine, candidate crashed; attempt 1 (its last): the candidate crashed again on another
+    node. The block is refused for its hosts, and both crashes count as they do when the retry stays on the node."""
+    runs = {}
+    for retry_host in ("node-0", "node-1"):
+        base, cand = pair("rh")
+        for receipt in (base, cand):
+            receipt.identity.sweep_id = "sim-r1"
+        retry = _failed(cand, 1, 0)
+        retry.identity.host = retry_host
+        runs[retry_host] = _failures_of(_moe_win() + [base, _failed(cand, 0, 1), retry], policy)
+    assert runs["node-1"][1]["candidate"] == runs["node-0"][1]["candidate"] == {"failed": 2, "arms": 14}
+    assert runs["node-1"][0] == runs["node-0"][0] == "HOLD"
+
+
+def test_failures_of_receipts_that_cannot_be_told_apart_are_not_counted(policy: Policy) -> None:
+    base, cand = pair("dup")
+    crash = _failed(cand, 0, 1)
+    twin = crash.model_copy(deep=True)
+    twin.identity.receipt_id = "dup-twin"
+    twin.steps.step_s = [s * (1.0 + 1e-9) for s in twin.steps.step_s]  # not a replay: a second record of one arm
+    _, refusals = match_blocks([base, crash, twin], policy)
+    assert "two receipts for arm_index 1" in refusals[0].reason and refusals[0].failures == {}
