@@ -366,6 +366,8 @@ class TrackingClient:
         # Last: readers of a finished sweep take its arm runs from this one artifact instead of searching them.
         ledger = self.ledger if self.ledger is not None and self.ledger.sweep_id == sweep_id else None
         receipt_bundle.write_bundle(self, parent_run_id, sweep_id, known=ledger.runs() if ledger else None)
+        if ledger is not None:
+            ledger.close()
 
 
 class MlflowStore:

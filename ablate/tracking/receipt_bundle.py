@@ -39,13 +39,14 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import json
 import logging
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
+from typing import IO, TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Optional
 
 from ablate.receipts.rejection import from_run_tags
 from ablate.tracking.bulk_read import read_arm_runs
@@ -103,20 +104,26 @@ class Ledger:
     Only started for a sweep that had no arm or block run when the writer opened it: then, with one driver per
     campaign, every run of the sweep is one this writer made, and what it recorded is what a search would return.
     A write it cannot vouch for (one that failed half-way, so MLflow may hold part of it) sets ``complete`` to
-    False, and the bundle is written from a search as before. Memory: ~8 KB per arm (its kept tags, payload
-    included), which the bundle holds anyway when it is written."""
+    False, and the bundle is written from a search as before; so does a ledger file that cannot be written.
+
+    Memory: an arm's entry (its kept tags, payload included: ~8 KB) goes to an anonymous temporary file as one JSON
+    line, rewritten at the end of the file when its tags change; the driver keeps only each arm's offset and the
+    block runs' names, so a 1,000-block sweep does not hold 16 MB of entries until it closes (the bundle is
+    streamed from the file)."""
 
     def __init__(self, sweep_id: str) -> None:
         self.sweep_id = sweep_id
-        self.arms: dict[str, BundledRun] = {}
+        self.arms: dict[str, tuple[int, int]] = {}
+        """Arm run id -> (offset, length) of its latest entry in the ledger file."""
         self.blocks: dict[str, Optional[str]] = {}
         """Block run id -> its name (MLflow renames a block run when its answer is logged)."""
         self.complete = True
+        self._file: Optional[IO[bytes]] = None
 
     def arm_created(self, run: Any, tags: Mapping[str, str]) -> None:
         """``run``: what ``create_run`` returned; ``tags``: the tags it was created with."""
-        self.arms[run.info.run_id] = BundledRun(_Info(run.info.run_id, run.info.run_name, run.info.artifact_uri),
-                                                _Data(_kept(tags)))
+        self._put({"run_id": run.info.run_id, "run_name": run.info.run_name, "artifact_uri": run.info.artifact_uri,
+                   "tags": _kept(tags)})
 
     def block_created(self, run_id: str, name: Optional[str]) -> None:
         self.blocks[run_id] = name
@@ -128,37 +135,107 @@ class Ledger:
     def tags_logged(self, run_id: str, tags: Mapping[str, str]) -> None:
         """Tags a ``log_batch`` call set on a run, once it returned (``mlflow.runName`` renames the run)."""
         name = tags.get("mlflow.runName")
-        if run_id in self.arms:
-            self.arms[run_id].data.tags.update(_kept(tags))
-            if name is not None:
-                self.arms[run_id].info.run_name = name
+        if run_id in self.arms and self.complete:
+            entry = self._get(run_id)
+            if entry is not None:
+                entry["tags"].update(_kept(tags))
+                if name is not None:
+                    entry["run_name"] = name
+                self._put(entry)
         if run_id in self.blocks and name is not None:
             self.blocks[run_id] = name
 
-    def runs(self) -> Optional[tuple[list[Any], list[Any]]]:
-        """(arm runs, block runs) of the sweep, as ``bundle_bytes`` takes them; None when they must be searched."""
+    def runs(self) -> Optional[tuple["LedgerEntries", dict[str, Optional[str]]]]:
+        """(arm entries, block run id -> name) of the sweep, as ``write_bundle`` takes them; None when they must be
+        searched."""
         if not self.complete:
             return None
-        return list(self.arms.values()), [BundledRun(_Info(run_id, name, ""), _Data())
-                                          for run_id, name in self.blocks.items()]
+        return LedgerEntries(self), dict(self.blocks)
+
+    def close(self) -> None:
+        """Drop the file; a later bundle of this sweep is written from a search."""
+        self.complete = False
+        self.arms.clear()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _put(self, entry: dict[str, Any]) -> None:
+        line = json.dumps(entry, sort_keys=True).encode("utf-8") + b"\n"
+        try:
+            if self._file is None:
+                self._file = tempfile.TemporaryFile(prefix="ablate-ledger-")  # gone when closed, or with the process
+            self._file.seek(0, 2)
+            offset = self._file.tell()
+            self._file.write(line)
+        except OSError as exc:  # a full temporary disk: the bundle is written from a search instead
+            log.warning("receipt bundle ledger of sweep %s: %s; its bundle will be written from a search", self.sweep_id,
+                        exc)
+            self.complete = False
+            self.close()
+            return
+        self.arms[entry["run_id"]] = (offset, len(line))
+
+    def _get(self, run_id: str) -> Optional[dict[str, Any]]:
+        offset, length = self.arms[run_id]
+        try:
+            assert self._file is not None
+            self._file.seek(offset)
+            return json.loads(self._file.read(length))
+        except (OSError, ValueError, AssertionError) as exc:
+            log.warning("receipt bundle ledger of sweep %s: entry of run %s unreadable (%s); its bundle will be "
+                        "written from a search", self.sweep_id, run_id, exc)
+            self.complete = False
+            return None
+
+
+class LedgerEntries:
+    """A ledger's arm entries in run id order, read from its file one at a time."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    def __len__(self) -> int:
+        return len(self.ledger.arms)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for run_id in sorted(self.ledger.arms):
+            entry = self.ledger._get(run_id)
+            if entry is None:
+                raise OSError(f"the ledger's entry of arm run {run_id} could not be read back")
+            yield entry
+
+
+def _write_bundle_file(handle: IO[bytes], sweep_id: str, entries: Iterable[dict[str, Any]],
+                       blocks: Mapping[str, Optional[str]], deleted: Iterable[str]) -> None:
+    """The bundle, gzipped into ``handle``, one entry at a time: the same JSON text as
+    ``json.dumps(body, sort_keys=True)`` of the whole body, without holding it. mtime=0 and no file name: the same
+    runs give the same bytes, so the same SHA-256."""
+    with gzip.GzipFile(filename="", fileobj=handle, mode="wb", compresslevel=6, mtime=0) as out:
+        # Keys in sorted order, as sort_keys writes them: blocks, deleted, format, runs, sweep_id.
+        out.write(f'{{"blocks": {json.dumps(dict(blocks), sort_keys=True)}, '
+                  f'"deleted": {json.dumps(sorted(deleted))}, "format": {json.dumps(BUNDLE_FORMAT)}, '
+                  f'"runs": ['.encode("utf-8"))
+        for number, entry in enumerate(entries):
+            out.write((", " if number else "").encode("utf-8") + json.dumps(entry, sort_keys=True).encode("utf-8"))
+        out.write(f'], "sweep_id": {json.dumps(sweep_id)}}}'.encode("utf-8"))
 
 
 def bundle_bytes(sweep_id: str, arm_runs: list[Any], block_runs: list[Any], deleted: Iterable[str] = ()) -> bytes:
-    """``deleted``: the sweep's arm runs deleted when it is written, which it leaves out; a reader that finds one of
-    them no longer deleted (restored) searches the sweep instead of trusting the bundle."""
-    body = {"format": BUNDLE_FORMAT, "sweep_id": sweep_id,
-            "runs": [_entry(run) for run in sorted(arm_runs, key=lambda r: r.info.run_id)],
-            "blocks": {run.info.run_id: run.info.run_name for run in block_runs}, "deleted": sorted(deleted)}
-    # mtime=0: the same runs give the same bytes, so the same SHA-256.
-    return gzip.compress(json.dumps(body, sort_keys=True).encode("utf-8"), compresslevel=6, mtime=0)
+    """The bundle of these runs. ``deleted``: the sweep's arm runs deleted when it is written, which it leaves out; a
+    reader that finds one of them no longer deleted (restored) searches the sweep instead of trusting the bundle."""
+    buffer = io.BytesIO()
+    _write_bundle_file(buffer, sweep_id, [_entry(run) for run in sorted(arm_runs, key=lambda r: r.info.run_id)],
+                       {run.info.run_id: run.info.run_name for run in block_runs}, deleted)
+    return buffer.getvalue()
 
 
 def write_bundle(client: "TrackingClient", parent_run_id: str, sweep_id: str,
-                 known: Optional[tuple[list[Any], list[Any]]] = None) -> Optional[str]:
+                 known: Optional[tuple["LedgerEntries", dict[str, Optional[str]]]] = None) -> Optional[str]:
     """Write (or rewrite) the sweep's bundle on its parent run; the artifact's SHA-256, None when it failed (the
-    readers then search the sweep's runs, as without a bundle). ``known``: every arm run and block run of the
-    sweep as its writer logged them (``Ledger.runs``); None: they are searched."""
-    from mlflow.entities import RunTag
+    readers then search the sweep's runs, as without a bundle). ``known``: every arm run's entry and block run's
+    name of the sweep as its writer logged them (``Ledger.runs``); None: they are searched."""
+    from mlflow.entities import RunTag, ViewType
 
     from ablate.tracking.blocks import block_runs
 
@@ -166,22 +243,32 @@ def write_bundle(client: "TrackingClient", parent_run_id: str, sweep_id: str,
         # First withdraw the old bundle: if this rewrite fails, readers search the sweep instead of trusting a
         # bundle that may lack the arms added since (a resumed sweep, a sync).
         withdraw_bundle(client, parent_run_id)
-        if known is None:
-            known = list(client.arm_runs(sweep_id).values()), list(block_runs(client, sweep_id).values())
-        arms = known[0]
-        from mlflow.entities import ViewType
-
-        data = bundle_bytes(sweep_id, arms, known[1], deleted_arm_runs(client, sweep_id, ViewType.DELETED_ONLY))
-        digest = hashlib.sha256(data).hexdigest()
+        deleted = deleted_arm_runs(client, sweep_id, ViewType.DELETED_ONLY)
         with tempfile.TemporaryDirectory(prefix="ablate-bundle-") as tmp:
             path = Path(tmp) / BUNDLE_ARTIFACT
-            path.write_bytes(data)
+            if known is None:
+                arms = list(client.arm_runs(sweep_id).values())
+                path.write_bytes(bundle_bytes(sweep_id, arms, list(block_runs(client, sweep_id).values()), deleted))
+                count = len(arms)
+            else:
+                with path.open("wb") as handle:
+                    _write_bundle_file(handle, sweep_id, known[0], known[1], deleted)
+                count = len(known[0])
+            digest = _file_sha256(path)
             client.client.log_artifact(parent_run_id, str(path))
-        client.client.log_batch(parent_run_id, tags=[RunTag(SHA_TAG, digest), RunTag(RUNS_TAG, str(len(arms)))])
+        client.client.log_batch(parent_run_id, tags=[RunTag(SHA_TAG, digest), RunTag(RUNS_TAG, str(count))])
         return digest
     except Exception as exc:  # noqa: BLE001 - a missing bundle only costs readers time, never a receipt
         log.warning("no receipt bundle for sweep %s (readers will search its runs): %s", sweep_id, exc)
         return None
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _load(parent: Any, tracking_uri: str, tmp: Path) -> tuple[Optional[dict[str, Any]], Optional[str]]:

@@ -146,3 +146,93 @@ def test_a_write_that_failed_half_way_sends_the_bundle_back_to_the_search(
     store.close_sweep(sweep, sweep_arms[:4], failed=False)
     assert _sweep_arm_search(sweep) in searches
     assert _logged_bundle(store) == _searched_bundle(uri, sweep)
+
+
+class _Run:
+    """What ``create_run`` returns, as far as the ledger and the bundle read it."""
+
+    def __init__(self, run_id: str, name: str, tags: dict[str, str]) -> None:
+        self.info = type("Info", (), {"run_id": run_id, "run_name": name, "artifact_uri": f"file:///a/{run_id}"})()
+        self.data = type("Data", (), {"tags": tags})()
+
+
+def _payload_tags(number: int) -> dict[str, str]:
+    # An arm's kept tags: the ablate.* ones, a payload of ~8 KB among them.
+    return {TAG + "receipt_id": f"r{number:05d}", TAG + "payload.0": f"{number:05d}" * 1600,
+            "mlflow.parentRunId": f"block-{number // 2}", "mlflow.user": "not kept"}
+
+
+def test_the_streamed_bundle_is_the_json_of_the_whole_body() -> None:
+    # Readers parse the bundle as one JSON document: the streamed text must be exactly what json.dumps(body,
+    # sort_keys=True) gives (unicode, quotes, empty lists, nested tags sorted).
+    import gzip
+    import json
+
+    runs = [_Run(f"run{n}", f"arm \"{n}\" é", _payload_tags(n) | {TAG + "z": "ü", TAG + "a": ""}) for n in (3, 1, 2)]
+    blocks = [_Run("b2", "block ✓", {}), _Run("b1", None, {})]  # type: ignore[arg-type]
+    for arms, deleted in ((runs, ["d2", "d1"]), ([], [])):
+        body = {"format": "ablate.receipt-bundle/1", "sweep_id": "sw-ü",
+                "runs": [{"run_id": r.info.run_id, "run_name": r.info.run_name, "artifact_uri": r.info.artifact_uri,
+                          "tags": {k: v for k, v in r.data.tags.items() if k.startswith(TAG) or k == "mlflow.parentRunId"}}
+                         for r in sorted(arms, key=lambda r: r.info.run_id)],
+                "blocks": {"b2": "block ✓", "b1": None}, "deleted": sorted(deleted)}
+        streamed = gzip.decompress(bundle_bytes("sw-ü", arms, blocks, deleted))
+        assert streamed == json.dumps(body, sort_keys=True).encode("utf-8")
+        assert bundle_bytes("sw-ü", arms, blocks, deleted) == bundle_bytes("sw-ü", list(reversed(arms)), blocks,
+                                                                           deleted)  # same runs, same bytes
+
+
+def test_the_ledger_keeps_its_entries_on_disk_not_in_the_driver() -> None:
+    import gzip
+    import json
+    import tracemalloc
+
+    from ablate.tracking.receipt_bundle import Ledger, _write_bundle_file
+
+    ledger = Ledger("sw")
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for number in range(400):
+        ledger.arm_created(_Run(f"run{number:05d}", f"arm{number}", {}), _payload_tags(number))
+        ledger.tags_logged(f"run{number:05d}", {TAG + "logged": "1", "mlflow.runName": f"arm{number}·done"})
+    held = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    # 400 entries of ~8 KB are ~3.2 MB; the driver holds their offsets only (~150 bytes an arm).
+    assert held < 400 * 1024, held
+    entries, blocks = ledger.runs()  # type: ignore[misc]
+    assert len(entries) == 400 and blocks == {}
+    import io
+
+    out = io.BytesIO()
+    _write_bundle_file(out, "sw", entries, blocks, [])
+    body = json.loads(gzip.decompress(out.getvalue()))
+    assert [e["run_id"] for e in body["runs"]] == sorted(f"run{n:05d}" for n in range(400))
+    last = body["runs"][-1]
+    assert last["run_name"] == "arm399·done" and last["tags"][TAG + "logged"] == "1"
+    assert last["tags"][TAG + "payload.0"] == "00399" * 1600 and "mlflow.user" not in last["tags"]
+    ledger.close()
+    assert ledger.runs() is None  # closed: a later bundle of the sweep is searched
+
+
+def test_a_ledger_file_that_cannot_be_written_sends_the_bundle_to_the_search(
+        sweep_arms: list[Receipt], tmp_path: Path, searches: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    uri = fresh_mlflow_uri(tmp_path)
+    sweep = sweep_arms[0].identity.sweep_id
+    store = _open(uri, tmp_path, sweep)
+
+    def full(*_: Any, **__: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(tempfile, "TemporaryFile", full)
+        for receipt in sweep_arms:
+            assert store.log_receipt(receipt) is not None  # the receipts are logged all the same
+    client = store.client
+    assert client is not None and client.ledger is not None and client.ledger.runs() is None
+    del searches[:]
+    store.close_sweep(sweep, sweep_arms, failed=False)
+    assert _sweep_arm_search(sweep) in searches
+    assert _logged_bundle(store) == _searched_bundle(uri, sweep)
+    assert _read_ids(uri, sweep) == sorted(r.identity.receipt_id for r in sweep_arms)
