@@ -143,6 +143,11 @@ class FeatureVerdict:
     failures: dict[str, dict[str, int]] = field(default_factory=dict)
     fisher_p: float = 1.0
     failure_hosts: int = 0
+    refused_failures: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Failed and run arms of refused blocks of this test (``TestEvidence.refused_failures``): they count in
+    ``failure_rate`` only (a HOLD), not in ``failures``, Fisher or ``failure_hosts`` (a REJECT), since a crash in a
+    block that could not be paired cannot be told from a copy of one or placed in a round."""
+    refused_failure_blocks: list[str] = field(default_factory=list)
     """Hosts on which a candidate arm of the test failed (this attempt or an earlier one of its block)."""
     gated_hosts: int = 0
     """Hosts of the candidate arms a gate about the feature disqualified (not a node's fact such as
@@ -358,17 +363,20 @@ def _throughput(blocks: list[Block]) -> dict[str, Any]:
     return out
 
 
-def _failures(blocks: list[Block], refused: Iterable[Refusal] = ()) -> dict[str, dict[str, int]]:
-    """Failed and run arms per role: the blocks' (earlier attempts included) and refused blocks' (``refused``)."""
-    refused = list(refused)
+def _failures(blocks: list[Block]) -> dict[str, dict[str, int]]:
     out = {}
     for role in ("baseline", "candidate"):
         failed = sum(getattr(b, role).failed for b in blocks) + sum(b.earlier_failures.get(role, 0) for b in blocks)
         arms = len(blocks) + sum(b.earlier_failures.get(role, 0) for b in blocks)
-        failed += sum(r.failures[role]["failed"] for r in refused)
-        arms += sum(r.failures[role]["arms"] for r in refused)
         out[role] = {"failed": failed, "arms": arms}
     return out
+
+
+def refused_failures(refused: Iterable[Refusal]) -> dict[str, dict[str, int]]:
+    """Failed and run arms per role of refused blocks (``Refusal.failures``); empty roles when there are none."""
+    refused = list(refused)
+    return {role: {"failed": sum(r.failures[role]["failed"] for r in refused),
+                   "arms": sum(r.failures[role]["arms"] for r in refused)} for role in ("baseline", "candidate")}
 
 
 def _disqualifiers(blocks: list[Block]) -> dict[str, dict[str, int]]:
@@ -412,10 +420,11 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
     verdict.superseded = {"blocks": len(test.superseded),
                           "fingerprints": sorted({b.software_fingerprint for b in test.superseded}),
                           "rounds": sorted({b.round_id for b in test.superseded})}
-    verdict.failures = _failures(blocks, test.refused_failures)
+    verdict.failures = _failures(blocks)
+    verdict.refused_failures = refused_failures(test.refused_failures)
+    verdict.refused_failure_blocks = sorted({r.block_id for r in test.refused_failures})
     f = verdict.failures
-    verdict.failure_hosts = len({host for b in blocks for host in b.failure_hosts} |
-                                {host for r in test.refused_failures for host in r.failure_hosts})
+    verdict.failure_hosts = len({host for b in blocks for host in b.failure_hosts})
     verdict.fisher_p = fisher_more_failures(f["candidate"]["failed"], f["candidate"]["arms"],
                                             f["baseline"]["failed"], f["baseline"]["arms"])
     verdict.disqualifiers = _disqualifiers(blocks)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import numpy as np
 
-from ablate.promote.analysis import PROMOTE, FeatureVerdict, _counter_violations, _failures
+from ablate.promote.analysis import PROMOTE, FeatureVerdict, _counter_violations, _failures, refused_failures
 from ablate.promote.match import BUNDLE, Block, Refusal
 from ablate.promote.policy import Policy
 from ablate.promote.stats import bootstrap_clusters, bootstrap_hl, fisher_more_failures, hodges_lehmann, quantile
@@ -140,7 +140,12 @@ def check_bundles(verdicts: list[FeatureVerdict], bundle_blocks: list[Block], po
         # set. The check had none of them: a set that crashed once in every block and passed on retry was written
         # (found in review).
         measured = [b for b in same if b.software_fingerprint in current]
-        problems = _failure_problems(measured, policy) + _counter_violations(measured, policy)[:3]
+        ran = {b.software_key for b in measured}
+        crashed = [r for r in refusals if r.failures and r.feature == BUNDLE and r.lane_key == lane_key
+                   and _key(json.loads(r.value or "null")) == _key(values)
+                   and (r.failure_fingerprint in current if r.failure_fingerprint is not None
+                        else r.failure_software in ran)]
+        problems = _failure_problems(measured, policy, crashed) + _counter_violations(measured, policy)[:3]
         if problems:
             check.status = FAILED
             check.reason = (f"bundle of {len(values)} values together: " + "; ".join(problems)
@@ -180,18 +185,23 @@ def check_bundles(verdicts: list[FeatureVerdict], bundle_blocks: list[Block], po
     return checks
 
 
-def _failure_problems(blocks: list[Block], policy: Policy) -> list[str]:
-    """The failure clauses of a single test (``rule.failure_rate`` and ``rule.flaky``) on the bundle blocks."""
-    if not blocks:
+def _failure_problems(blocks: list[Block], policy: Policy, refused: Iterable[Refusal] = ()) -> list[str]:
+    """The failure clauses of a single test (``rule.failure_rate`` and ``rule.flaky``) on the bundle blocks; crashes
+    in refused bundle blocks (``Refusal.failures``) count in the rate, as for a single test."""
+    refused = list(refused)
+    if not blocks and not refused:
         return []
-    f = _failures(blocks)
+    f, extra = _failures(blocks), refused_failures(refused)
     c, b = f["candidate"], f["baseline"]
-    rate_c = c["failed"] / c["arms"] if c["arms"] else 0.0
-    rate_b = b["failed"] / b["arms"] if b["arms"] else 0.0
+    rc, rb = ({k: f[role][k] + extra[role][k] for k in ("failed", "arms")} for role in ("candidate", "baseline"))
+    rate_c = rc["failed"] / rc["arms"] if rc["arms"] else 0.0
+    rate_b = rb["failed"] / rb["arms"] if rb["arms"] else 0.0
     problems = []
     if rate_c > rate_b or rate_c > policy.failures.max_candidate_rate:
-        problems.append(f"candidate failed {c['failed']}/{c['arms']}, baseline {b['failed']}/{b['arms']} (max "
-                        f"candidate rate {policy.failures.max_candidate_rate:g})")
+        problems.append(f"candidate failed {rc['failed']}/{rc['arms']}, baseline {rb['failed']}/{rb['arms']} (max "
+                        f"candidate rate {policy.failures.max_candidate_rate:g})"
+                        + (f", {extra['candidate']['failed']} of the candidate's in {len(refused)} refused bundle "
+                           f"block(s)" if refused else ""))
     p = fisher_more_failures(c["failed"], c["arms"], b["failed"], b["arms"])
     if p < policy.failures.fisher_alpha:
         problems.append(f"candidate fails more often than baseline (Fisher p={p:.3g})")

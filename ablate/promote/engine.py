@@ -201,7 +201,8 @@ def _left_out_arms(left_out: Iterable[Receipt], blocks: list[Block]) -> list[Unr
     return arms
 
 
-_SAFETY_FACTS = ("failures", "fisher_p", "failure_hosts", "gated_disqualifiers", "gated_arms", "counter_violations")
+_SAFETY_FACTS = ("failures", "fisher_p", "failure_hosts", "refused_failures", "refused_failure_blocks",
+                 "gated_disqualifiers", "gated_arms", "counter_violations")
 """What a verdict judged as it stopped still takes from every block: bad news about the feature (a crash, a gated
 code on any attempt, a counter above its baseline) is never ignored (found in review: six candidate crashes in a
 later round, and a retried block's gated first attempt, were dropped with the blocks and the test promoted)."""

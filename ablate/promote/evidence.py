@@ -175,7 +175,7 @@ class TestEvidence:
     refused_baseline_gated: int = 0
     """Of those, the blocks whose baseline arm carried a gate about what ran (``Refusal.baseline_gated``)."""
     refused_failures: list[Refusal] = field(default_factory=list)
-    """Refused blocks of this test that hold a failed arm (``Refusal.failures``): counted with its blocks'."""
+    """Refused blocks of this test that hold a failed arm (``Refusal.failures``): they hold it, never reject it."""
     unread: list[UnreadArm] = field(default_factory=list)
     """Arms of this test (or A/A arms of its lane) under its fingerprint whose receipts could not be read."""
     calibration: Optional[Calibration] = None
@@ -382,8 +382,10 @@ def organise(blocks: list[Block], policy: Policy, refusals: Iterable[Refusal] = 
         refused = [r for r in refusals if (r.gated_candidates or r.baseline_gated) and r.feature == feature and
                    r.value == value and r.lane_key == lane_key and r.software_fingerprint == current]
         gates = [(r.block_id, view) for r in refused for view in r.gated_candidates]
+        ran = {b.software_key for b in kept}
         failing = [r for r in refusals if r.failures and r.feature == feature and r.value == value and
-                   r.lane_key == lane_key and r.failure_fingerprint in (None, current)]
+                   r.lane_key == lane_key and (r.failure_fingerprint == current if r.failure_fingerprint is not None
+                                               else r.failure_software in ran)]
         tests.append(TestEvidence(
             feature=feature, value=first.value, baseline_value=first.baseline_value, kind=first.kind,
             lane_key=lane_key, software_fingerprint=current, blocks=kept, superseded=old,

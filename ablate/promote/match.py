@@ -147,6 +147,9 @@ class Block:
     side of a revalidation's "gated more often than the baseline", as ``earlier_gated`` is the candidate's."""
     failure_hosts: tuple[str, ...] = ()
     """Hosts of the block's failed candidate arms, each its own (a retry may run on another node than ``host``)."""
+    software_key: str = ""
+    """``software_key`` of the arm whose fingerprint the block carries: places a refused crash that observed no
+    hardware (``Refusal.failure_software``)."""
 
     @property
     def is_aa(self) -> bool:
@@ -225,17 +228,19 @@ class Refusal:
     """Its baseline arm carried a gate about what ran (not a node's fact, nor INERT_TOGGLE): the other side of a
     revalidation's "gated more often than the baseline" (such a block is refused, so no kept block shows it)."""
     failures: dict[str, dict[str, int]] = field(default_factory=dict)
-    """Role -> {"failed", "arms"}: the baseline and candidate arms of a refused block that holds a failed arm and a
-    candidate (every attempt's). Nothing is measured on them, but a crash is a crash: they join their test's failure
-    counts as a matched block's do (found in review: a candidate that crashed on every attempt of a candidate-first
-    block left no baseline, the block was refused as unpaired, its crashes vanished and the test promoted; so did
-    a retry's crash on another node, refused for "arms differ in host")."""
-    failure_hosts: tuple[str, ...] = ()
-    """Hosts of its failed candidate arms."""
+    """Role -> {"failed", "arms"}: the baseline and candidate arms (aborted ones left out, as a matched block leaves
+    them) of a refused block that holds a failed arm and a candidate, when its arms ran their test but could not be
+    paired (a partner missing or aborted, a disqualified baseline, a retry's pair that differs across attempts).
+    Nothing is measured on them, and they cannot be told from a copy, so they only hold their test
+    (``failure_rate``), never reject it (found in review: a candidate that crashed on every attempt of a
+    candidate-first block left no baseline, the block was refused as unpaired, its crashes vanished and the test
+    promoted; so did a retry's crash on another node, refused for "arms differ in host")."""
     failure_fingerprint: Optional[str] = None
     """The fingerprint its failures count under: an observed candidate's, else an observed arm's of the same
-    attempt; None when no arm of the block observed its hardware (then the lane's current test: the cautious
-    side, as an unread arm's)."""
+    attempt; None when no arm observed its hardware (``failure_software`` places it then)."""
+    failure_software: str = ""
+    """``software_key`` of its candidate: a crash that observed no hardware counts for the test whose blocks ran
+    the same packages and code (older software's crash is superseded evidence, as its blocks would be)."""
 
 
 def execution_record(receipt: Receipt) -> dict[str, Any]:
@@ -557,7 +562,7 @@ def _refuse(reason: str, receipts: Iterable[Receipt], block_id: str, gates: Opti
         if candidates and (gated or baseline_gated):
             value = json.dumps(candidates[0].identity.feature_value, default=str)
             fingerprint = candidates[0].identity.software_fingerprint
-    failures, failure_hosts, failure_fingerprint = _refused_failures(receipts) if failures else ({}, (), None)
+    failures, failure_fingerprint, failure_software = _refused_failures(receipts) if failures else ({}, None, "")
     if failures and value is None:
         value = json.dumps(next(r for r in receipts if r.identity.arm.value == "candidate").identity.feature_value,
                            default=str)
@@ -565,22 +570,29 @@ def _refuse(reason: str, receipts: Iterable[Receipt], block_id: str, gates: Opti
                    feature=first.feature if first else None, lane_key=first.lane_key if first else None,
                    round_id=first.sweep_id if first else None, gated_candidates=gated, value=value,
                    software_fingerprint=fingerprint, baseline_gated=baseline_gated, failures=failures,
-                   failure_hosts=failure_hosts, failure_fingerprint=failure_fingerprint)
+                   failure_fingerprint=failure_fingerprint, failure_software=failure_software)
 
 
-def _refused_failures(receipts: list[Receipt]) -> tuple[dict[str, dict[str, int]], tuple[str, ...], Optional[str]]:
-    """``Refusal.failures``, ``failure_hosts`` and ``failure_fingerprint`` of a refused block's receipts."""
-    roles = {role: [r for r in receipts if r.identity.arm.value == role] for role in ("baseline", "candidate")}
+def software_key(ident: Any) -> str:
+    """The packages and the arm code an arm ran, without the hardware: what an arm that died before observing its
+    hardware still records (its ``software_fingerprint`` then hashes no hardware part)."""
+    return json.dumps([ident.software, ident.code_fingerprint], sort_keys=True, default=str)
+
+
+def _refused_failures(receipts: list[Receipt]) -> tuple[dict[str, dict[str, int]], Optional[str], str]:
+    """``Refusal.failures``, ``failure_fingerprint`` and ``failure_software`` of a refused block's receipts."""
+    roles = {role: [r for r in receipts if r.identity.arm.value == role and r.identity.status.value != "aborted"]
+             for role in ("baseline", "candidate")}
     failed = {role: [r for r in arms if r.identity.status.value == "failed"] for role, arms in roles.items()}
     if not roles["candidate"] or not (failed["baseline"] or failed["candidate"]):
-        return {}, (), None
+        return {}, None, ""
     counts = {role: {"failed": len(failed[role]), "arms": len(roles[role])} for role in roles}
-    hosts = tuple(sorted({r.identity.host for r in failed["candidate"]}))
     observed = [r for r in roles["candidate"] if not _unobserved_failure(r)]
     if not observed:  # a candidate that died unobserved ran the code its partner of the same attempt ran
         attempts = {r.identity.attempt for r in roles["candidate"]}
         observed = [r for r in roles["baseline"] if r.identity.attempt in attempts and not _unobserved_failure(r)]
-    return counts, hosts, (observed[-1].identity.software_fingerprint if observed else None)
+    return (counts, observed[-1].identity.software_fingerprint if observed else None,
+            software_key(roles["candidate"][-1].identity))
 
 
 def _make_block(block_id: str, receipts: list[Receipt], policy: Policy) -> Block | Refusal:
@@ -598,7 +610,9 @@ def _make_block(block_id: str, receipts: list[Receipt], policy: Policy) -> Block
         base, cand = first, second
     reason = _check_pair(base, cand, check_order=not cross_attempt)
     if reason:
-        return _refuse(reason, receipts, block_id)
+        # A pair across attempts may differ in what a retry may change (its node); within one attempt a mismatch
+        # says the arms did not run their test (another lane, value, work), so their crashes are not its.
+        return _refuse(reason, receipts, block_id, failures=cross_attempt)
     base_view, cand_view = _arm_view(base, policy), _arm_view(cand, policy)
     for view in (base_view, cand_view):
         if view.status == "aborted":
@@ -640,7 +654,7 @@ def _make_block(block_id: str, receipts: list[Receipt], policy: Policy) -> Block
                                     and r.identity.status.value == "failed"})),
         horizon_steps=int(base.requested.lane.get("budget.horizon_steps") or 0),
         tokens_per_step=base.requested.tokens_per_step, schedule=ident.schedule, earlier_gated=earlier_gated,
-        earlier_baseline_gated=earlier_baseline_gated,
+        earlier_baseline_gated=earlier_baseline_gated, software_key=software_key(observed),
         device_class=base_view.device_class if base_view.device_class else cand_view.device_class)
 
 

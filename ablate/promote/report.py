@@ -642,8 +642,12 @@ def _lane_detail(result: PromotionResult, lane: LaneSummary) -> list[str]:
             lines.append(f"- order: {v.order['candidate_first']} candidate-first, {v.order['baseline_first']} "
                          f"baseline-first" + ("" if effect is None else f", effect {effect * 100:+.2f}%"))
         lines.append(f"- failures: candidate {v.failures['candidate']['failed']}/{v.failures['candidate']['arms']}, "
-                     f"baseline {v.failures['baseline']['failed']}/{v.failures['baseline']['arms']}; "
-                     f"disqualifiers: {_t(v.disqualifiers)}")
+                     f"baseline {v.failures['baseline']['failed']}/{v.failures['baseline']['arms']}"
+                     + (f" (and in {len(v.refused_failure_blocks)} refused block(s): candidate "
+                        f"{v.refused_failures['candidate']['failed']}/{v.refused_failures['candidate']['arms']}, "
+                        f"baseline {v.refused_failures['baseline']['failed']}/{v.refused_failures['baseline']['arms']}"
+                        f"; they hold the test, never reject it)" if v.refused_failure_blocks else "")
+                     + f"; disqualifiers: {_t(v.disqualifiers)}")
         if v.suspicious:
             lines.append("- **suspicious win**: needs a confirming round and a look at the kernel traces")
         if v.amdahl.get("note"):

@@ -257,13 +257,20 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
                                         f"{policy.threshold.min_aa_blocks}); bias bound {bias}, A/A interval {where}")
 
     def failure_rate() -> Clause:
-        c, b = v.failures["candidate"], v.failures["baseline"]
+        # Crashes in blocks that could not be paired hold the test as a matched block's would (they never reach
+        # Fisher's REJECT: ``FeatureVerdict.refused_failures``).
+        extra = v.refused_failures or {}
+        c, b = ({k: v.failures[role][k] + extra.get(role, {}).get(k, 0) for k in ("failed", "arms")}
+                for role in ("candidate", "baseline"))
         rate_c = c["failed"] / c["arms"] if c["arms"] else 0.0
         rate_b = b["failed"] / b["arms"] if b["arms"] else 0.0
         ok = rate_c <= rate_b and rate_c <= policy.failures.max_candidate_rate
+        refused = (f"; {extra['candidate']['failed']} candidate and {extra['baseline']['failed']} baseline "
+                   f"failure(s) of these in {len(v.refused_failure_blocks)} refused block(s), e.g. "
+                   f"{v.refused_failure_blocks[0]}" if v.refused_failure_blocks else "")
         return Clause("failure_rate", ok, f"candidate failed {c['failed']}/{c['arms']}, baseline "
                                           f"{b['failed']}/{b['arms']} (max candidate rate "
-                                          f"{policy.failures.max_candidate_rate:g})")
+                                          f"{policy.failures.max_candidate_rate:g}){refused}")
 
     def amount() -> Clause:
         problems = []

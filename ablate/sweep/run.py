@@ -67,7 +67,7 @@ from ablate.sweep.resources import (Capacity, block_need, check_cluster, gpu_res
                                     tune_env_filter)
 from ablate.sweep.trial import (block_progress, clear_interrupted_scratch, run_block, start_clock, trial_dirname,
                                 trial_name)
-from ablate.sweep.worker_output import drop_teardown_tracebacks
+from ablate.sweep.worker_output import drop_teardown_tracebacks, flush_held
 from ablate.tracking.mlflow_store import MAX_TAG_CHARS, SKIPPED_TAG, SWEEPS_DIR, MlflowStore
 from ablate.tracking.uri import check_sqlite_store, resolve_tracking_uri, shown
 
@@ -510,6 +510,7 @@ def ensure_ray() -> bool:
     import ray
 
     if ray.is_initialized():
+        drop_teardown_tracebacks()  # a caller's own ray.init (a notebook, a test) forwards worker output too
         return False
     # Ray's own INFO lines ("Started a local Ray instance") are not the user's business during a sweep; warnings
     # and errors still reach the console, and the full logs stay in the Ray session directory.
@@ -916,6 +917,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         if (interrupted.seen or stopped or fatal) and started_ray:
             # Stop the trials for good before looking at the disk: an arm of a Ray started here can then no longer
             # write a receipt after the catch-up below (on a cluster, --resume or `receipts sync` picks those up).
+            flush_held()
             ray.shutdown()
         results = list(grid) if grid is not None else []
         unmirrored = recorder.mirror_again()
@@ -967,5 +969,6 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
                 if store is not None:
                     store.stop_monitor()  # interrupted or not: the parent run stays resumable, the sampler thread ends
             finally:
+                flush_held()
                 if started_ray:
                     ray.shutdown()

@@ -30,11 +30,12 @@ _MOST_HELD = 400  # lines: a traceback longer than this is passed on as it comes
 class TeardownFilter:
     """Per worker (ip, pid, stream): a traceback is held from its first line to its ``SystemExit`` line and dropped
     when Ray's SIGTERM handler raised it; any other traceback, or a held one that ends in another way, is passed
-    on whole and in order. A traceback split over two batches is held across them."""
+    on whole and in order, under the task or actor name of the batch it started in. A traceback split over two
+    batches is held across them; one a worker never finished (killed while printing) is passed on by ``flush``."""
 
     def __init__(self, forward: Callable[[dict[str, Any]], None]):
         self.forward = forward
-        self.held: dict[tuple, list[str]] = {}
+        self.held: dict[tuple, tuple[dict[str, Any], list[str]]] = {}
         self.dropped = 0
 
     def __call__(self, data: dict[str, Any]) -> None:
@@ -43,12 +44,13 @@ class TeardownFilter:
             self.forward(data)
             return
         key = (data.get("ip"), data.get("pid"), data.get("is_err"))
-        held = self.held.pop(key, None)
+        started, held = self.held.pop(key, (data, None))
         kept: list[str] = []
         for line in lines:
             if held is None:
                 if line.startswith(_OPENS):
-                    held = [line]
+                    self._send(data, kept)
+                    started, held, kept = data, [line], []
                 else:
                     kept.append(line)
                 continue
@@ -58,12 +60,25 @@ class TeardownFilter:
                 log.debug("dropped a worker's SIGTERM-at-teardown traceback: %s", held)
                 held = None
             elif _ends(line) or len(held) > _MOST_HELD:
-                kept.extend(held)
+                self._send(started, held)
                 held = None
         if held is not None:
-            self.held[key] = held
-        if kept:
-            self.forward({**data, "lines": kept})
+            self.held[key] = (started, held)
+        self._send(data, kept)
+
+    def flush(self) -> None:
+        """Pass on what is still held (a worker that stopped mid-traceback), before Ray stops forwarding; a held
+        traceback already in Ray's SIGTERM handler is the teardown one, cut short, and is dropped."""
+        held, self.held = self.held, {}
+        for started, lines in held.values():
+            if any(_SIGTERM_FRAME.search(line.rstrip()) for line in lines):
+                self.dropped += 1
+                continue
+            self._send(started, lines)
+
+    def _send(self, data: dict[str, Any], lines: list[str]) -> None:
+        if lines:
+            self.forward({**data, "lines": lines})
 
 
 def _ends(line: str) -> bool:
@@ -72,18 +87,35 @@ def _ends(line: str) -> bool:
         ("During handling", "The above exception"))
 
 
-def drop_teardown_tracebacks() -> Optional[TeardownFilter]:
-    """Wrap the driver's worker-output handler (after ``ray.init``). None when Ray forwards no worker output here
-    (``log_to_driver=False``) or its dispatcher has changed shape, in which case everything is left as Ray has it."""
+def _dispatcher() -> Any:
     try:
-        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher
     except ImportError:
         return None
-    handlers = getattr(dispatcher, "handlers", None)
-    current = [handler for name, handler in handlers or () if name == _HANDLER]
-    if len(current) != 1 or isinstance(current[0], TeardownFilter):
+    return global_worker_stdstream_dispatcher
+
+
+def _installed() -> list[Any]:
+    return [handler for name, handler in getattr(_dispatcher(), "handlers", None) or () if name == _HANDLER]
+
+
+def drop_teardown_tracebacks() -> Optional[TeardownFilter]:
+    """Wrap the driver's worker-output handler (after ``ray.init``; again is a no-op). None when Ray forwards no
+    worker output here (``log_to_driver=False``) or its dispatcher has changed shape, in which case everything is
+    left as Ray has it."""
+    current = _installed()
+    if len(current) != 1:
         return None
+    if isinstance(current[0], TeardownFilter):
+        return current[0]
     wrapped = TeardownFilter(current[0])
-    dispatcher.remove_handler(_HANDLER)
-    dispatcher.add_handler(_HANDLER, wrapped)
+    _dispatcher().remove_handler(_HANDLER)
+    _dispatcher().add_handler(_HANDLER, wrapped)
     return wrapped
+
+
+def flush_held() -> None:
+    """``TeardownFilter.flush`` of the installed filter, if any: call before ``ray.shutdown``."""
+    for handler in _installed():
+        if isinstance(handler, TeardownFilter):
+            handler.flush()

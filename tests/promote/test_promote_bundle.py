@@ -265,3 +265,26 @@ def test_bundle_sweeps_that_ran_at_the_same_time_are_one_round(singles: list[Rec
     [check] = result.bundles
     assert check.status == "not_measured" and "1 counted round(s), need 2" in check.reason, check.reason
     assert result.changes == []
+
+
+def test_crashes_of_refused_bundle_blocks_fail_the_set(singles: list[Receipt], policy: Policy,
+                                                       defaults_file: Path) -> None:
+    """Candidate-first bundle blocks whose combination crashed on every attempt leave no baseline and are refused;
+    their crashes still fail the set, as a matched bundle block's do (found in review: the set was written)."""
+    from datetime import timedelta
+
+    from promote_sim import T0, make_receipt
+
+    bundle = simulate_bundle(NEW, OLD, 1.05 * 1.06, 4)
+    cand = next(r for r in bundle if r.identity.arm.value == "candidate")
+    crashes = [make_receipt(receipt_id=f"bx{n}-a1-t{t}", sweep_id="sim-bundle-r1", block_id=f"bx{n}", arm="candidate",
+                            arm_index=1, order=0, attempt=t, feature="bundle", feature_value=dict(NEW),
+                            baseline_value=dict(OLD), lane=cand.requested.lane, host=f"node-{n}", tps=None, loss=None,
+                            status="failed", created_at=T0 + timedelta(days=3, minutes=500 + 5 * n + t),
+                            lane_key=cand.identity.lane_key, device="cuda", seed=n * 10 + t)
+               for n in range(3) for t in range(2)]
+    assert run(singles + bundle, policy, defaults_file).bundles[0].status == "passed"  # the control
+    result = run(singles + bundle + crashes, policy, defaults_file)
+    [check] = result.bundles
+    assert check.status == "failed" and result.changes == []
+    assert "6 of the candidate's in 3 refused bundle block(s)" in check.reason, check.reason

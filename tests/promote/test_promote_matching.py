@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from conftest import DEFAULTS
 from promote_sim import T0, base_lane, make_receipt, moe, Sim, simulate
 
@@ -174,40 +176,92 @@ def _moe_win() -> list[Receipt]:
     return simulate(Sim(features=[moe(1.05)], noise=0.003, aa_per_host=2), 0)
 
 
-def _failures_of(receipts: list[Receipt], policy: Policy) -> tuple[str, dict]:
+def _moe_verdict(receipts: list[Receipt], policy: Policy) -> Any:
     [verdict] = [v for v in promote(receipts, policy_path=policy, defaults_path=DEFAULTS).verdicts
                  if v.feature == "moe_dispatch"]
-    return verdict.verdict, verdict.failures
+    return verdict
 
 
-def test_a_candidate_that_crashed_on_every_attempt_of_an_unpaired_block_still_counts(policy: Policy) -> None:
-    """A candidate-first block whose candidate crashed on every attempt leaves no baseline: the block is refused,
-    but its crashes are the test's failures (found in review: they vanished and the test promoted)."""
-    base, cand = pair("cf", cand_order=0)
-    for receipt in (base, cand):
+def _in_sim_r1(receipts: list[Receipt]) -> list[Receipt]:
+    for receipt in receipts:
         receipt.identity.sweep_id = "sim-r1"
+    return receipts
+
+
+def test_a_candidate_that_crashed_on_every_attempt_of_an_unpaired_block_holds_its_test(policy: Policy) -> None:
+    """A candidate-first block whose candidate crashed on every attempt leaves no baseline: the block is refused,
+    but its crashes hold the test as a matched block's would (found in review: they vanished and the test
+    promoted). They only hold: Fisher, which may REJECT, counts matched blocks only."""
+    base, cand = _in_sim_r1(pair("cf", cand_order=0))
     crashes = [_failed(cand, 0, 0), _failed(cand, 1, 0)]
-    assert _failures_of(_moe_win(), policy)[0] == "PROMOTE"  # the control: a clean 5% win
-    verdict, failures = _failures_of(_moe_win() + crashes, policy)
-    assert failures["candidate"]["failed"] == 2 and failures["baseline"]["failed"] == 0
-    assert verdict == "HOLD"  # 2 of 14 candidate arms failed: above the policy's rate
+    assert _moe_verdict(_moe_win(), policy).verdict == "PROMOTE"  # the control: a clean 5% win
+    verdict = _moe_verdict(_moe_win() + crashes, policy)
+    assert verdict.verdict == "HOLD" and verdict.refused_failures["candidate"] == {"failed": 2, "arms": 2}
+    assert "candidate failed 2/14, baseline 0/12" in verdict.reason and "1 refused block(s)" in verdict.reason
+    assert verdict.failures["candidate"]["failed"] == 0 and verdict.fisher_p == 1.0
     _, refusals = match_blocks(crashes, policy)
     assert refusals[0].failures == {"baseline": {"failed": 0, "arms": 0}, "candidate": {"failed": 2, "arms": 2}}
 
 
-def test_a_retry_that_crashed_on_another_node_keeps_both_crashes(policy: Policy) -> None:
+def test_many_unpaired_crashes_hold_a_test_but_never_reject_it(policy: Policy) -> None:
+    # Enough crashes that Fisher would reject on them: refused blocks cannot be told from copies or placed in a
+    # round (found in review: a relabelled copy of a round counted its crash-only blocks twice and rejected).
+    crashes = []
+    for number in range(6):
+        base, cand = _in_sim_r1(pair(f"cf{number}", cand_order=0))
+        cand.identity.host = f"node-{number % 3}"
+        crashes += [_failed(cand, 0, 0), _failed(cand, 1, 0)]
+    verdict = _moe_verdict(_moe_win() + crashes, policy)
+    assert verdict.verdict == "HOLD" and verdict.refused_failures["candidate"]["failed"] == 12
+    assert [c.name for c in verdict.also_rejected] == []
+
+
+def test_a_retry_that_crashed_on_another_node_holds_its_test(policy: Policy) -> None:
     """Attempt 0: baseline fine, candidate crashed; attempt 1 (its last): the candidate crashed again on another
-    node. The block is refused for its hosts, and both crashes count as they do when the retry stays on the node."""
-    runs = {}
+    node. The block is refused for its hosts, and both crashes hold the test as when the retry stays on the node."""
     for retry_host in ("node-0", "node-1"):
-        base, cand = pair("rh")
-        for receipt in (base, cand):
-            receipt.identity.sweep_id = "sim-r1"
+        base, cand = _in_sim_r1(pair("rh"))
         retry = _failed(cand, 1, 0)
         retry.identity.host = retry_host
-        runs[retry_host] = _failures_of(_moe_win() + [base, _failed(cand, 0, 1), retry], policy)
-    assert runs["node-1"][1]["candidate"] == runs["node-0"][1]["candidate"] == {"failed": 2, "arms": 14}
-    assert runs["node-1"][0] == runs["node-0"][0] == "HOLD"
+        verdict = _moe_verdict(_moe_win() + [base, _failed(cand, 0, 1), retry], policy)
+        assert verdict.verdict == "HOLD" and "candidate failed 2/14, baseline 0/13" in verdict.reason, retry_host
+
+
+def test_an_aborted_retry_is_not_a_candidate_arm_that_ran(policy: Policy) -> None:
+    # Found in review: each crash followed by an aborted retry counted 2 arms, diluting the rate below the policy's.
+    base, cand = _in_sim_r1(pair("ab", cand_order=0))
+    aborted = _failed(cand, 1, 0)
+    aborted.identity.status = Status.aborted
+    _, refusals = match_blocks([_failed(cand, 0, 0), aborted], policy)
+    assert refusals[0].failures["candidate"] == {"failed": 1, "arms": 1}
+
+
+def test_crashes_of_arms_that_did_not_run_their_test_or_its_software_are_not_its(policy: Policy) -> None:
+    """Found in review: a candidate that ran another lane (a pair refused within one attempt), or an older
+    software's crash that observed no hardware, held (then rejected) a clean win on the current software."""
+    other_lane = _in_sim_r1(pair("ol", cand_lane={**base_lane(), "features.moe_dispatch": "jagged",
+                                                  "batch.micro_batch": 4}))
+    other_lane[1] = _failed(other_lane[1], 0, 1)
+    other_lane[1].identity.attempt = 0
+    _, refusals = match_blocks(other_lane, policy)
+    assert "lanes differ" in refusals[0].reason and refusals[0].failures == {}
+    old = []
+    for number in range(3):
+        base, cand = _in_sim_r1(pair(f"old{number}", cand_order=0))
+        crash = _failed(cand, 0, 0)
+        crash.identity.software = {**crash.identity.software, "torch": "0.0-old"}
+        crash.identity.hardware_fingerprint = None  # died before observing its hardware
+        crash.identity.software_fingerprint = "sw-old-no-hardware"
+        old.append(crash)
+    verdict = _moe_verdict(_moe_win() + old, policy)
+    assert verdict.verdict == "PROMOTE" and verdict.refused_failures["candidate"]["failed"] == 0
+    same = []
+    for crash in old:  # the same crashes under the current packages and code are the current test's
+        copy = crash.model_copy(deep=True)
+        copy.identity.software = dict(_moe_win()[0].identity.software)
+        copy.identity.code_fingerprint = _moe_win()[0].identity.code_fingerprint
+        same.append(copy)
+    assert _moe_verdict(_moe_win() + same, policy).refused_failures["candidate"]["failed"] == 3
 
 
 def test_failures_of_receipts_that_cannot_be_told_apart_are_not_counted(policy: Policy) -> None:

@@ -120,3 +120,22 @@ def test_a_real_worker_killed_inside_a_weakref_callback_prints_nothing_on_the_dr
     assert "worker done" in out.stdout
     assert "SystemExit" not in out.stderr and "sigterm_handler" not in out.stderr, out.stderr[-3000:]
     assert "ValueError: a trial's own error" in out.stderr and "in torn_down" in out.stderr, out.stderr[-3000:]
+
+
+def test_a_traceback_a_worker_never_finished_is_passed_on_by_flush_under_its_own_task():
+    first = _batch(["ok"] + _TRIAL_TRACEBACK[:2]) | {"task_name": "task_a"}
+    later = _batch(["  File \"x.py\", line 3, in g"]) | {"task_name": "task_b"}
+    seen: list[dict] = []
+    filt = TeardownFilter(seen.append)
+    filt(first)
+    filt(later)
+    assert [(b["task_name"], b["lines"]) for b in seen] == [("task_a", ["ok"])]  # still held: it may go on
+    filt.flush()
+    assert [(b["task_name"], b["lines"]) for b in seen][1:] == [
+        ("task_a", _TRIAL_TRACEBACK[:2] + ["  File \"x.py\", line 3, in g"])]
+    assert filt.held == {}
+    # Cut short inside Ray's SIGTERM handler: the teardown one, dropped at the flush too.
+    cut = TeardownFilter(seen.append)
+    cut(_batch(_SIGTERM_TRACEBACK[:7]))
+    cut.flush()
+    assert cut.dropped == 1 and len(seen) == 2
