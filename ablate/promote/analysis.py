@@ -143,12 +143,12 @@ class FeatureVerdict:
     failures: dict[str, dict[str, int]] = field(default_factory=dict)
     fisher_p: float = 1.0
     failure_hosts: int = 0
+    """Hosts on which a candidate arm of the test failed (this attempt or an earlier one of its block)."""
     refused_failures: dict[str, dict[str, int]] = field(default_factory=dict)
     """Failed and run arms of refused blocks of this test (``TestEvidence.refused_failures``): they count in
     ``failure_rate`` only (a HOLD), not in ``failures``, Fisher or ``failure_hosts`` (a REJECT), since a crash in a
     block that could not be paired cannot be told from a copy of one or placed in a round."""
     refused_failure_blocks: list[str] = field(default_factory=list)
-    """Hosts on which a candidate arm of the test failed (this attempt or an earlier one of its block)."""
     gated_hosts: int = 0
     """Hosts of the candidate arms a gate about the feature disqualified (not a node's fact such as
     ``LOW_PRIORITY``, nor INERT_TOGGLE): a re-test's gate demotes only from as many hosts as a PROMOTE needs."""

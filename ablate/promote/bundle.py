@@ -84,12 +84,18 @@ def _campaign_hint(values: dict[str, Any], policy: Policy, where: str = "this la
 
 def check_bundles(verdicts: list[FeatureVerdict], bundle_blocks: list[Block], policy: Policy,
                   unread: Iterable[UnreadArm] = (), refusals: Iterable[Refusal] = (),
-                  windows: Optional[dict[str, SweepWindow]] = None) -> list[BundleCheck]:
+                  windows: Optional[dict[str, SweepWindow]] = None,
+                  lane_blocks: Optional[list[Block]] = None) -> list[BundleCheck]:
     """One check per lane where two or more features promoted (see the module docstring). ``unread``: arms whose
     receipts could not be read; one from a bundle block of the lane fails its set. ``refusals``: refused blocks,
     whose gated bundle candidates (a fallback beside a missing partner) fail their set as a matched one's do.
     ``windows``: each sweep's span over every block read (``sweep_windows``), so sweeps that overlapped are one
-    round here as for the single tests (default: over the bundle blocks alone)."""
+    round here as for the single tests (default: over the bundle blocks alone). ``lane_blocks``: every block read
+    (bundle blocks included; default: the bundle blocks), which places a refused bundle block's crashes in time and
+    software (``evidence.placed_failures``)."""
+    from ablate.promote.evidence import placed_failures
+
+    lane_blocks = lane_blocks if lane_blocks is not None else bundle_blocks
     unread = list(unread)
     refused_bundles = [r for r in refusals if r.feature == BUNDLE and r.gated_candidates and r.value is not None]
     by_lane: dict[str, list[FeatureVerdict]] = defaultdict(list)
@@ -140,11 +146,10 @@ def check_bundles(verdicts: list[FeatureVerdict], bundle_blocks: list[Block], po
         # set. The check had none of them: a set that crashed once in every block and passed on retry was written
         # (found in review).
         measured = [b for b in same if b.software_fingerprint in current]
-        ran = {b.software_key for b in measured}
-        crashed = [r for r in refusals if r.failures and r.feature == BUNDLE and r.lane_key == lane_key
+        crashed = [placed for r in refusals if r.failures and r.feature == BUNDLE and r.lane_key == lane_key
                    and _key(json.loads(r.value or "null")) == _key(values)
-                   and (r.failure_fingerprint in current if r.failure_fingerprint is not None
-                        else r.failure_software in ran)]
+                   for placed in [placed_failures(r, current, [b for b in lane_blocks if b.lane_key == lane_key])]
+                   if placed is not None]
         problems = _failure_problems(measured, policy, crashed) + _counter_violations(measured, policy)[:3]
         if problems:
             check.status = FAILED

@@ -291,7 +291,7 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     campaigns = sorted({r.identity.campaign for r in valid})
     report_id = _report_id(campaigns, valid, policy)
     date = now.date().isoformat()
-    bundles = check_bundles(measured, bundle_blocks, policy, unread, refusals, windows)
+    bundles = check_bundles(measured, bundle_blocks, policy, unread, refusals, windows, blocks + bundle_blocks)
     changes = plan_changes(measured, defaults, policy, report_id=report_id,
                            campaign="+".join(campaigns), date=date, held=held_keys(bundles, policy), bundles=bundles)
     lane_summaries = [LaneSummary(lane_key=k, software_fingerprint=s.current_fingerprint,

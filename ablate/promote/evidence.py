@@ -18,6 +18,7 @@ not the spread).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -30,7 +31,7 @@ from typing import Any, Iterable, Optional
 import numpy as np
 
 from ablate.config.features import FEATURES
-from ablate.promote.match import ArmView, Block, Refusal
+from ablate.promote.match import ArmView, Block, Refusal, RefusedArm
 from ablate.promote.policy import Policy
 from ablate.promote.stats import (abs_quantile, bootstrap_clusters, bootstrap_hl, hodges_lehmann, normal_abs_quantile,
                                   quantile)
@@ -331,6 +332,34 @@ def _lane_states(blocks: list[Block], policy: Policy) -> dict[str, LaneState]:
     return states
 
 
+def placed_failures(refusal: Refusal, current: set[str], lane_blocks: list[Block]) -> Optional[Refusal]:
+    """``refusal`` with ``failures`` counted over its arms that belong to the lane's current test, or None when no
+    failed arm does. An arm belongs when it ran the current fingerprint, or its packages and code (another machine,
+    or one that died before observing its hardware); not when a matched block of the lane ran its software (that
+    software's own, superseded or other, evidence), nor when it was written before the lane's newest block.
+    Software no matched block ran, written after the newest, is newer than the evidence and holds the current test,
+    as an unread arm's does (found in review: a newer software's crashes in refused blocks only were dropped and the
+    old evidence promoted; and one block's crashes were all placed by whichever receipt was read last)."""
+    current_keys = {b.software_key for b in lane_blocks if b.software_fingerprint in current}
+    seen_prints = {b.software_fingerprint for b in lane_blocks}
+    seen_keys = {b.software_key for b in lane_blocks}
+    newest = max((epoch_s(b.created_at) for b in lane_blocks), default=None)
+
+    def here(arm: RefusedArm) -> bool:
+        if arm.fingerprint in current or arm.software in current_keys:
+            return True
+        if arm.fingerprint in seen_prints or arm.software in seen_keys:
+            return False
+        return newest is None or epoch_s(arm.created_at) > newest
+
+    placed = [arm for arm in refusal.arms_run if here(arm)]
+    if not any(arm.failed for arm in placed):
+        return None
+    counts = {role: {"failed": sum(a.failed for a in placed if a.role == role),
+                     "arms": sum(a.role == role for a in placed)} for role in ("baseline", "candidate")}
+    return dataclasses.replace(refusal, failures=counts, arms_run=tuple(placed))
+
+
 def organise(blocks: list[Block], policy: Policy, refusals: Iterable[Refusal] = (),
              unread: Iterable[UnreadArm] = (), windows: Optional[dict[str, SweepWindow]] = None
              ) -> tuple[list[TestEvidence], dict[str, Calibration], dict[str, LaneState]]:
@@ -372,6 +401,9 @@ def organise(blocks: list[Block], policy: Policy, refusals: Iterable[Refusal] = 
         return [(sweep, calibration_of(lane_key, frozenset(ordered[:j + 1]))) for j, sweep in enumerate(ordered)]
 
     windows = windows or sweep_windows(blocks)
+    by_lane: dict[str, list[Block]] = defaultdict(list)
+    for block in blocks:
+        by_lane[block.lane_key].append(block)
     tests = []
     for (feature, _, lane_key), members in sorted(grouped.items()):
         current = lanes[lane_key].current_fingerprint
@@ -382,10 +414,9 @@ def organise(blocks: list[Block], policy: Policy, refusals: Iterable[Refusal] = 
         refused = [r for r in refusals if (r.gated_candidates or r.baseline_gated) and r.feature == feature and
                    r.value == value and r.lane_key == lane_key and r.software_fingerprint == current]
         gates = [(r.block_id, view) for r in refused for view in r.gated_candidates]
-        ran = {b.software_key for b in kept}
-        failing = [r for r in refusals if r.failures and r.feature == feature and r.value == value and
-                   r.lane_key == lane_key and (r.failure_fingerprint == current if r.failure_fingerprint is not None
-                                               else r.failure_software in ran)]
+        failing = [placed for r in refusals if r.failures and r.feature == feature and r.value == value
+                   and r.lane_key == lane_key
+                   for placed in [placed_failures(r, {current}, by_lane[lane_key])] if placed is not None]
         tests.append(TestEvidence(
             feature=feature, value=first.value, baseline_value=first.baseline_value, kind=first.kind,
             lane_key=lane_key, software_fingerprint=current, blocks=kept, superseded=old,

@@ -148,8 +148,8 @@ class Block:
     failure_hosts: tuple[str, ...] = ()
     """Hosts of the block's failed candidate arms, each its own (a retry may run on another node than ``host``)."""
     software_key: str = ""
-    """``software_key`` of the arm whose fingerprint the block carries: places a refused crash that observed no
-    hardware (``Refusal.failure_software``)."""
+    """``software_key`` of the arm whose fingerprint the block carries: places a refused block's crashes
+    (``evidence.placed_failures``)."""
 
     @property
     def is_aa(self) -> bool:
@@ -235,12 +235,23 @@ class Refusal:
     (``failure_rate``), never reject it (found in review: a candidate that crashed on every attempt of a
     candidate-first block left no baseline, the block was refused as unpaired, its crashes vanished and the test
     promoted; so did a retry's crash on another node, refused for "arms differ in host")."""
-    failure_fingerprint: Optional[str] = None
-    """The fingerprint its failures count under: an observed candidate's, else an observed arm's of the same
-    attempt; None when no arm observed its hardware (``failure_software`` places it then)."""
-    failure_software: str = ""
-    """``software_key`` of its candidate: a crash that observed no hardware counts for the test whose blocks ran
-    the same packages and code (older software's crash is superseded evidence, as its blocks would be)."""
+    arms_run: tuple["RefusedArm", ...] = ()
+    """The arms ``failures`` counts, each to be placed on its own (``evidence.placed_arms``): a retry may have run
+    on other hardware or under other code than the attempt before it."""
+
+
+@dataclass(frozen=True)
+class RefusedArm:
+    """One baseline or candidate arm of a refused block that ``Refusal.failures`` counts."""
+
+    role: str
+    failed: bool
+    fingerprint: Optional[str]
+    """Its own ``software_fingerprint``; an arm that died before observing its hardware takes an observed arm's of
+    the same attempt, else None (``software`` places it)."""
+    software: str
+    """``software_key``: the packages and arm code it ran, known even when it observed nothing."""
+    created_at: str
 
 
 def execution_record(receipt: Receipt) -> dict[str, Any]:
@@ -562,7 +573,7 @@ def _refuse(reason: str, receipts: Iterable[Receipt], block_id: str, gates: Opti
         if candidates and (gated or baseline_gated):
             value = json.dumps(candidates[0].identity.feature_value, default=str)
             fingerprint = candidates[0].identity.software_fingerprint
-    failures, failure_fingerprint, failure_software = _refused_failures(receipts) if failures else ({}, None, "")
+    failures, arms_run = _refused_failures(receipts) if failures else ({}, ())
     if failures and value is None:
         value = json.dumps(next(r for r in receipts if r.identity.arm.value == "candidate").identity.feature_value,
                            default=str)
@@ -570,7 +581,7 @@ def _refuse(reason: str, receipts: Iterable[Receipt], block_id: str, gates: Opti
                    feature=first.feature if first else None, lane_key=first.lane_key if first else None,
                    round_id=first.sweep_id if first else None, gated_candidates=gated, value=value,
                    software_fingerprint=fingerprint, baseline_gated=baseline_gated, failures=failures,
-                   failure_fingerprint=failure_fingerprint, failure_software=failure_software)
+                   arms_run=arms_run)
 
 
 def software_key(ident: Any) -> str:
@@ -579,20 +590,22 @@ def software_key(ident: Any) -> str:
     return json.dumps([ident.software, ident.code_fingerprint], sort_keys=True, default=str)
 
 
-def _refused_failures(receipts: list[Receipt]) -> tuple[dict[str, dict[str, int]], Optional[str], str]:
-    """``Refusal.failures``, ``failure_fingerprint`` and ``failure_software`` of a refused block's receipts."""
+def _refused_failures(receipts: list[Receipt]) -> tuple[dict[str, dict[str, int]], tuple[RefusedArm, ...]]:
+    """``Refusal.failures`` and ``arms_run`` of a refused block's receipts."""
     roles = {role: [r for r in receipts if r.identity.arm.value == role and r.identity.status.value != "aborted"]
              for role in ("baseline", "candidate")}
     failed = {role: [r for r in arms if r.identity.status.value == "failed"] for role, arms in roles.items()}
     if not roles["candidate"] or not (failed["baseline"] or failed["candidate"]):
-        return {}, None, ""
+        return {}, ()
     counts = {role: {"failed": len(failed[role]), "arms": len(roles[role])} for role in roles}
-    observed = [r for r in roles["candidate"] if not _unobserved_failure(r)]
-    if not observed:  # a candidate that died unobserved ran the code its partner of the same attempt ran
-        attempts = {r.identity.attempt for r in roles["candidate"]}
-        observed = [r for r in roles["baseline"] if r.identity.attempt in attempts and not _unobserved_failure(r)]
-    return (counts, observed[-1].identity.software_fingerprint if observed else None,
-            software_key(roles["candidate"][-1].identity))
+    observed = {r.identity.attempt: r.identity.software_fingerprint for arms in roles.values() for r in arms
+                if not _unobserved_failure(r)}
+    arms = tuple(RefusedArm(role=role, failed=r.identity.status.value == "failed",
+                            fingerprint=(observed.get(r.identity.attempt) if _unobserved_failure(r)
+                                         else r.identity.software_fingerprint),
+                            software=software_key(r.identity), created_at=r.identity.created_at)
+                 for role, members in roles.items() for r in members)
+    return counts, arms
 
 
 def _make_block(block_id: str, receipts: list[Receipt], policy: Policy) -> Block | Refusal:

@@ -272,3 +272,49 @@ def test_failures_of_receipts_that_cannot_be_told_apart_are_not_counted(policy: 
     twin.steps.step_s = [s * (1.0 + 1e-9) for s in twin.steps.step_s]  # not a replay: a second record of one arm
     _, refusals = match_blocks([base, crash, twin], policy)
     assert "two receipts for arm_index 1" in refusals[0].reason and refusals[0].failures == {}
+
+
+def test_newer_software_crashes_with_no_matched_block_of_their_own_hold_the_test(policy: Policy) -> None:
+    """A later round under new packages whose candidate-first blocks all crashed leaves no matched block of that
+    software, so the lane's current test is still the old one: the crashes, newer than its evidence, hold it, as
+    unread arms of that software would (found in review: they were dropped and the old evidence promoted)."""
+    from datetime import timedelta
+
+    win = _moe_win()
+    newest = max(r.identity.created_at for r in win)
+    crashes = []
+    for number in range(3):
+        base, cand = _in_sim_r1(pair(f"new{number}", cand_order=0))
+        for attempt in (0, 1):
+            crash = _failed(cand, attempt, 0)
+            crash.identity.sweep_id = "sim-r9"
+            crash.identity.software = {**crash.identity.software, "torch": "9.9.9"}
+            crash.identity.software_fingerprint = "sw-9"
+            crash.identity.created_at = (T0 + timedelta(days=30, minutes=number * 5 + attempt)).isoformat()
+            assert crash.identity.created_at > newest
+            crashes.append(crash)
+    verdict = _moe_verdict(win + crashes, policy)
+    assert verdict.verdict == "HOLD" and verdict.refused_failures["candidate"] == {"failed": 6, "arms": 6}
+    for crash in crashes:  # the same software's crashes written before the lane's newest block are not its
+        crash.identity.created_at = (T0 - timedelta(days=30)).isoformat()
+    assert _moe_verdict(win + crashes, policy).verdict == "PROMOTE"
+
+
+def test_each_refused_arm_is_placed_on_its_own_whatever_the_reading_order(policy: Policy) -> None:
+    """Attempt 0's candidate crashed on the current software and hardware; its retry crashed on another node with
+    other hardware. The first crash is the current test's whichever receipt is read last (found in review: the
+    block's crashes were all placed under the last one read, so the order decided HOLD or PROMOTE)."""
+    blocks = []
+    for number in range(3):
+        base, cand = _in_sim_r1(pair(f"hw{number}"))
+        retry = _failed(cand, 1, 0)
+        retry.identity.host = "node-9"
+        retry.identity.hardware_fingerprint = "hw-other"
+        retry.identity.software = {**retry.identity.software, "torch": "9.9.9"}  # nothing the lane ran
+        retry.identity.software_fingerprint = "sw-other"
+        blocks.append([base, _failed(cand, 0, 1), retry])
+    counts = []
+    for order in (lambda b: b, lambda b: [b[2], b[0], b[1]]):
+        verdict = _moe_verdict(_moe_win() + [r for b in blocks for r in order(b)], policy)
+        counts.append((verdict.verdict, verdict.refused_failures["candidate"]))
+    assert counts[0] == counts[1] and counts[0][0] == "HOLD" and counts[0][1]["failed"] >= 3, counts
