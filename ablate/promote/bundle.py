@@ -93,10 +93,10 @@ def check_bundles(verdicts: list[FeatureVerdict], bundle_blocks: list[Block], po
     round here as for the single tests (default: over the bundle blocks alone). ``lane_blocks``: every block read
     (bundle blocks included; default: the bundle blocks), which places a refused bundle block's crashes in time and
     software (``evidence.placed_failures``)."""
-    from ablate.promote.evidence import placed_failures
+    from ablate.promote.evidence import SoftwarePlaces, placed_failures
 
     lane_blocks = lane_blocks if lane_blocks is not None else bundle_blocks
-    unread = list(unread)
+    unread, refusals = list(unread), list(refusals)
     refused_bundles = [r for r in refusals if r.feature == BUNDLE and r.gated_candidates and r.value is not None]
     by_lane: dict[str, list[FeatureVerdict]] = defaultdict(list)
     for v in verdicts:
@@ -146,10 +146,10 @@ def check_bundles(verdicts: list[FeatureVerdict], bundle_blocks: list[Block], po
         # set. The check had none of them: a set that crashed once in every block and passed on retry was written
         # (found in review).
         measured = [b for b in same if b.software_fingerprint in current]
+        places = SoftwarePlaces.of(current, [b for b in lane_blocks if b.lane_key == lane_key])
         crashed = [placed for r in refusals if r.failures and r.feature == BUNDLE and r.lane_key == lane_key
                    and _key(json.loads(r.value or "null")) == _key(values)
-                   for placed in [placed_failures(r, current, [b for b in lane_blocks if b.lane_key == lane_key])]
-                   if placed is not None]
+                   for placed in [placed_failures(r, places)] if placed is not None]
         problems = _failure_problems(measured, policy, crashed) + _counter_violations(measured, policy)[:3]
         if problems:
             check.status = FAILED

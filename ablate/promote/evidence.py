@@ -332,7 +332,27 @@ def _lane_states(blocks: list[Block], policy: Policy) -> dict[str, LaneState]:
     return states
 
 
-def placed_failures(refusal: Refusal, current: set[str], lane_blocks: list[Block]) -> Optional[Refusal]:
+@dataclass(frozen=True)
+class SoftwarePlaces:
+    """What places a refused arm in one lane (``placed_failures``), computed once per lane and current software."""
+
+    current: frozenset[str]
+    current_keys: frozenset[str]
+    seen_prints: frozenset[str]
+    seen_keys: frozenset[str]
+    newest: Optional[float]
+
+    @classmethod
+    def of(cls, current: Iterable[str], lane_blocks: list[Block]) -> "SoftwarePlaces":
+        current = frozenset(current)
+        return cls(current=current,
+                   current_keys=frozenset(b.software_key for b in lane_blocks if b.software_fingerprint in current),
+                   seen_prints=frozenset(b.software_fingerprint for b in lane_blocks),
+                   seen_keys=frozenset(b.software_key for b in lane_blocks),
+                   newest=max((epoch_s(b.created_at) for b in lane_blocks), default=None))
+
+
+def placed_failures(refusal: Refusal, places: SoftwarePlaces) -> Optional[Refusal]:
     """``refusal`` with ``failures`` counted over its arms that belong to the lane's current test, or None when no
     failed arm does. An arm belongs when it ran the current fingerprint, or its packages and code (another machine,
     or one that died before observing its hardware); not when a matched block of the lane ran its software (that
@@ -340,17 +360,12 @@ def placed_failures(refusal: Refusal, current: set[str], lane_blocks: list[Block
     Software no matched block ran, written after the newest, is newer than the evidence and holds the current test,
     as an unread arm's does (found in review: a newer software's crashes in refused blocks only were dropped and the
     old evidence promoted; and one block's crashes were all placed by whichever receipt was read last)."""
-    current_keys = {b.software_key for b in lane_blocks if b.software_fingerprint in current}
-    seen_prints = {b.software_fingerprint for b in lane_blocks}
-    seen_keys = {b.software_key for b in lane_blocks}
-    newest = max((epoch_s(b.created_at) for b in lane_blocks), default=None)
-
     def here(arm: RefusedArm) -> bool:
-        if arm.fingerprint in current or arm.software in current_keys:
+        if arm.fingerprint in places.current or arm.software in places.current_keys:
             return True
-        if arm.fingerprint in seen_prints or arm.software in seen_keys:
+        if arm.fingerprint in places.seen_prints or arm.software in places.seen_keys:
             return False
-        return newest is None or epoch_s(arm.created_at) > newest
+        return places.newest is None or epoch_s(arm.created_at) > places.newest
 
     placed = [arm for arm in refusal.arms_run if here(arm)]
     if not any(arm.failed for arm in placed):
@@ -368,7 +383,7 @@ def organise(blocks: list[Block], policy: Policy, refusals: Iterable[Refusal] = 
     ``unread``: arms whose receipts could not be read join every test they may have been evidence for (their
     value is not compared: a damaged receipt's value is not trusted to route it). ``windows``: each sweep's time
     span over every block read, bundle blocks included (default: over ``blocks``)."""
-    unread = list(unread)
+    unread, refusals = list(unread), list(refusals)
     lanes = _lane_states(blocks, policy)
     aa_current: dict[str, list[Block]] = defaultdict(list)
     grouped: dict[tuple[str, str, str], list[Block]] = defaultdict(list)
@@ -404,6 +419,11 @@ def organise(blocks: list[Block], policy: Policy, refusals: Iterable[Refusal] = 
     by_lane: dict[str, list[Block]] = defaultdict(list)
     for block in blocks:
         by_lane[block.lane_key].append(block)
+    places: dict[str, SoftwarePlaces] = {}
+    crashes: dict[tuple[Any, Any, Any], list[Refusal]] = defaultdict(list)
+    for refusal in refusals:
+        if refusal.failures:
+            crashes[(refusal.feature, refusal.value, refusal.lane_key)].append(refusal)
     tests = []
     for (feature, _, lane_key), members in sorted(grouped.items()):
         current = lanes[lane_key].current_fingerprint
@@ -414,9 +434,10 @@ def organise(blocks: list[Block], policy: Policy, refusals: Iterable[Refusal] = 
         refused = [r for r in refusals if (r.gated_candidates or r.baseline_gated) and r.feature == feature and
                    r.value == value and r.lane_key == lane_key and r.software_fingerprint == current]
         gates = [(r.block_id, view) for r in refused for view in r.gated_candidates]
-        failing = [placed for r in refusals if r.failures and r.feature == feature and r.value == value
-                   and r.lane_key == lane_key
-                   for placed in [placed_failures(r, {current}, by_lane[lane_key])] if placed is not None]
+        if lane_key not in places:
+            places[lane_key] = SoftwarePlaces.of({current}, by_lane[lane_key])
+        failing = [placed for r in crashes.get((feature, value, lane_key), ())
+                   for placed in [placed_failures(r, places[lane_key])] if placed is not None]
         tests.append(TestEvidence(
             feature=feature, value=first.value, baseline_value=first.baseline_value, kind=first.kind,
             lane_key=lane_key, software_fingerprint=current, blocks=kept, superseded=old,
