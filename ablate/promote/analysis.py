@@ -372,6 +372,18 @@ def _failures(blocks: list[Block]) -> dict[str, dict[str, int]]:
     return out
 
 
+def rates_ok(candidate: dict[str, int], baseline: dict[str, int], max_rate: float) -> bool:
+    """The failure-rate clause: the candidate fails no more often than its baseline, nor than ``max_rate``."""
+    rate_c = candidate["failed"] / candidate["arms"] if candidate["arms"] else 0.0
+    rate_b = baseline["failed"] / baseline["arms"] if baseline["arms"] else 0.0
+    return rate_c <= rate_b and rate_c <= max_rate
+
+
+def with_refused(failures: dict[str, dict[str, int]], refused: dict[str, dict[str, int]], role: str
+                 ) -> dict[str, int]:
+    return {k: failures[role][k] + refused.get(role, {}).get(k, 0) for k in ("failed", "arms")}
+
+
 def refused_failures(refused: Iterable[Refusal]) -> dict[str, dict[str, int]]:
     """Failed and run arms per role of refused blocks (``Refusal.failures``); empty roles when there are none."""
     refused = list(refused)

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import numpy as np
 
-from ablate.promote.analysis import PROMOTE, FeatureVerdict, _counter_violations, _failures, refused_failures
+from ablate.promote.analysis import (PROMOTE, FeatureVerdict, _counter_violations, _failures, rates_ok,
+                                     refused_failures, with_refused)
 from ablate.promote.match import BUNDLE, Block, Refusal
 from ablate.promote.policy import Policy
 from ablate.promote.stats import bootstrap_clusters, bootstrap_hl, fisher_more_failures, hodges_lehmann, quantile
@@ -198,15 +199,16 @@ def _failure_problems(blocks: list[Block], policy: Policy, refused: Iterable[Ref
         return []
     f, extra = _failures(blocks), refused_failures(refused)
     c, b = f["candidate"], f["baseline"]
-    rc, rb = ({k: f[role][k] + extra[role][k] for k in ("failed", "arms")} for role in ("candidate", "baseline"))
-    rate_c = rc["failed"] / rc["arms"] if rc["arms"] else 0.0
-    rate_b = rb["failed"] / rb["arms"] if rb["arms"] else 0.0
+    rc, rb = (with_refused(f, extra, role) for role in ("candidate", "baseline"))
     problems = []
-    if rate_c > rate_b or rate_c > policy.failures.max_candidate_rate:
-        problems.append(f"candidate failed {rc['failed']}/{rc['arms']}, baseline {rb['failed']}/{rb['arms']} (max "
+    # Refused blocks' arms only tighten the rate: it must hold with and without them (a refused block's crashed
+    # baseline must not clear a matched crash; found in review).
+    if not (rates_ok(c, b, policy.failures.max_candidate_rate) and rates_ok(rc, rb, policy.failures.max_candidate_rate)):
+        problems.append(f"candidate failed {c['failed']}/{c['arms']}, baseline {b['failed']}/{b['arms']} (max "
                         f"candidate rate {policy.failures.max_candidate_rate:g})"
-                        + (f", {extra['candidate']['failed']} of the candidate's in {len(refused)} refused bundle "
-                           f"block(s)" if refused else ""))
+                        + (f"; with {len(refused)} refused bundle block(s): candidate {rc['failed']}/{rc['arms']} "
+                           f"({extra['candidate']['failed']} of the candidate's failures there), baseline "
+                           f"{rb['failed']}/{rb['arms']}" if refused else ""))
     p = fisher_more_failures(c["failed"], c["arms"], b["failed"], b["arms"])
     if p < policy.failures.fisher_alpha:
         problems.append(f"candidate fails more often than baseline (Fisher p={p:.3g})")

@@ -29,7 +29,8 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
-from ablate.promote.analysis import HOLD, PROMOTE, REJECT, TAX_REPORTED, Clause, FeatureVerdict
+from ablate.promote.analysis import (HOLD, PROMOTE, REJECT, TAX_REPORTED, Clause, FeatureVerdict, rates_ok,
+                                     with_refused)
 from ablate.promote.policy import Policy
 from ablate.promote.sequential import CAP, LOWER, UPPER, SequentialState, SprtBounds, sequential_state
 from ablate.promote.stats import (MIN_CLUSTERS, bootstrap_clusters, bootstrap_hl, holm, host_level_t,
@@ -257,20 +258,21 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
                                         f"{policy.threshold.min_aa_blocks}); bias bound {bias}, A/A interval {where}")
 
     def failure_rate() -> Clause:
-        # Crashes in blocks that could not be paired hold the test as a matched block's would (they never reach
-        # Fisher's REJECT: ``FeatureVerdict.refused_failures``).
-        extra = v.refused_failures or {}
-        c, b = ({k: v.failures[role][k] + extra.get(role, {}).get(k, 0) for k in ("failed", "arms")}
-                for role in ("candidate", "baseline"))
-        rate_c = c["failed"] / c["arms"] if c["arms"] else 0.0
-        rate_b = b["failed"] / b["arms"] if b["arms"] else 0.0
-        ok = rate_c <= rate_b and rate_c <= policy.failures.max_candidate_rate
-        refused = (f"; {extra['candidate']['failed']} candidate and {extra['baseline']['failed']} baseline "
-                   f"failure(s) of these in {len(v.refused_failure_blocks)} refused block(s), e.g. "
-                   f"{v.refused_failure_blocks[0]}" if v.refused_failure_blocks else "")
-        return Clause("failure_rate", ok, f"candidate failed {c['failed']}/{c['arms']}, baseline "
-                                          f"{b['failed']}/{b['arms']} (max candidate rate "
-                                          f"{policy.failures.max_candidate_rate:g}){refused}")
+        # Crashes in blocks that could not be paired hold the test as a matched block's would, and only hold: the
+        # clause must pass with and without them (found in review: a refused block's crashed baseline lowered the
+        # bar and cleared a hold set by a matched crash), and they never reach Fisher's REJECT
+        # (``FeatureVerdict.refused_failures``).
+        c, b = v.failures["candidate"], v.failures["baseline"]
+        ok = rates_ok(c, b, policy.failures.max_candidate_rate)
+        detail = (f"candidate failed {c['failed']}/{c['arms']}, baseline {b['failed']}/{b['arms']} (max candidate "
+                  f"rate {policy.failures.max_candidate_rate:g})")
+        if v.refused_failure_blocks:
+            rc, rb = (with_refused(v.failures, v.refused_failures, role) for role in ("candidate", "baseline"))
+            ok = ok and rates_ok(rc, rb, policy.failures.max_candidate_rate)
+            detail += (f"; with the arms of {len(v.refused_failure_blocks)} refused block(s) (e.g. "
+                       f"{v.refused_failure_blocks[0]}): candidate {rc['failed']}/{rc['arms']}, baseline "
+                       f"{rb['failed']}/{rb['arms']}")
+        return Clause("failure_rate", ok, detail)
 
     def amount() -> Clause:
         problems = []

@@ -287,4 +287,34 @@ def test_crashes_of_refused_bundle_blocks_fail_the_set(singles: list[Receipt], p
     result = run(singles + bundle + crashes, policy, defaults_file)
     [check] = result.bundles
     assert check.status == "failed" and result.changes == []
-    assert "6 of the candidate's in 3 refused bundle block(s)" in check.reason, check.reason
+    assert "with 3 refused bundle block(s): candidate 6/18 (6 of the candidate's failures there)" in check.reason
+
+
+def test_a_refused_bundle_block_never_clears_a_failure_of_the_set(singles: list[Receipt], policy: Policy,
+                                                                  defaults_file: Path) -> None:
+    """One bundle block's candidate crashed on its first attempt (retry fine): the set fails. A refused bundle
+    block whose baseline crashed (OOM) must not clear that (found in review: the set passed and was written)."""
+    from ablate.receipts.schema import Code, Disqualifier, Status
+
+    bundle = simulate_bundle(NEW, OLD, 1.05 * 1.06, 4)
+    block = sorted({r.identity.block_id for r in bundle})[0]
+    arms = [r for r in bundle if r.identity.block_id == block]
+    base = next(r for r in arms if r.identity.arm.value == "baseline")
+    cand = next(r for r in arms if r.identity.arm.value == "candidate")
+    for receipt in arms:
+        receipt.identity.attempt = 1
+    early = cand.model_copy(deep=True)
+    early.identity.receipt_id, early.identity.attempt, early.identity.status = "early", 0, Status.failed
+    early.throughput.wall_tokens_per_s = None
+    early.steps.step_s = [s * 1.002 for s in early.steps.step_s]
+    held = run(singles + bundle + [early], policy, defaults_file)
+    assert held.bundles[0].status == "failed" and held.changes == []  # the matched crash fails the set
+    oom_base, ran = base.model_copy(deep=True), cand.model_copy(deep=True)
+    for receipt, rid in ((oom_base, "oom-b"), (ran, "oom-c")):
+        receipt.identity.receipt_id, receipt.identity.block_id, receipt.identity.attempt = rid, f"{block}-x", 0
+        receipt.steps.step_s = [s * 1.001 for s in receipt.steps.step_s]
+    oom_base.identity.status = Status.failed
+    oom_base.throughput.wall_tokens_per_s = None
+    oom_base.disqualifiers.append(Disqualifier(code=Code.OOM, detail="baseline OOM"))
+    result = run(singles + bundle + [early, oom_base, ran], policy, defaults_file)
+    assert result.bundles[0].status == "failed" and result.changes == [], result.bundles[0].reason

@@ -197,7 +197,7 @@ def test_a_candidate_that_crashed_on_every_attempt_of_an_unpaired_block_holds_it
     assert _moe_verdict(_moe_win(), policy).verdict == "PROMOTE"  # the control: a clean 5% win
     verdict = _moe_verdict(_moe_win() + crashes, policy)
     assert verdict.verdict == "HOLD" and verdict.refused_failures["candidate"] == {"failed": 2, "arms": 2}
-    assert "candidate failed 2/14, baseline 0/12" in verdict.reason and "1 refused block(s)" in verdict.reason
+    assert "with the arms of 1 refused block(s) (e.g. sim-r1/cf): candidate 2/14, baseline 0/12" in verdict.reason
     assert verdict.failures["candidate"]["failed"] == 0 and verdict.fisher_p == 1.0
     _, refusals = match_blocks(crashes, policy)
     assert refusals[0].failures == {"baseline": {"failed": 0, "arms": 0}, "candidate": {"failed": 2, "arms": 2}}
@@ -224,7 +224,7 @@ def test_a_retry_that_crashed_on_another_node_holds_its_test(policy: Policy) -> 
         retry = _failed(cand, 1, 0)
         retry.identity.host = retry_host
         verdict = _moe_verdict(_moe_win() + [base, _failed(cand, 0, 1), retry], policy)
-        assert verdict.verdict == "HOLD" and "candidate failed 2/14, baseline 0/13" in verdict.reason, retry_host
+        assert verdict.verdict == "HOLD" and "2/14, baseline 0/13" in verdict.reason, (retry_host, verdict.reason)
 
 
 def test_an_aborted_retry_is_not_a_candidate_arm_that_ran(policy: Policy) -> None:
@@ -318,3 +318,30 @@ def test_each_refused_arm_is_placed_on_its_own_whatever_the_reading_order(policy
         verdict = _moe_verdict(_moe_win() + [r for b in blocks for r in order(b)], policy)
         counts.append((verdict.verdict, verdict.refused_failures["candidate"]))
     assert counts[0] == counts[1] and counts[0][0] == "HOLD" and counts[0][1]["failed"] >= 3, counts
+
+
+def test_a_refused_block_never_clears_a_hold_its_test_earned(policy: Policy) -> None:
+    """A matched block's candidate crashed on its first attempt: the test holds (1/13 against 0/12). A refused block
+    whose baseline crashed (OOM) and whose candidate ran adds baseline 1/1, candidate 0/1; refused blocks only hold,
+    so the clause must pass with and without them (found in review: the hold cleared and the test promoted)."""
+    from ablate.receipts.schema import Code, Disqualifier
+
+    win = _moe_win()
+    block = sorted({r.identity.block_id for r in win if r.identity.feature == "moe_dispatch"})[0]
+    arms = [r for r in win if r.identity.block_id == block]
+    base = next(r for r in arms if r.identity.arm.value == "baseline")
+    cand = next(r for r in arms if r.identity.arm.value == "candidate")
+    for receipt in arms:
+        receipt.identity.attempt = 1
+    early = _failed(cand, 0, cand.identity.order)
+    assert _moe_verdict(win + [early], policy).verdict == "HOLD"  # the matched crash holds it
+    oom_base, ran = base.model_copy(deep=True), cand.model_copy(deep=True)
+    for receipt, rid in ((oom_base, "oom-b"), (ran, "oom-c")):
+        receipt.identity.receipt_id, receipt.identity.block_id, receipt.identity.attempt = rid, f"{block}-x", 0
+        receipt.steps.step_s = [s * 1.001 for s in receipt.steps.step_s]  # its own measurement, not a replay
+    oom_base.identity.status = Status.failed
+    oom_base.throughput.wall_tokens_per_s = None
+    oom_base.disqualifiers.append(Disqualifier(code=Code.OOM, detail="baseline OOM"))
+    verdict = _moe_verdict(win + [early, oom_base, ran], policy)
+    assert verdict.refused_failures["baseline"] == {"failed": 1, "arms": 1}  # the refused block is counted...
+    assert verdict.verdict == "HOLD" and "candidate failed 1/13, baseline 0/12" in verdict.reason  # ...and holds
