@@ -153,12 +153,16 @@ class Ledger:
         return LedgerEntries(self), dict(self.blocks)
 
     def close(self) -> None:
-        """Drop the file; a later bundle of this sweep is written from a search."""
+        """Drop the file; a later bundle of this sweep is written from a search. Never raises: a full disk may
+        refuse the buffer's last flush, and nothing in it is needed any more."""
         self.complete = False
         self.arms.clear()
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        handle, self._file = self._file, None
+        if handle is not None:
+            try:
+                handle.close()
+            except OSError:
+                pass
 
     def _put(self, entry: dict[str, Any]) -> None:
         line = json.dumps(entry, sort_keys=True).encode("utf-8") + b"\n"
@@ -168,6 +172,7 @@ class Ledger:
             self._file.seek(0, 2)
             offset = self._file.tell()
             self._file.write(line)
+            self._file.flush()  # a full disk refuses here, not at some later seek of another entry
         except OSError as exc:  # a full temporary disk: the bundle is written from a search instead
             log.warning("receipt bundle ledger of sweep %s: %s; its bundle will be written from a search", self.sweep_id,
                         exc)
@@ -185,7 +190,7 @@ class Ledger:
         except (OSError, ValueError, AssertionError) as exc:
             log.warning("receipt bundle ledger of sweep %s: entry of run %s unreadable (%s); its bundle will be "
                         "written from a search", self.sweep_id, run_id, exc)
-            self.complete = False
+            self.close()
             return None
 
 
@@ -246,14 +251,19 @@ def write_bundle(client: "TrackingClient", parent_run_id: str, sweep_id: str,
         deleted = deleted_arm_runs(client, sweep_id, ViewType.DELETED_ONLY)
         with tempfile.TemporaryDirectory(prefix="ablate-bundle-") as tmp:
             path = Path(tmp) / BUNDLE_ARTIFACT
-            if known is None:
+            count = None
+            if known is not None:
+                try:
+                    with path.open("wb") as handle:
+                        _write_bundle_file(handle, sweep_id, known[0], known[1], deleted)
+                    count = len(known[0])
+                except OSError as exc:  # the ledger's file could not be read back: search, as without a ledger
+                    log.warning("receipt bundle of sweep %s: the ledger could not be read back (%s); its runs are "
+                                "searched instead", sweep_id, exc)
+            if count is None:
                 arms = list(client.arm_runs(sweep_id).values())
                 path.write_bytes(bundle_bytes(sweep_id, arms, list(block_runs(client, sweep_id).values()), deleted))
                 count = len(arms)
-            else:
-                with path.open("wb") as handle:
-                    _write_bundle_file(handle, sweep_id, known[0], known[1], deleted)
-                count = len(known[0])
             digest = _file_sha256(path)
             client.client.log_artifact(parent_run_id, str(path))
         client.client.log_batch(parent_run_id, tags=[RunTag(SHA_TAG, digest), RunTag(RUNS_TAG, str(count))])

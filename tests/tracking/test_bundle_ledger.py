@@ -5,6 +5,7 @@ log, gets its bundle from the search and still lists every arm."""
 from __future__ import annotations
 
 import hashlib
+import io
 import sys
 from pathlib import Path
 from typing import Any
@@ -234,5 +235,44 @@ def test_a_ledger_file_that_cannot_be_written_sends_the_bundle_to_the_search(
     del searches[:]
     store.close_sweep(sweep, sweep_arms, failed=False)
     assert _sweep_arm_search(sweep) in searches
+    assert _logged_bundle(store) == _searched_bundle(uri, sweep)
+    assert _read_ids(uri, sweep) == sorted(r.identity.receipt_id for r in sweep_arms)
+
+
+class _QuotaFile(io.FileIO):
+    """A real file whose writes fail as a full disk's do (ENOSPC) once ``quota`` bytes are in."""
+
+    def __init__(self, path: str, quota: int) -> None:
+        super().__init__(path, "w+")
+        self.quota, self.used = quota, 0
+
+    def write(self, data: Any) -> int:
+        if self.used + len(data) > self.quota:
+            raise OSError(28, "No space left on device")
+        self.used += len(data)
+        return super().write(data)
+
+
+@pytest.mark.parametrize("quota", [20_000, 10 ** 9], ids=["fills-mid-sweep", "never-fills"])
+def test_a_temporary_disk_that_fills_up_under_the_ledger_costs_only_a_search(
+        sweep_arms: list[Receipt], tmp_path: Path, searches: list[str], monkeypatch: pytest.MonkeyPatch,
+        quota: int) -> None:
+    # Found in review: the buffered file refused a later flush, the ledger's own clean-up raised it again, and the
+    # store went offline for the rest of the sweep (every later arm spooled) while MLflow itself was healthy.
+    import tempfile
+
+    uri = fresh_mlflow_uri(tmp_path)
+    sweep = sweep_arms[0].identity.sweep_id
+    store = _open(uri, tmp_path, sweep)
+    with monkeypatch.context() as patched:
+        patched.setattr(tempfile, "TemporaryFile", lambda **_: io.BufferedRandom(
+            _QuotaFile(str(tmp_path / "ledger.bin"), quota)))
+        for receipt in sweep_arms:
+            assert store.log_receipt(receipt) is not None
+        assert store.online and store.spooled == 0
+        del searches[:]
+        store.close_sweep(sweep, sweep_arms, failed=False)
+    assert store.online
+    assert (_sweep_arm_search(sweep) in searches) == (quota == 20_000)  # the full disk sent the bundle to a search
     assert _logged_bundle(store) == _searched_bundle(uri, sweep)
     assert _read_ids(uri, sweep) == sorted(r.identity.receipt_id for r in sweep_arms)
