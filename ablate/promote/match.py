@@ -328,22 +328,27 @@ def _unobserved_failure(receipt: Receipt) -> bool:
     return receipt.identity.status.value == "failed" and receipt.identity.hardware_fingerprint is None
 
 
-def _check_pair(base: Receipt, cand: Receipt, check_order: bool = True) -> Optional[str]:
-    """Why the two arms are not one matched block, or None when they are."""
+_RETRY_MAY_CHANGE = ("host", "software_fingerprint", "hardware_fingerprint", "code_fingerprint", "pairing")
+"""What a retry of a block may run differently from the attempt before it (another node, a resumed sweep's code)."""
+
+
+def _check_pair(base: Receipt, cand: Receipt, check_order: bool = True, node_too: bool = True) -> Optional[str]:
+    """Why the two arms are not one matched block, or None when they are. ``node_too=False`` leaves out what a
+    retry may change (``_RETRY_MAY_CHANGE``, packages, process preparation): the arms still ran one test."""
     bi, ci = base.identity, cand.identity
     roles = sorted((bi.arm.value, ci.arm.value))
     if roles not in (["baseline", "candidate"], ["aa", "aa"]):
         return f"arm roles {roles[0]} and {roles[1]} do not form a block (baseline+candidate or aa+aa)"
     unobserved = _unobserved_failure(base) or _unobserved_failure(cand)
     for name in _SHARED_IDENTITY:
-        if unobserved and name in _OBSERVED_IDENTITY:
+        if (unobserved and name in _OBSERVED_IDENTITY) or (not node_too and name in _RETRY_MAY_CHANGE):
             continue
         if getattr(bi, name) != getattr(ci, name):
             return f"arms differ in {name}: {getattr(bi, name)!r} vs {getattr(ci, name)!r}"
-    if unobserved and bi.software != ci.software:
+    if unobserved and node_too and bi.software != ci.software:
         return f"arms differ in software: {bi.software!r} vs {ci.software!r}"
     base_how, cand_how = (bi.process.how if bi.process else None), (ci.process.how if ci.process else None)
-    if base_how != cand_how:
+    if base_how != cand_how and node_too:
         # A forked arm's process starts with the fork server's pages mapped (peak RSS) and its imports already
         # paid; a fresh interpreter's does not: only arms prepared the same way compare.
         return f"arms differ in process preparation: {base_how!r} vs {cand_how!r} (identity.process.how)"
@@ -623,9 +628,10 @@ def _make_block(block_id: str, receipts: list[Receipt], policy: Policy) -> Block
         base, cand = first, second
     reason = _check_pair(base, cand, check_order=not cross_attempt)
     if reason:
-        # A pair across attempts may differ in what a retry may change (its node); within one attempt a mismatch
-        # says the arms did not run their test (another lane, value, work), so their crashes are not its.
-        return _refuse(reason, receipts, block_id, failures=cross_attempt)
+        # A pair across attempts may differ in what a retry may change (its node, its code); any other mismatch, or
+        # one within an attempt, says the arms did not run one test (another lane, value, work): not its crashes.
+        ran_one_test = cross_attempt and _check_pair(base, cand, check_order=False, node_too=False) is None
+        return _refuse(reason, receipts, block_id, failures=ran_one_test)
     base_view, cand_view = _arm_view(base, policy), _arm_view(cand, policy)
     for view in (base_view, cand_view):
         if view.status == "aborted":

@@ -345,3 +345,18 @@ def test_a_refused_block_never_clears_a_hold_its_test_earned(policy: Policy) -> 
     verdict = _moe_verdict(win + [early, oom_base, ran], policy)
     assert verdict.refused_failures["baseline"] == {"failed": 1, "arms": 1}  # the refused block is counted...
     assert verdict.verdict == "HOLD" and "candidate failed 1/13, baseline 0/12" in verdict.reason  # ...and holds
+
+
+def test_a_retry_that_ran_another_lane_is_not_its_tests_crash(policy: Policy) -> None:
+    # Across attempts only what a retry may change (its node, its code) is forgiven when counting crashes: a retry
+    # that ran another lane did not run the test (found in review: it was charged to it).
+    base, cand = _in_sim_r1(pair("rl"))
+    retry = _failed(cand, 1, 0)
+    retry.identity.host = "node-9"
+    other = _failed(cand, 1, 0)
+    other.identity.host = "node-9"
+    other.requested.lane = {**other.requested.lane, "batch.micro_batch": 4}
+    _, [node] = match_blocks([base, _failed(cand, 0, 1), retry], policy)
+    _, [lane] = match_blocks([base, _failed(cand, 0, 1), other], policy)
+    assert "host" in node.reason and node.failures["candidate"]["failed"] == 2
+    assert lane.failures == {}, lane.reason
