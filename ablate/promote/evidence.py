@@ -356,10 +356,10 @@ def placed_failures(refusal: Refusal, places: SoftwarePlaces) -> Optional[Refusa
     """``refusal`` with ``failures`` counted over its arms that belong to the lane's current test, or None when no
     failed arm does. An arm belongs when it ran the current fingerprint, or its packages and code (another machine,
     or one that died before observing its hardware); not when a matched block of the lane ran its software (that
-    software's own, superseded or other, evidence), nor when it was written before the lane's newest block.
-    Software no matched block ran, written after the newest, is newer than the evidence and holds the current test,
-    as an unread arm's does (found in review: a newer software's crashes in refused blocks only were dropped and the
-    old evidence promoted; and one block's crashes were all placed by whichever receipt was read last)."""
+    software's own, superseded or other, evidence). Software no matched block ran belongs when written after the
+    lane's newest block: newer than the evidence, it holds the current test, as an unread arm's does (found in
+    review: a newer software's crashes in refused blocks only were dropped and the old evidence promoted; and one
+    block's crashes were all placed by whichever receipt was read last)."""
     def here(arm: RefusedArm) -> bool:
         if arm.fingerprint in places.current or arm.software in places.current_keys:
             return True
