@@ -203,7 +203,8 @@ def _failure_problems(blocks: list[Block], policy: Policy, refused: Iterable[Ref
     problems = []
     # Refused blocks' arms only tighten the rate: it must hold with and without them (a refused block's crashed
     # baseline must not clear a matched crash; found in review).
-    if not (rates_ok(c, b, policy.failures.max_candidate_rate) and rates_ok(rc, rb, policy.failures.max_candidate_rate)):
+    most = policy.failures.max_candidate_rate
+    if not (rates_ok(c, b, most) and rates_ok(rc, rb, most)):
         problems.append(f"candidate failed {c['failed']}/{c['arms']}, baseline {b['failed']}/{b['arms']} (max "
                         f"candidate rate {policy.failures.max_candidate_rate:g})"
                         + (f"; with {len(refused)} refused bundle block(s): candidate {rc['failed']}/{rc['arms']} "

@@ -236,7 +236,7 @@ class Refusal:
     candidate-first block left no baseline, the block was refused as unpaired, its crashes vanished and the test
     promoted; so did a retry's crash on another node, refused for "arms differ in host")."""
     arms_run: tuple["RefusedArm", ...] = ()
-    """The arms ``failures`` counts, each to be placed on its own (``evidence.placed_arms``): a retry may have run
+    """The arms ``failures`` counts, each to be placed on its own (``evidence.placed_failures``): a retry may have run
     on other hardware or under other code than the attempt before it."""
 
 

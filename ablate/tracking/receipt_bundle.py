@@ -92,9 +92,10 @@ def _kept(tags: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in tags.items() if k.startswith(TAG) or k in _KEPT_TAGS}
 
 
-def _entry(run: Any) -> dict[str, Any]:
+def _entry(run: Any, tags: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+    """A bundle's entry for ``run``; ``tags``: what it was created with, when ``run.data`` does not hold them yet."""
     return {"run_id": run.info.run_id, "run_name": run.info.run_name, "artifact_uri": run.info.artifact_uri,
-            "tags": _kept(run.data.tags)}
+            "tags": _kept(run.data.tags if tags is None else tags)}
 
 
 class Ledger:
@@ -122,8 +123,7 @@ class Ledger:
 
     def arm_created(self, run: Any, tags: Mapping[str, str]) -> None:
         """``run``: what ``create_run`` returned; ``tags``: the tags it was created with."""
-        self._put({"run_id": run.info.run_id, "run_name": run.info.run_name, "artifact_uri": run.info.artifact_uri,
-                   "tags": _kept(tags)})
+        self._put(_entry(run, tags))
 
     def block_created(self, run_id: str, name: Optional[str]) -> None:
         self.blocks[run_id] = name
@@ -174,9 +174,8 @@ class Ledger:
             self._file.write(line)
             self._file.flush()  # a full disk refuses here, not at some later seek of another entry
         except OSError as exc:  # a full temporary disk: the bundle is written from a search instead
-            log.warning("receipt bundle ledger of sweep %s: %s; its bundle will be written from a search", self.sweep_id,
-                        exc)
-            self.complete = False
+            log.warning("receipt bundle ledger of sweep %s: %s; its bundle will be written from a search",
+                        self.sweep_id, exc)
             self.close()
             return
         self.arms[entry["run_id"]] = (offset, len(line))
@@ -243,6 +242,7 @@ def write_bundle(client: "TrackingClient", parent_run_id: str, sweep_id: str,
     from mlflow.entities import RunTag, ViewType
 
     from ablate.tracking.blocks import block_runs
+    from trainers.provenance import file_sha256
 
     try:
         # First withdraw the old bundle: if this rewrite fails, readers search the sweep instead of trusting a
@@ -264,21 +264,13 @@ def write_bundle(client: "TrackingClient", parent_run_id: str, sweep_id: str,
                 arms = list(client.arm_runs(sweep_id).values())
                 path.write_bytes(bundle_bytes(sweep_id, arms, list(block_runs(client, sweep_id).values()), deleted))
                 count = len(arms)
-            digest = _file_sha256(path)
+            digest = file_sha256(path)
             client.client.log_artifact(parent_run_id, str(path))
         client.client.log_batch(parent_run_id, tags=[RunTag(SHA_TAG, digest), RunTag(RUNS_TAG, str(count))])
         return digest
     except Exception as exc:  # noqa: BLE001 - a missing bundle only costs readers time, never a receipt
         log.warning("no receipt bundle for sweep %s (readers will search its runs): %s", sweep_id, exc)
         return None
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _load(parent: Any, tracking_uri: str, tmp: Path) -> tuple[Optional[dict[str, Any]], Optional[str]]:
