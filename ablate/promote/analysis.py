@@ -32,8 +32,8 @@ from ablate.promote.energy import energy_ratio
 from ablate.promote.evidence import Calibration, TestEvidence, shape_key
 from ablate.promote.match import Block, Refusal, feature_gates, winner
 from ablate.promote.policy import Policy
-from ablate.promote.stats import (bootstrap_clusters, bootstrap_hl, fisher_more_failures, hodges_lehmann,
-                                  pvalue_at_most, quantile)
+from ablate.promote.stats import (bootstrap_clusters, bootstrap_hl, cluster_codes, fisher_more_failures,
+                                  hl_with_bootstrap, hodges_lehmann, pvalue_at_most, quantile, quantiles)
 
 PROMOTE, HOLD, REJECT, TAX_REPORTED = "PROMOTE", "HOLD", "REJECT", "TAX-REPORTED"
 CURVE_POINTS = 25
@@ -338,17 +338,49 @@ def break_even(one_time_delta_s: Optional[float], step_saving_s: Optional[float]
 
 def _curve(rows: list[tuple[Block, float]], horizon: int, policy: Policy, clusters: Optional[np.ndarray],
            rng: np.random.Generator) -> list[dict[str, float]]:
+    """The speed-up (HL) and its 90% band at each horizon of the grid where every block has a ratio: the numbers
+    ``Block.log_ratio``, ``hodges_lehmann``, ``bootstrap_hl`` and ``quantile`` give point by point
+    (``tests/promote/test_promote_fast_paths.py`` holds that twin), with the projections of all points at once and
+    one sort of the Walsh averages per point. Over 10,000 receipts the curves were ~40% of the analysis."""
     if not rows or horizon <= 0:
         return []
     grid = sorted({int(round(h)) for h in np.geomspace(1, 10 * horizon, CURVE_POINTS)} | {horizon})
+    ratios = log_ratios_at([b for b, _ in rows], policy.failures.failed_log_ratio, grid)
+    cluster = cluster_codes(clusters, len(rows))
     out = []
-    for h in grid:
-        d = np.asarray([b.log_ratio(policy.failures.failed_log_ratio, h) for b, _ in rows], dtype=float)
+    for h, d in zip(grid, ratios):
         if not np.all(np.isfinite(d)):
             continue
-        theta = bootstrap_hl(d, clusters, CURVE_RESAMPLES, rng)
-        out.append({"horizon": float(h), "speedup": math.exp(hodges_lehmann(d)),
-                    "lo": math.exp(quantile(theta, 0.05)), "hi": math.exp(quantile(theta, 0.95))})
+        point, theta = hl_with_bootstrap(d, cluster, CURVE_RESAMPLES, rng)
+        lo, hi = quantiles(theta, (0.05, 0.95))
+        out.append({"horizon": float(h), "speedup": math.exp(point), "lo": math.exp(lo), "hi": math.exp(hi)})
+    return out
+
+
+def _projections(arms: list[Any], grid: np.ndarray) -> np.ndarray:
+    """``ArmView.projected_s`` of each arm (columns) at each horizon (rows), NaN where it is None: the same float
+    operations in the same order (``project_time``), so the same values."""
+    one = np.asarray([np.nan if a.one_time_s is None else a.one_time_s for a in arms], dtype=float)
+    step = np.asarray([np.nan if a.recurring_step_s is None else a.recurring_step_s for a in arms], dtype=float)
+    warm = np.asarray([a.warm_budget_steps for a in arms], dtype=float)
+    with np.errstate(invalid="ignore"):
+        usable = ~np.isnan(one) & (step > 0)
+        projected = one + np.maximum(0.0, grid[:, None] - warm) * step
+    return np.where(usable, projected, np.nan)
+
+
+def log_ratios_at(blocks: list[Block], failed_log_ratio: float, horizons: list[int]) -> np.ndarray:
+    """``Block.log_ratio(failed_log_ratio, h)`` of each block (columns) at each horizon (rows), NaN for None."""
+    grid = np.asarray(horizons, dtype=float)
+    base = _projections([b.baseline for b in blocks], grid)
+    cand = _projections([b.candidate for b in blocks], grid)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        valid = (base > 0) & (cand > 0)
+        ratio = base / cand
+    out = np.full(ratio.shape, np.nan)
+    out[valid] = list(map(math.log, ratio[valid].tolist()))  # math.log: the very values log_ratio takes
+    out[:, np.asarray([b.candidate.failed for b in blocks], dtype=bool)] = failed_log_ratio
+    out[:, np.asarray([b.baseline.failed for b in blocks], dtype=bool)] = np.nan
     return out
 
 

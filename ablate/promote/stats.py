@@ -249,19 +249,34 @@ def _in_chunks(method: Callable[[_SortedPairs, np.ndarray], np.ndarray], pairs: 
     return np.concatenate(parts) if parts else np.zeros(0)
 
 
+def cluster_codes(clusters: Optional[Sequence[object]], size: int) -> np.ndarray:
+    """Each block's resampling unit as 0..k-1: its cluster's rank among the labels (as text), or, if None, itself."""
+    if clusters is None:
+        return np.arange(size)
+    _, cluster = np.unique(np.asarray([str(c) for c in clusters]), return_inverse=True)
+    return cluster.reshape(-1)
+
+
 def bootstrap_hl(x: Sequence[float] | np.ndarray, clusters: Optional[Sequence[object]], resamples: int,
                  rng: np.random.Generator) -> np.ndarray:
     """Bootstrap distribution (length ``resamples``) of HL(x), resampling clusters or, if None, blocks."""
     arr = np.asarray(x, dtype=float)
     if arr.size == 0:
         return np.full(resamples, math.nan)
-    if clusters is None:
-        cluster = np.arange(arr.size)
-    else:
-        _, cluster = np.unique(np.asarray([str(c) for c in clusters]), return_inverse=True)
-    k = int(cluster.max()) + 1
+    return _bootstrap_pairs(_SortedPairs(arr, cluster_codes(clusters, arr.size)), resamples, rng)
+
+
+def hl_with_bootstrap(x: np.ndarray, cluster: np.ndarray, resamples: int, rng: np.random.Generator
+                      ) -> tuple[float, np.ndarray]:
+    """``(hodges_lehmann(x), bootstrap_hl(x, clusters, resamples, rng))`` (``cluster``: ``cluster_codes`` of the
+    clusters), the same numbers from one sort of the Walsh averages; ``x`` must not be empty."""
+    pairs = _SortedPairs(np.asarray(x, dtype=float), cluster)
+    return float(np.median(pairs.values)), _bootstrap_pairs(pairs, resamples, rng)
+
+
+def _bootstrap_pairs(pairs: _SortedPairs, resamples: int, rng: np.random.Generator) -> np.ndarray:
+    k = pairs.num_clusters
     counts = rng.multinomial(k, np.full(k, 1.0 / k), size=resamples)
-    pairs = _SortedPairs(arr, cluster)
     return _hl_chunks(pairs, counts)
 
 
@@ -276,6 +291,12 @@ def pvalue_at_most(theta: np.ndarray, null: float) -> float:
 def quantile(theta: np.ndarray, q: float) -> float:
     finite = theta[np.isfinite(theta)]
     return float(np.quantile(finite, q)) if finite.size else math.nan
+
+
+def quantiles(theta: np.ndarray, qs: Sequence[float]) -> list[float]:
+    """``[quantile(theta, q) for q in qs]`` from one pass over ``theta``."""
+    finite = theta[np.isfinite(theta)]
+    return [float(v) for v in np.quantile(finite, qs)] if finite.size else [math.nan] * len(qs)
 
 
 def holm(pvalues: Sequence[float], alpha: float) -> tuple[np.ndarray, np.ndarray]:

@@ -152,3 +152,98 @@ def test_leaving_the_curves_out_changes_nothing_but_the_curves(hosts: int) -> No
         for verdict in without_curves[section]:
             verdict["curve"] = []
     assert without_curves == json.loads(light.to_json())
+
+
+def _reference_curve(rows: list, horizon: int, policy: Any, clusters: Any, rng: Any) -> list[dict[str, float]]:
+    """The curve point by point, as ``analysis._curve`` computed it before its projections were taken at once:
+    ``Block.log_ratio`` per block and horizon, ``hodges_lehmann`` and ``bootstrap_hl`` each on their own."""
+    import numpy as np
+
+    from ablate.promote.analysis import CURVE_POINTS, CURVE_RESAMPLES
+    from ablate.promote.stats import bootstrap_hl, hodges_lehmann, quantile
+
+    if not rows or horizon <= 0:
+        return []
+    grid = sorted({int(round(h)) for h in np.geomspace(1, 10 * horizon, CURVE_POINTS)} | {horizon})
+    out = []
+    for h in grid:
+        d = np.asarray([b.log_ratio(policy.failures.failed_log_ratio, h) for b, _ in rows], dtype=float)
+        if not np.all(np.isfinite(d)):
+            continue
+        theta = bootstrap_hl(d, clusters, CURVE_RESAMPLES, rng)
+        out.append({"horizon": float(h), "speedup": math.exp(hodges_lehmann(d)),
+                    "lo": math.exp(quantile(theta, 0.05)), "hi": math.exp(quantile(theta, 0.95))})
+    return out
+
+
+@pytest.mark.parametrize("hosts", [1, 3])
+def test_the_curve_is_its_point_by_point_twin(hosts: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same projections (the same float operations), same ``math.log``, same Walsh averages and bootstrap draws:
+    every curve of a campaign equals the one the per-block path draws, number for number."""
+    from datetime import datetime, timezone
+    from pathlib import Path
+
+    from ablate.promote import analysis
+    from ablate.promote.policy import load_policy
+    from promote_sim import FeatureTruth
+
+    repo = Path(__file__).resolve().parents[2]
+    policy = load_policy(repo / "search_spaces" / "policies" / "single_node.yaml",
+                         overrides={"bootstrap.resamples": 200, "bootstrap.loss_resamples": 100})
+    # A compile-like one-time cost makes the curve cross 1 within the grid (small horizons lose, large ones win).
+    truth = FeatureTruth("moe_dispatch", "jagged", "padded", ratio=1.05, one_time_s=4.0)
+    receipts = [seal(r) for r in simulate(Sim(features=[truth], hosts=hosts, blocks_per_host=4, rounds=2,
+                                              horizon=2_000), seed=5)]
+    now = datetime(2026, 11, 25, tzinfo=timezone.utc)
+
+    def curves() -> list[Any]:
+        result = engine.promote(receipts, policy_path=policy, defaults_path=repo / "search_spaces" / "defaults.yaml",
+                                now=now)
+        return [v.curve for v in result.verdicts]
+
+    fast = curves()
+    monkeypatch.setattr(analysis, "_curve", _reference_curve)
+    reference = curves()
+    assert any(len(c) > 10 for c in fast)
+    assert any(min(p["speedup"] for p in c) < 1.0 < max(p["speedup"] for p in c) for c in fast if c)
+    assert fast == reference
+
+
+def test_log_ratios_at_answers_as_log_ratio_for_every_kind_of_arm() -> None:
+    """Failed arms (either side), projections that are None (no one-time or recurring figure, a non-positive
+    step), warm budgets past the horizon, NaN figures: ``log_ratios_at`` holds ``Block.log_ratio`` of each block at
+    each horizon, NaN where that is None or NaN."""
+    import dataclasses
+
+    import numpy as np
+
+    from ablate.promote.analysis import log_ratios_at
+    from ablate.promote.policy import load_policy
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    policy = load_policy(repo / "search_spaces" / "policies" / "default.yaml")
+    blocks, _ = match.match_blocks(_receipts(), policy)
+    assert blocks
+    block = blocks[0]
+    edits: list[dict[str, Any]] = [
+        {}, {"status": "failed"}, {"one_time_s": None}, {"recurring_step_s": None}, {"recurring_step_s": 0.0},
+        {"recurring_step_s": -0.1}, {"warm_budget_steps": 5_000}, {"one_time_s": float("nan")},
+        {"recurring_step_s": float("nan")}, {"one_time_s": 0.0, "warm_budget_steps": 10**6},
+    ]
+    variants = []
+    for side in ("baseline", "candidate"):
+        for edit in edits:
+            arm = dataclasses.replace(getattr(block, side), **edit)
+            variants.append(dataclasses.replace(block, **{side: arm}))
+    horizons = [1, 2, 7, 100, 4_999, 5_000, 5_001, 10**6, 10**7]
+    failed = -0.7
+    got = log_ratios_at(variants, failed, horizons)
+    for row, h in zip(got, horizons):
+        for value, variant in zip(row, variants):
+            want = variant.log_ratio(failed, h)
+            if want is None or math.isnan(want):
+                assert math.isnan(value), (h, variant.baseline, variant.candidate)
+            else:
+                assert value == want, (h, variant.baseline, variant.candidate)
+    assert np.isnan(got).any() and (got == failed).any() and np.isfinite(got).sum() > len(horizons)
