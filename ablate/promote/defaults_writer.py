@@ -43,7 +43,7 @@ from ablate.config.load import Defaults
 from ablate.config.schema import LaneConfig
 from ablate.promote.analysis import PROMOTE, REJECT, FeatureVerdict
 from ablate.promote.bundle import BundleCheck, unmeasured_together
-from ablate.promote.evidence import LaneState
+from ablate.promote.evidence import LaneState, epoch_s
 from ablate.promote.policy import Policy
 
 if TYPE_CHECKING:
@@ -258,11 +258,9 @@ def find_revalidations(defaults_raw: Mapping[str, Any], lanes: Mapping[str, Lane
     "Its lane" is the recorded lane key, or any lane with the same shape (the lane key itself changes once
     the promoted value becomes the baseline); the most recently measured such lane gives the current software.
     """
-    latest_by_shape: dict[str, LaneState] = {}
+    by_shape: dict[str, list[LaneState]] = defaultdict(list)
     for state in lanes.values():
-        known = latest_by_shape.get(state.shape_key)
-        if known is None or state.last_at > known.last_at:
-            latest_by_shape[state.shape_key] = state
+        by_shape[state.shape_key].append(state)
     found = []
     for feature, entry in (defaults_raw.get("features") or {}).items():
         if not isinstance(entry, Mapping):
@@ -270,7 +268,7 @@ def find_revalidations(defaults_raw: Mapping[str, Any], lanes: Mapping[str, Lane
         for record in entry.get("evidence") or []:
             if not isinstance(record, Mapping):
                 continue
-            state = lanes.get(record.get("lane_key")) or latest_by_shape.get(record.get("lane_shape"))
+            state = _current_state(record, lanes, by_shape)
             if state is None or record.get("software_fingerprint") == state.current_fingerprint:
                 continue
             mark = record.get("revalidate") or {}
@@ -283,6 +281,25 @@ def find_revalidations(defaults_raw: Mapping[str, Any], lanes: Mapping[str, Lane
                                       recorded_fingerprint=str(record.get("software_fingerprint")),
                                       current_fingerprint=state.current_fingerprint, report=record.get("report")))
     return found
+
+
+def _current_state(record: Mapping[str, Any], lanes: Mapping[str, LaneState],
+                   by_shape: Mapping[str, list[LaneState]]) -> Optional[LaneState]:
+    """The lane that says which software a record's lane runs now: the most recently measured of its recorded
+    lane and the lanes of its shape. The recorded lane key stays measured in the old receipts that a promotion over
+    the whole experiment reads, so taken first it hid its shape's newer lane under new software (found in review:
+    sw-2 measured after a promotion under sw-1 left the evidence unmarked). Lanes last measured at the same moment
+    under other software than the record's: that one, since the record is not known to describe the current one."""
+    pool = list(by_shape.get(str(record.get("lane_shape")), ()))
+    exact = lanes.get(str(record.get("lane_key")))
+    if exact is not None and all(state is not exact for state in pool):
+        pool.append(exact)
+    if not pool:
+        return None
+    latest = max(epoch_s(state.last_at) for state in pool)
+    newest = [state for state in pool if epoch_s(state.last_at) == latest]
+    return next((state for state in newest if state.current_fingerprint != record.get("software_fingerprint")),
+                newest[0])
 
 
 def _yaml() -> YAML:

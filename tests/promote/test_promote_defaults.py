@@ -130,6 +130,28 @@ def test_a_fingerprint_change_marks_the_earlier_promotion_for_revalidation(polic
     assert again.revalidations == []
 
 
+def test_the_old_receipts_of_the_recorded_lane_do_not_hide_its_new_software(policy: Policy,
+                                                                             defaults_file: Path) -> None:
+    """A promotion reads every sweep of the experiment (MLflow's default), so the recorded lane key is still
+    measured in the campaign that promoted it, under the old software: its shape's lane measured as late or later
+    under new software is what runs now, and the evidence is marked (found in review: the exact key was taken
+    first, and nothing was marked)."""
+    first_receipts = simulate(Sim(features=[moe(1.05)], **QUIET), 0)
+    first = promote(first_receipts, policy_path=anywhere(policy), defaults_path=defaults_file)
+    write_defaults(first, defaults_file)
+    later = Sim(features=[FeatureTruth("mamba_scan", "chunked", "sequential", 1.0)],
+                lane=base_lane(**{"features.moe_dispatch": "jagged"}), fingerprints=["sw-2", "sw-2"],
+                campaign="later", block_prefix="L-", **QUIET)
+    both = promote(first_receipts + simulate(later, 4), policy_path=policy, defaults_path=defaults_file)
+    assert {lane.software_fingerprint for lane in both.lanes} == {"sw-1", "sw-2"}
+    [reval] = both.revalidations
+    assert (reval.feature, reval.recorded_fingerprint, reval.current_fingerprint) == ("moe_dispatch", "sw-1", "sw-2")
+    assert write_defaults(both, defaults_file) == [
+        f"features.moe_dispatch.evidence[{reval.lane_key}]: revalidation required"]
+    # The promoting campaign alone (its lane last measured under sw-1, the record's software): nothing to mark.
+    assert promote(first_receipts, policy_path=anywhere(policy), defaults_path=defaults_file).revalidations == []
+
+
 def test_the_repository_defaults_file_is_not_touched_by_promote(policy: Policy) -> None:
     before = DEFAULTS.read_text()
     promote(simulate(Sim(features=[moe(1.05)], **QUIET), 0), policy_path=policy, defaults_path=DEFAULTS)
