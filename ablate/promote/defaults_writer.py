@@ -40,7 +40,7 @@ from ruamel.yaml.tokens import CommentToken
 
 from ablate.config.features import FEATURES
 from ablate.config.load import Defaults
-from ablate.config.schema import LaneConfig
+from ablate.config.schema import ConfigError, LaneConfig
 from ablate.promote.analysis import PROMOTE, REJECT, FeatureVerdict
 from ablate.promote.bundle import BundleCheck, unmeasured_together
 from ablate.promote.evidence import LaneState, epoch_s
@@ -550,6 +550,21 @@ def render_defaults(text: str, result: "PromotionResult") -> tuple[str, list[str
     return out.getvalue(), edits
 
 
+def check_unchanged(result: "PromotionResult", current: str, path: Path) -> None:
+    """Refuse (``ConfigError``) to write ``result`` over a defaults file other than the one ``promote`` decided it
+    against, or than what writing it made of that one (``--write --branch`` writes twice). Its plan says what each
+    value was (``change.old``) and holds what another promoted value would have to be measured with: over a file
+    changed since (another ``promote --write``, a result kept and written later), a value measured only against
+    the old default replaced one promoted meanwhile, and its record named the wrong value to roll back to (found in
+    review)."""
+    decided = getattr(result, "defaults_text", None)
+    if decided is None or current == decided or current == render_defaults(decided, result)[0]:
+        return
+    raise ConfigError(str(path), "a file changed since this promotion read it",
+                      "the defaults file `ablate promote` decided against; run `ablate promote` again on the file as "
+                      "it is now (another promotion may have written it)")
+
+
 def write_defaults(result: "PromotionResult", defaults_path: str | Path) -> list[str]:
     """Apply the result to ``defaults_path`` in place (atomic replace) and return the edits made.
 
@@ -559,7 +574,9 @@ def write_defaults(result: "PromotionResult", defaults_path: str | Path) -> list
 
     # The link's target is the file to edit: replacing a symlinked defaults file would cut the link instead.
     path = Path(defaults_path).resolve()
-    text, edits = render_defaults(path.read_text(), result)
+    current = path.read_text()
+    check_unchanged(result, current, path)
+    text, edits = render_defaults(current, result)
     if not edits:
         return edits
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".defaults-", suffix=".yaml")

@@ -258,6 +258,8 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     policy = policy_path if isinstance(policy_path, Policy) else load_policy(policy_path)
     now = now or datetime.now(timezone.utc)
     valid, invalid = _validated(receipts)
+    # Read before it is parsed: a file changed in between is then one that write_defaults refuses to write over.
+    defaults_text = Path(defaults_path).read_text()
     defaults = load_defaults(defaults_path)
     blocks, refusals = match_blocks(valid, policy)
     bundle_blocks = [b for b in blocks if b.feature == BUNDLE]  # judged by the bundle check, not as a test
@@ -305,4 +307,4 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
         git=_git(blocks), num_receipts=len(valid), verdicts=measured, holm_family=family, lanes=lane_summaries,
         changes=changes, revalidations=find_revalidations(defaults.raw, lanes), refusals=refusals,
         rejected=rejected, defaults_path=str(defaults_path), run_links=dict(run_links or {}),
-        not_run=_unique_not_run(not_run), bundles=bundles)
+        not_run=_unique_not_run(not_run), bundles=bundles, defaults_text=defaults_text)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from ablate.config.schema import ConfigError
-from ablate.promote.defaults_writer import render_defaults, write_defaults
+from ablate.promote.defaults_writer import check_unchanged, render_defaults, write_defaults
 from ablate.promote.report import PromotionResult
 
 REPORT_DIR = Path("reports") / "promotions"
@@ -110,6 +110,7 @@ def check_branch(result: PromotionResult, branch: str, repo_root: str | Path) ->
         raise ConfigError("--branch", branch, f"a branch cut from a HEAD that has {defaults_rel}: it is not "
                                               f"committed; commit it first")
     working = defaults_path.read_text()
+    check_unchanged(result, working, defaults_path)  # before the branch is made: nothing half-done on a refusal
     if working != head.stdout and working != render_defaults(head.stdout, result)[0]:
         raise ConfigError("--branch", branch, f"a branch cut from a clean {defaults_rel}: it has uncommitted local "
                                               f"edits, which would ride along in the promotion commit; commit or "

@@ -90,6 +90,9 @@ class PromotionResult:
     """Base of the run links (the MLflow UI); None when the receipts did not come from MLflow."""
     ui_command: Optional[str] = None
     """The ``mlflow ui`` command that serves ``ui_url`` when the store is not a server (a local SQLite file)."""
+    defaults_text: Optional[str] = None
+    """The defaults file as ``promote`` read it: the plan is decided against it, and is only ever written over it
+    (``defaults_writer.check_unchanged``)."""
 
     def write_plots(self, directory: Path, relative_to: Optional[Path] = None) -> dict[str, Path]:
         """One speed-up-against-horizon plot per lane with a measured speed test; records their paths."""

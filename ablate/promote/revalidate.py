@@ -557,6 +557,7 @@ def judge(targets: list[Target], receipts: list[Receipt], policy: Policy, defaul
     from ablate.promote.engine import promote
 
     defaults_path = Path(defaults_path)
+    decided_on = defaults_path.read_text()  # the outcomes are planned against this file, not against ``before``
     before = defaults_before(defaults_path, targets, workdir)
     result = promote(receipts, policy_path=policy, defaults_path=before, rejected=rejected,
                      now=now or datetime.now(timezone.utc))
@@ -571,4 +572,5 @@ def judge(targets: list[Target], receipts: list[Receipt], policy: Policy, defaul
     result.changes = demotion_changes(defaults_path, outcomes, result.report_id, result.date)
     result.revalidations = list(outcomes)
     result.defaults_path = str(defaults_path)
+    result.defaults_text = decided_on
     return result

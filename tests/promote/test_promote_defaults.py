@@ -373,3 +373,28 @@ def test_write_keeps_the_files_mode_and_symlink_and_leaves_no_temporary_file(
     assert defaults_file.is_symlink() and load_defaults(shared).values["moe_dispatch"] == "jagged"
     assert stat.S_IMODE(shared.stat().st_mode) == 0o664
     assert sorted(p.name for p in shared.parent.iterdir()) == ["defaults.yaml"]
+
+
+def test_a_plan_is_never_written_over_a_file_changed_since_it_was_decided(policy: Policy,
+                                                                          defaults_file: Path) -> None:
+    """Two promotions decided against the same file (two ``promote --write`` at once, or a result kept and written
+    later): the second would replace a value promoted meanwhile with one measured only against the old default,
+    and record the wrong value to roll back to. It is refused with the file named, and the file keeps the first."""
+    from ablate.config.schema import ConfigError
+
+    knobs = {**QUIET, "aa_per_host": 2}
+    jagged = simulate(Sim(features=[FeatureTruth("moe_dispatch", "jagged", "padded", 1.05)], campaign="ca",
+                          block_prefix="a-", **knobs), 0)
+    grouped = simulate(Sim(features=[FeatureTruth("moe_dispatch", "grouped_mm", "padded", 1.05)], campaign="cb",
+                           block_prefix="b-", **knobs), 1)
+    first = promote(jagged, policy_path=anywhere(policy), defaults_path=defaults_file)
+    second = promote(grouped, policy_path=anywhere(policy), defaults_path=defaults_file)
+    assert [c.new for c in first.changes] == ["jagged"] and [c.new for c in second.changes] == ["grouped_mm"]
+    assert write_defaults(first, defaults_file)
+    written = defaults_file.read_text()
+    with pytest.raises(ConfigError, match="changed since this promotion read it"):
+        write_defaults(second, defaults_file)
+    assert defaults_file.read_text() == written
+    assert load_defaults(defaults_file).values["moe_dispatch"] == "jagged"
+    # The same result again over what it wrote (``--write --branch``): accepted, and nothing more is written.
+    assert write_defaults(first, defaults_file) == [] and defaults_file.read_text() == written

@@ -180,7 +180,14 @@ def test_local_edits_to_the_defaults_refuse_the_branch(policy: Policy, repo: Pat
         make_branch(result, "promote/moe", repo)
     assert defaults.read_text() == edited  # neither promoted nor reverted
     assert git(repo, "branch", "--show-current") == "main" and git(repo, "branch", "--list", "promote/moe") == ""
-    git(repo, "stash", "--quiet")  # as the error says: the promotion now commits only its own edit
+    git(repo, "stash", "--quiet")  # as the error says
+    # That result was decided against the edited file: written over another one it is refused, before any branch.
+    with pytest.raises(ConfigError, match="changed since this promotion read it"):
+        make_branch(result, "promote/moe", repo)
+    assert git(repo, "branch", "--show-current") == "main" and git(repo, "branch", "--list", "promote/moe") == ""
+    # Decided again on the file as it is now, the promotion commits only its own edit.
+    result = promote(simulate(Sim(features=[moe(1.05)], noise=0.007, aa_per_host=2), 0), policy_path=policy,
+                     defaults_path=defaults)
     outcome = make_branch(result, "promote/moe", repo)
     diff = git(repo, "show", outcome.commit, "--", "search_spaces/defaults.yaml")
     assert "+    value: jagged" in diff and "chunked" not in diff
