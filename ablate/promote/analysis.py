@@ -68,6 +68,8 @@ class RoundRow:
     counted: bool
     note: str = ""
     """Why several sweeps count as this one round (they ran at the same time or too close together)."""
+    members: tuple[str, ...] = ()
+    """The sweep ids this round is made of (``RoundInfo.members``)."""
 
 
 @dataclass
@@ -525,7 +527,8 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
         inside = np.isin(rounds, list(r.members or (r.round_id,)))
         verdict.rounds.append(RoundRow(round_id=r.round_id, blocks=int(inside.sum()),
                                        speedup=_ratio(hodges_lehmann(d[inside])) if inside.any() else None,
-                                       first_at=r.first_at, counted=r.counted, note=r.note))
+                                       first_at=r.first_at, counted=r.counted, note=r.note,
+                                       members=tuple(r.members or (r.round_id,))))
     loss_rows = [(b.host, b.loss_delta()) for b in usable if not b.candidate.failed and not b.baseline.failed]
     loss_rows = [(h, x) for h, x in loss_rows if x is not None]
     loss = np.asarray([x for _, x in loss_rows], dtype=float)

@@ -196,9 +196,48 @@ def _shape_overrides(tests: list[FeatureVerdict], promoted: list[FeatureVerdict]
     return overrides, conflicts
 
 
+def measured_before(promoted: Iterable[FeatureVerdict], defaults: Defaults | Mapping[str, Any],
+                    measured_lanes: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
+    """Feature -> why its change must be held: a lane that promoted it ran another feature at a value the defaults
+    file has replaced since (a promotion written after that campaign was planned: an evidence record or a lane
+    override of the other feature names the lane's value as the one it replaced). Written, the value would run
+    with the other feature's new value, a pair no block measured; promoted in one run over both campaigns, the
+    bundle check would have held it (found in review: two ``promote --write`` runs, one campaign each, wrote
+    both values). A lane that sets a feature on purpose (the file never held its value) is not held by this."""
+    if not isinstance(defaults, Defaults):
+        return {}
+    entries = (defaults.raw or {}).get("features") or {}
+    reasons: dict[str, str] = {}
+    for v in promoted:
+        lane = measured_lanes.get(v.lane_key)
+        if lane is None or v.feature in reasons:
+            continue
+        now = defaults.for_shape(v.lane_shape)
+        for other, entry in sorted(entries.items()):
+            spec = FEATURES.get(str(other))
+            if other == v.feature or spec is None or spec.path not in lane or not isinstance(entry, Mapping):
+                continue
+            ran, current = str(lane[spec.path]), str(now.get(str(other)))
+            if ran == current:
+                continue
+            records = [r for key in ("evidence", "lane_overrides") for r in entry.get(key) or []
+                       if isinstance(r, Mapping)]
+            replacing = [r for r in records if str(r.get("value")) == current
+                         and ran in (str(r.get("previous")), str(r.get("replaced")))]
+            if replacing:
+                reasons[v.feature] = (
+                    f"measured on lane {v.lane_key[:17]} with {other}={ran}, which the defaults have since replaced "
+                    f"with {other}={current} (report {replacing[-1].get('report')}): {v.feature}={v.value} was never "
+                    f"measured with {other}={current}; the value is held from --write: re-measure it on the lane as "
+                    f"the defaults make it now")
+                break
+    return reasons
+
+
 def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mapping[str, Any], policy: Policy, *,
                  report_id: str, campaign: str, date: str, held: frozenset[str] | set[str] = frozenset(),
-                 bundles: Iterable[BundleCheck] = ()) -> list[DefaultsChange]:
+                 bundles: Iterable[BundleCheck] = (),
+                 measured_lanes: Mapping[str, Mapping[str, Any]] = {}) -> list[DefaultsChange]:
     """One change per promoted feature: a global flip, or lane overrides (see the module docstring). Tests in
     ``held`` (their lane's bundle check did not pass, ``ablate.promote.bundle``) are measured lanes that do not
     promote, so they are neither written nor counted towards a global flip. A change whose value would run
@@ -246,10 +285,18 @@ def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mappin
             evidence=[evidence_record(v, report_id=report_id, campaign=campaign, date=date, policy=policy,
                                       scope=scope, replaced=old) for v in promoted],
             overrides=overrides, not_global=not_global))
+    # Held: no value, no override, no evidence record is written; the reason goes into the report. A value measured
+    # before another one was written is held first: it then lands nowhere, for the bundle rule's sets too.
+    stale = measured_before([v for tests in by_feature.values() for v in tests
+                             if v.verdict == PROMOTE and v.test_key not in held], defaults, measured_lanes)
+    changes = [_held(c, why) if (why := stale.get(c.feature)) else c for c in changes]
     held_together = unmeasured_together(changes, bundles, policy)
-    # Held: no value, no override, no evidence record is written; the reason goes into the report.
-    return [DefaultsChange(feature=c.feature, old=c.old, new=None, scope="lane", lanes=c.lanes, held=why)
-            if (why := held_together.get(c.feature)) else c for c in changes]
+    return [_held(c, why) if (why := held_together.get(c.feature)) and not c.held else c for c in changes]
+
+
+def _held(change: DefaultsChange, why: str) -> DefaultsChange:
+    return DefaultsChange(feature=change.feature, old=change.old, new=None, scope="lane", lanes=change.lanes,
+                          held=why)
 
 
 def find_revalidations(defaults_raw: Mapping[str, Any], lanes: Mapping[str, LaneState]) -> list[Revalidation]:

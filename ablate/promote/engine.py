@@ -237,7 +237,11 @@ def _as_stopped(test: TestEvidence, v: FeatureVerdict, policy: Policy, windows: 
         setattr(judged, name, getattr(v, name))
     kept = {id(b) for b in looked}
     judged.not_looked_at = [b.block_id for b in test.blocks if id(b) not in kept]
-    judged.rounds_after_stop = [r for r in v.rounds if r.round_id not in {j.round_id for j in judged.rounds}]
+    # By member sweeps, not by round id: cut at the stop, a round that merged a looked-at sweep with a later one is
+    # the looked-at sweep alone, and its merged id then passed for a round after the stop, confirming a suspicious
+    # win with the very round it was judged on (found in review).
+    looked_sweeps = {sweep for j in judged.rounds for sweep in (j.members or (j.round_id,))}
+    judged.rounds_after_stop = [r for r in v.rounds if not looked_sweeps & set(r.members or (r.round_id,))]
     again = sprt_of(judged, policy, family) if judged.work is not None and judged.n_blocks else None
     if again is None or (again.decision, again.blocks) != (state.decision, state.blocks):
         judged.stop_unmatched = (f"the sequential test stopped ({state.decision}) at block {state.blocks} on every "
@@ -295,7 +299,8 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     date = now.date().isoformat()
     bundles = check_bundles(measured, bundle_blocks, policy, unread, refusals, windows, blocks + bundle_blocks)
     changes = plan_changes(measured, defaults, policy, report_id=report_id,
-                           campaign="+".join(campaigns), date=date, held=held_keys(bundles, policy), bundles=bundles)
+                           campaign="+".join(campaigns), date=date, held=held_keys(bundles, policy), bundles=bundles,
+                           measured_lanes={key: state.lane for key, state in lanes.items()})
     lane_summaries = [LaneSummary(lane_key=k, software_fingerprint=s.current_fingerprint,
                                   fingerprints=s.fingerprints, hosts=s.hosts, calibration=calibrations[k],
                                   lane=s.lane, **_lane_facts([b for b in blocks if b.lane_key == k]))

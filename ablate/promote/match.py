@@ -36,7 +36,7 @@ from ablate.config.load import with_feature
 from ablate.config.schema import ConfigError, LaneConfig
 from ablate.promote.policy import Policy
 from ablate.receipts.derive import project_time
-from ablate.receipts.schema import SIMULATED_EXECUTOR, WARN_CODES, Receipt
+from ablate.receipts.schema import SIMULATED_EXECUTOR, WARN_CODES, Receipt, utc_moment
 
 # Identity fields both arms of a block must share; a difference means the two runs are not one comparison.
 _SHARED_IDENTITY = ("sweep_id", "campaign", "lane_key", "feature", "kind", "host", "software_fingerprint", "pairing",
@@ -56,6 +56,16 @@ FAILURE_CODE = "ARM_FAILED"
 NOT_THE_FEATURES = frozenset({"LOW_PRIORITY", "HARDWARE_MISMATCH", "BACKEND_FAILED_NODE_CHECK", "INERT_TOGGLE"})
 """Gated codes that say nothing about what the feature made go wrong: a node's facts (its priority, its hardware, a
 failed node check) and INERT_TOGGLE (the feature did nothing). A revalidation demotes on the others only."""
+
+
+def moment_text(stamp: str) -> str:
+    """A receipt's ``created_at`` spelled one way, ``datetime.isoformat`` of its UTC moment, so that text order is
+    time order: the validator takes every spelling of the moment (``Z``, ``-00:00``, ISO-8601's basic format
+    ``20260302T090300+00:00``), and the sequential test orders and cuts blocks by these strings. A basic-format
+    stamp sorted after every extended one whatever its date, so an older round was read last and a rejection that
+    stood became a PROMOTE (found in review)."""
+    moment = utc_moment(stamp)
+    return moment.isoformat() if moment is not None else stamp
 
 
 def feature_gates(codes: Iterable[str]) -> set[str]:
@@ -302,7 +312,8 @@ def _arm_view(receipt: Receipt, policy: Policy) -> ArmView:
         attempt=ident.attempt, status=ident.status.value,
         tokens_per_s=proj.tokens_per_s if proj is not None else None,
         loss=getattr(receipt.quality, policy.quality.metric, None), codes=tuple(sorted(receipt.codes())),
-        gated_codes=tuple(sorted(gated)), counters=counters, peak_memory=peak, created_at=ident.created_at,
+        gated_codes=tuple(sorted(gated)), counters=counters, peak_memory=peak,
+        created_at=moment_text(ident.created_at),
         git_sha=ident.git_sha, git_dirty=ident.git_dirty, host=ident.host or "",
         one_time_s=proj.one_time_s if proj is not None else None,
         recurring_step_s=proj.recurring_step_s if proj is not None else None,
@@ -608,7 +619,7 @@ def _refused_failures(receipts: list[Receipt]) -> tuple[dict[str, dict[str, int]
     arms = tuple(RefusedArm(role=role, failed=r.identity.status.value == "failed",
                             fingerprint=(observed.get(r.identity.attempt) if _unobserved_failure(r)
                                          else r.identity.software_fingerprint),
-                            software=software_key(r.identity), created_at=r.identity.created_at)
+                            software=software_key(r.identity), created_at=moment_text(r.identity.created_at))
                  for role, members in roles.items() for r in members)
     return counts, arms
 

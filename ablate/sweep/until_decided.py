@@ -40,6 +40,7 @@ from ray.tune.search import Searcher
 
 from ablate.config.schema import ConfigError
 from ablate.promote.analysis import HOLD, PROMOTE, REJECT
+from ablate.promote.match import moment_text
 from ablate.promote.policy import Policy, load_policy
 from ablate.promote.sequential import CAP, LOWER, UPPER
 from ablate.receipts.schema import Receipt
@@ -196,7 +197,7 @@ def settled_blocks(receipts: Iterable[Receipt]) -> list[Receipt]:
     receipts = list(receipts)
     if not receipts:
         return receipts
-    running = max(receipts, key=lambda r: r.identity.created_at).identity.sweep_id
+    running = max(receipts, key=lambda r: moment_text(r.identity.created_at)).identity.sweep_id
     arms = Counter((r.identity.sweep_id, r.identity.block_id, r.identity.attempt) for r in receipts)
     latest: dict[tuple[str, str], int] = {}
     for sweep, block, attempt in arms:

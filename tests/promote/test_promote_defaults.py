@@ -398,3 +398,30 @@ def test_a_plan_is_never_written_over_a_file_changed_since_it_was_decided(policy
     assert load_defaults(defaults_file).values["moe_dispatch"] == "jagged"
     # The same result again over what it wrote (``--write --branch``): accepted, and nothing more is written.
     assert write_defaults(first, defaults_file) == [] and defaults_file.read_text() == written
+
+
+def test_a_value_measured_before_another_was_written_is_held(policy: Policy, defaults_file: Path) -> None:
+    """Two campaigns planned on the same defaults, promoted by two ``promote --write`` runs: the second value was
+    measured with the first feature's old value, and written it would run with the new one, a pair no block
+    measured (one run over both campaigns holds it under the bundle rule). It is held, with the reason; measured
+    again on the lane as the defaults make it now, it promotes."""
+    knobs = {**QUIET, "aa_per_host": 2}
+    moe_campaign = simulate(Sim(features=[moe(1.05)], campaign="c1", block_prefix="c1-", **knobs), 0)
+    scan = FeatureTruth("mamba_scan", "chunked", "sequential", 1.06)
+    scan_campaign = simulate(Sim(features=[scan], campaign="c2", block_prefix="c2-", **knobs), 1)
+    assert {r.requested.lane["features.moe_dispatch"] for r in scan_campaign} == {"padded"}
+    first = promote(moe_campaign, policy_path=anywhere(policy), defaults_path=defaults_file)
+    assert write_defaults(first, defaults_file)
+    second = promote(scan_campaign, policy_path=anywhere(policy), defaults_path=defaults_file)
+    assert [v.verdict for v in second.verdicts] == [PROMOTE]
+    [change] = second.changes
+    assert change.new is None and "moe_dispatch=padded" in change.held and "moe_dispatch=jagged" in change.held
+    assert "held" in second.markdown
+    written = defaults_file.read_text()
+    assert write_defaults(second, defaults_file) == [] and defaults_file.read_text() == written
+    assert load_defaults(defaults_file).values["mamba_scan"] == "sequential"
+    # Planned after the write, its lane runs moe_dispatch=jagged: nothing holds it.
+    later = simulate(Sim(features=[scan], lane=base_lane(**{"features.moe_dispatch": "jagged"}), campaign="c3",
+                         block_prefix="c3-", **knobs), 2)
+    third = promote(later, policy_path=anywhere(policy), defaults_path=defaults_file)
+    assert [c.new for c in third.changes] == ["chunked"] and not third.changes[0].held

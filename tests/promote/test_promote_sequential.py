@@ -289,6 +289,35 @@ def test_a_rejection_stands_when_later_rounds_bring_noisier_aa_blocks(seq_policy
     assert v.verdict == REJECT and "as an earlier round calibrated it" in v.reason
 
 
+def test_the_blocks_are_read_in_time_order_whatever_the_spelling_of_their_stamps(seq_policy: Policy) -> None:
+    """The validator takes every spelling of a UTC moment; the sequential test orders and cuts blocks by their
+    stamps. Round 1 stamped in ISO-8601's basic format (``20260302T090300+00:00``, the same moments) sorted after
+    every later round as text: the test read it last, and the rejection that stands became a PROMOTE (found in
+    review). Read as time, it is the same decision as with the trainer's own stamps."""
+    from datetime import datetime
+
+    first = simulate(Sim(features=[moe(1.0)], rounds=1, aa_per_host=2, noise=0.002, campaign="first"), 3)
+    late = _days_later(simulate(Sim(features=[moe(1.12)], rounds=3, aa_per_host=2, noise=0.03, campaign="late"),
+                                4), 3)
+
+    def as_dict(r: Any, basic: bool = False) -> dict[str, Any]:
+        data = r.model_dump(mode="json")
+        data.pop("digest", None)  # a receipt as another writer leaves it: the validator checks it in full
+        if basic:
+            moment = datetime.fromisoformat(data["identity"]["created_at"])
+            data["identity"]["created_at"] = moment.strftime("%Y%m%dT%H%M%S") + "+00:00"
+        return data
+
+    extended = moe_verdict(run([as_dict(r) for r in first + late], seq_policy))
+    respelled = run([as_dict(r, basic=True) for r in first] + [as_dict(r) for r in late], seq_policy)
+    v = moe_verdict(respelled)
+    assert not respelled.rejected
+    assert extended.verdict == REJECT and extended.sequential["decision"] == LOWER, extended.reason
+    assert (v.verdict, v.sequential["decision"], v.sequential["blocks"]) == (
+        REJECT, LOWER, extended.sequential["blocks"]), v.reason
+    assert [r.round_id for r in v.rounds] == [r.round_id for r in extended.rounds]
+
+
 def test_a_round_without_aa_blocks_never_rejects_on_its_own_calibration(seq_policy: Policy) -> None:
     """A real 3% win whose candidate slot runs 2.5% slow: the first round has no A/A blocks, so its own calibration
     (bias 0, no variance floor) rejected at block 4, for good (found in review). Uncalibrated is no calibration:
@@ -410,3 +439,32 @@ def test_a_cap_stays_a_cap(seq_policy: Policy) -> None:
             assert v.verdict == HOLD and "inconclusive at cap" in v.reason, v.reason
             return
     pytest.fail("no seed reached the cap: the setting no longer tests it")
+
+
+def test_a_sweep_that_ran_with_a_looked_at_round_never_confirms_a_suspicious_win(seq_policy: Policy) -> None:
+    """A suspicious win needs a confirming round after ``min_rounds``, and sweeps that overlapped in time are one
+    round. Cut at the sequential test's stop, a round merging a looked-at sweep with a later one is the looked-at
+    sweep alone; compared by id, the merged round passed for a round after the stop and confirmed the win with the
+    round it was judged on (found in review: PROMOTE and a defaults change on two rounds)."""
+    from datetime import datetime, timedelta
+
+    from ablate.receipts.store import seal
+
+    receipts = simulate(Sim(features=[moe(1.9)], rounds=3, **QUIET), 0)
+    second = sorted(datetime.fromisoformat(r.identity.created_at) for r in receipts if r.identity.sweep_id == "sim-r2")
+    third = [r for r in receipts if r.identity.sweep_id == "sim-r3"]
+    first_of_third = min(datetime.fromisoformat(r.identity.created_at) for r in third)
+    start = second[-1] - timedelta(minutes=5)  # begins before r2's last receipt: the two sweeps ran together
+
+    def moved(r: Any) -> Any:
+        when = start + (datetime.fromisoformat(r.identity.created_at) - first_of_third) / 50
+        return seal(r.model_copy(update={"identity": r.identity.model_copy(update={"created_at": when.isoformat()})}))
+
+    merged = [r for r in receipts if r.identity.sweep_id != "sim-r3"] + [moved(r) for r in third]
+    result = promote(merged, policy_path=seq_policy, defaults_path=DEFAULTS)
+    v = next(v for v in result.verdicts if v.feature == "moe_dispatch")
+    assert v.suspicious and v.not_looked_at, v.reason  # stopped before r3's blocks, a win too large to trust
+    assert [r.members for r in v.rounds] == [("sim-r1",), ("sim-r2",)]
+    assert v.rounds_after_stop == []
+    assert v.verdict == HOLD and "needs a confirming round (2 of 3 rounds)" in v.reason, v.reason
+    assert result.changes == [] or all(c.new is None for c in result.changes)
