@@ -12,6 +12,7 @@ CLI) so a person can run them.
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import shutil
 import subprocess
@@ -109,6 +110,10 @@ def check_branch(result: PromotionResult, branch: str, repo_root: str | Path) ->
     if head.returncode != 0:
         raise ConfigError("--branch", branch, f"a branch cut from a HEAD that has {defaults_rel}: it is not "
                                               f"committed; commit it first")
+    ignored = _git(repo, "check-ignore", "--quiet", "--", str(REPORT_DIR / f"{result.report_id}.md"), check=False)
+    if ignored.returncode == 0:
+        raise ConfigError("--branch", branch, f"a repository that does not ignore {REPORT_DIR.as_posix()}/ (a "
+                                              f".gitignore rule matches it), where the report is committed")
     working = defaults_path.read_text()
     check_unchanged(result, working, defaults_path)  # before the branch is made: nothing half-done on a refusal
     if working != head.stdout and working != render_defaults(head.stdout, result)[0]:
@@ -118,22 +123,25 @@ def check_branch(result: PromotionResult, branch: str, repo_root: str | Path) ->
     return defaults_path
 
 
-def make_branch(result: PromotionResult, branch: str, repo_root: str | Path, open_pr: bool = False) -> BranchOutcome:
-    """Create ``branch``, write defaults + report, commit them; optionally push and open the PR. Refuses
-    (``ConfigError``, nothing written, no branch made) when ``check_branch`` does."""
-    repo = Path(repo_root).resolve()
-    defaults_path = check_branch(result, branch, repo)
-    head = _git(repo, "symbolic-ref", "--quiet", "--short", "HEAD", check=False)
-    base = head.stdout.strip() or None
-    _git(repo, "switch", "-c", branch)
+def _commit_promotion(result: PromotionResult, repo: Path, defaults_path: Path, written: dict[Path, Optional[bytes]]
+                      ) -> tuple[list[str], list[str], Path]:
+    """Defaults, report and plots written and committed on the branch just made: (edits, files, the Markdown).
+    ``written`` gets each path before it is written, with its bytes before (None: it did not exist)."""
+    def claim(path: Path) -> Path:
+        written.setdefault(path, path.read_bytes() if path.is_file() else None)
+        return path
 
+    claim(defaults_path)
     edits = write_defaults(result, defaults_path)
     report_dir = repo / REPORT_DIR
     report_dir.mkdir(parents=True, exist_ok=True)
-    md_path = report_dir / f"{result.report_id}.md"
-    json_path = report_dir / f"{result.report_id}.json"
+    md_path = claim(report_dir / f"{result.report_id}.md")
+    json_path = claim(report_dir / f"{result.report_id}.json")
     # The trade-off plots sit next to the report, so its relative image links work in the pull request.
-    plots = list(result.write_plots(report_dir / result.report_id, relative_to=report_dir).values())
+    plot_dir = report_dir / result.report_id
+    if not plot_dir.exists():
+        written[plot_dir] = None  # made here: removed whole on a failure
+    plots = list(result.write_plots(plot_dir, relative_to=report_dir).values())
     md_path.write_text(result.markdown)
     json_path.write_text(result.to_json() + "\n")
 
@@ -146,6 +154,41 @@ def make_branch(result: PromotionResult, branch: str, repo_root: str | Path, ope
     message = f"{_title(result)}\n\nReport {result.report_id} under policy {result.policy.ref}.\n"
     # `commit -- paths` commits exactly these files even when the user has other changes staged.
     _git(repo, "commit", "--quiet", "-m", message, "--", *files)
+    return edits, files, md_path
+
+
+def _undo_branch(repo: Path, branch: str, back_to: str, detached: bool, written: dict[Path, Optional[bytes]]) -> None:
+    """A promotion that failed on its new branch (a refused ``git add``, a full disk, an interrupt) leaves the user
+    where they were: its files as they were (staged copies dropped), back on the branch it started from, and the new
+    branch gone. Found in review: the user was left on an empty branch with the promoted defaults staged, which a
+    switch back carried onto their branch. Each step is tried whatever the others do."""
+    steps = [lambda path=path: _git(repo, "reset", "--quiet", "--", str(path.resolve().relative_to(repo)))
+             for path in written]
+    for path, content in written.items():
+        steps.append(lambda path=path, content=content: path.write_bytes(content) if content is not None
+                     else shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True))
+    steps += [lambda: _git(repo, "switch", "--quiet", *(("--detach",) if detached else ()), back_to),
+              lambda: _git(repo, "branch", "--quiet", "-D", branch)]
+    for step in steps:
+        with contextlib.suppress(Exception):
+            step()
+
+
+def make_branch(result: PromotionResult, branch: str, repo_root: str | Path, open_pr: bool = False) -> BranchOutcome:
+    """Create ``branch``, write defaults + report, commit them; optionally push and open the PR. Refuses
+    (``ConfigError``, nothing written, no branch made) when ``check_branch`` does."""
+    repo = Path(repo_root).resolve()
+    defaults_path = check_branch(result, branch, repo)
+    head = _git(repo, "symbolic-ref", "--quiet", "--short", "HEAD", check=False)
+    base = head.stdout.strip() or None
+    start = _git(repo, "rev-parse", "HEAD").stdout.strip()
+    _git(repo, "switch", "-c", branch)
+    written: dict[Path, Optional[bytes]] = {}
+    try:
+        edits, files, md_path = _commit_promotion(result, repo, defaults_path, written)
+    except BaseException:
+        _undo_branch(repo, branch, base or start, base is None, written)
+        raise
     commit = _git(repo, "rev-parse", "HEAD").stdout.strip()
 
     outcome = BranchOutcome(branch=branch, base=base, commit=commit, files=files, edits=edits,

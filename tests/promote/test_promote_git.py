@@ -203,3 +203,40 @@ def test_write_branch_with_local_edits_is_refused_before_the_write(repo: Path, c
     assert "error: --branch: got 'promote/moe'" in out.stderr and "commit or stash them first" in out.stderr
     assert defaults.read_text() == edited and git(repo, "branch", "--list", "promote/moe") == ""
     assert not (repo / "reports").exists()
+
+
+@pytest.mark.parametrize("written_first", [False, True], ids=["branch", "write-then-branch"])
+def test_a_commit_that_fails_on_the_new_branch_leaves_everything_as_it_was(policy: Policy, repo: Path,
+                                                                           written_first: bool) -> None:
+    """A failure after the branch is made (here the user's pre-commit hook refuses the commit) undoes it: back on
+    the branch it started from, the new branch gone, the defaults file as it was (``--write``'s edit kept, nothing
+    of it staged), no report file left, the user's own staged work still staged (found in review: the user was
+    left on an empty branch with the promoted defaults staged, which a switch back carried over)."""
+    hook = repo / ".git" / "hooks" / "pre-commit"
+    hook.write_text("#!/bin/sh\necho 'refused by the test hook' >&2\nexit 1\n")
+    hook.chmod(hook.stat().st_mode | stat.S_IXUSR)
+    defaults = repo / "search_spaces" / "defaults.yaml"
+    result = promote(simulate(Sim(features=[moe(1.05)], noise=0.007, aa_per_host=2), 0), policy_path=policy,
+                     defaults_path=defaults)
+    if written_first:
+        assert write_defaults(result, defaults)
+    before = defaults.read_text()
+    with pytest.raises(RuntimeError, match="refused by the test hook"):
+        make_branch(result, "promote/moe", repo)
+    assert git(repo, "branch", "--show-current") == "main" and git(repo, "branch", "--list", "promote/moe") == ""
+    assert defaults.read_text() == before
+    assert git(repo, "diff", "--cached", "--name-only") == "unrelated.txt"
+    assert not (repo / "reports" / "promotions" / f"{result.report_id}.md").exists()
+    assert not (repo / "reports" / "promotions" / result.report_id).exists()
+
+
+def test_a_repository_that_ignores_the_report_is_refused_before_the_branch(policy: Policy, repo: Path) -> None:
+    (repo / ".gitignore").write_text("reports/\n")
+    defaults = repo / "search_spaces" / "defaults.yaml"
+    before = defaults.read_text()
+    result = promote(simulate(Sim(features=[moe(1.05)], noise=0.007, aa_per_host=2), 0), policy_path=policy,
+                     defaults_path=defaults)
+    with pytest.raises(ConfigError, match="does not ignore reports/promotions/"):
+        make_branch(result, "promote/moe", repo)
+    assert git(repo, "branch", "--show-current") == "main" and git(repo, "branch", "--list", "promote/moe") == ""
+    assert defaults.read_text() == before
