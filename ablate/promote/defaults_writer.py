@@ -196,21 +196,23 @@ def _shape_overrides(tests: list[FeatureVerdict], promoted: list[FeatureVerdict]
     return overrides, conflicts
 
 
-def measured_before(promoted: Iterable[FeatureVerdict], defaults: Defaults | Mapping[str, Any],
+def measured_before(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mapping[str, Any],
                     measured_lanes: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
-    """Feature -> why its change must be held: a lane that promoted it ran another feature at a value the defaults
-    file has replaced since (a promotion written after that campaign was planned: an evidence record or a lane
-    override of the other feature names the lane's value as the one it replaced). Written, the value would run
-    with the other feature's new value, a pair no block measured; promoted in one run over both campaigns, the
-    bundle check would have held it (found in review: two ``promote --write`` runs, one campaign each, wrote
-    both values). A lane that sets a feature on purpose (the file never held its value) is not held by this."""
+    """Test key -> why its lane no longer runs: it ran another feature at a value the defaults file once held for
+    that lane and has replaced since (a promotion, a demotion, a chain of them, written after the campaign was
+    planned: the file's evidence records and the lane's overrides of that feature name the value, as a value, the
+    one it replaced or the lane's baseline, while the file now says another). Promoted, such a value would run with
+    the other feature's new value, a pair no block measured; one run over both campaigns holds it under the bundle
+    rule (found in review: two ``promote --write`` runs, one campaign each, wrote both values). A value the file
+    never held is the lane's own setting, not a replaced default, and holds nothing; a hand edit of the file leaves
+    no record and is not seen."""
     if not isinstance(defaults, Defaults):
         return {}
     entries = (defaults.raw or {}).get("features") or {}
     reasons: dict[str, str] = {}
-    for v in promoted:
+    for v in verdicts:
         lane = measured_lanes.get(v.lane_key)
-        if lane is None or v.feature in reasons:
+        if lane is None:
             continue
         now = defaults.for_shape(v.lane_shape)
         for other, entry in sorted(entries.items()):
@@ -218,20 +220,26 @@ def measured_before(promoted: Iterable[FeatureVerdict], defaults: Defaults | Map
             if other == v.feature or spec is None or spec.path not in lane or not isinstance(entry, Mapping):
                 continue
             ran, current = str(lane[spec.path]), str(now.get(str(other)))
-            if ran == current:
-                continue
-            records = [r for key in ("evidence", "lane_overrides") for r in entry.get(key) or []
-                       if isinstance(r, Mapping)]
-            replacing = [r for r in records if str(r.get("value")) == current
-                         and ran in (str(r.get("previous")), str(r.get("replaced")))]
-            if replacing:
-                reasons[v.feature] = (
+            if ran != current and ran in _held_values(entry, v.lane_shape):
+                reasons[v.test_key] = (
                     f"measured on lane {v.lane_key[:17]} with {other}={ran}, which the defaults have since replaced "
-                    f"with {other}={current} (report {replacing[-1].get('report')}): {v.feature}={v.value} was never "
-                    f"measured with {other}={current}; the value is held from --write: re-measure it on the lane as "
-                    f"the defaults make it now")
+                    f"with {other}={current}: {v.feature}={v.value} was never measured with {other}={current}; "
+                    f"re-measure it on the lane as the defaults make it now")
                 break
     return reasons
+
+
+def _held_values(entry: Mapping[str, Any], shape: str) -> set[str]:
+    """Every value the file's records say this feature held for lanes of ``shape``: global evidence and the
+    shape's own evidence and overrides (value, the value it replaced, the lane's baseline)."""
+    held: set[str] = set()
+    for record in entry.get("evidence") or []:
+        if isinstance(record, Mapping) and (record.get("scope") == "global" or record.get("lane_shape") == shape):
+            held.update(str(record[k]) for k in ("value", "previous", "replaced") if record.get(k) is not None)
+    for override in entry.get("lane_overrides") or []:
+        if isinstance(override, Mapping) and override.get("lane_shape") == shape:
+            held.update(str(override[k]) for k in ("value", "previous") if override.get(k) is not None)
+    return held
 
 
 def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mapping[str, Any], policy: Policy, *,
@@ -248,13 +256,26 @@ def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mappin
     for v in verdicts:
         if v.kind == "speed":
             by_feature[v.feature].append(v)
+    # A lane that no longer runs (``measured_before``) promotes nothing. Where its shape was measured again on the
+    # lane as it runs now, its test is history and leaves the planning; elsewhere it stays a measured lane that
+    # did not promote, and says why.
+    stale = measured_before([v for tests in by_feature.values() for v in tests if v.verdict == PROMOTE],
+                            defaults, measured_lanes)
+    held = set(held) | set(stale)
     changes = []
     for feature, tests in sorted(by_feature.items()):
+        current_shapes = {v.lane_shape for v in tests if v.test_key not in stale}
+        tests = [v for v in tests if v.test_key not in stale or v.lane_shape not in current_shapes]
         promoted = [v for v in tests if v.verdict == PROMOTE and v.test_key not in held]
+        outdated = sorted({stale[v.test_key] for v in tests if v.test_key in stale})
         if not promoted:
+            if outdated:
+                changes.append(DefaultsChange(feature=feature, old=_global_value(feature, globals_), new=None,
+                                              scope="lane", lanes=[], held=outdated[0] + "; the value is held from "
+                                                                                         "--write"))
             continue
         values = {str(v.value) for v in promoted}
-        not_global = []
+        not_global = list(outdated)
         if len(values) > 1:
             not_global.append(f"lanes promoted different values ({', '.join(sorted(values))})")
         if any(v.verdict == REJECT and str(v.value) in values for v in tests):
@@ -285,11 +306,7 @@ def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mappin
             evidence=[evidence_record(v, report_id=report_id, campaign=campaign, date=date, policy=policy,
                                       scope=scope, replaced=old) for v in promoted],
             overrides=overrides, not_global=not_global))
-    # Held: no value, no override, no evidence record is written; the reason goes into the report. A value measured
-    # before another one was written is held first: it then lands nowhere, for the bundle rule's sets too.
-    stale = measured_before([v for tests in by_feature.values() for v in tests
-                             if v.verdict == PROMOTE and v.test_key not in held], defaults, measured_lanes)
-    changes = [_held(c, why) if (why := stale.get(c.feature)) else c for c in changes]
+    # Held: no value, no override, no evidence record is written; the reason goes into the report.
     held_together = unmeasured_together(changes, bundles, policy)
     return [_held(c, why) if (why := held_together.get(c.feature)) and not c.held else c for c in changes]
 

@@ -30,6 +30,7 @@ from typing import Any, Iterable, Mapping, Optional
 import numpy as np
 
 from ablate.config.load import load_defaults
+from ablate.config.schema import ConfigError
 from ablate.parallel import fork_map
 from ablate.promote.analysis import FeatureVerdict, analyse
 from ablate.promote.bundle import check_bundles, held_keys
@@ -262,9 +263,15 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     policy = policy_path if isinstance(policy_path, Policy) else load_policy(policy_path)
     now = now or datetime.now(timezone.utc)
     valid, invalid = _validated(receipts)
-    # Read before it is parsed: a file changed in between is then one that write_defaults refuses to write over.
-    defaults_text = Path(defaults_path).read_text()
+    # Read before it is parsed: a file changed in between is then one that write_defaults refuses to write over. A
+    # file that cannot be read is load_defaults' to refuse, naming it (a ConfigError, not a raw OSError).
+    try:
+        defaults_text: Optional[str] = Path(defaults_path).read_text()
+    except (OSError, UnicodeDecodeError):
+        defaults_text = None
     defaults = load_defaults(defaults_path)
+    if defaults_text is None:
+        raise ConfigError(str(defaults_path), "a file that could not be read as text", "a readable UTF-8 YAML file")
     blocks, refusals = match_blocks(valid, policy)
     bundle_blocks = [b for b in blocks if b.feature == BUNDLE]  # judged by the bundle check, not as a test
     blocks = [b for b in blocks if b.feature != BUNDLE]

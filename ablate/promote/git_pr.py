@@ -18,7 +18,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from ablate.config.schema import ConfigError
 from ablate.promote.defaults_writer import check_unchanged, render_defaults, write_defaults
@@ -110,10 +110,14 @@ def check_branch(result: PromotionResult, branch: str, repo_root: str | Path) ->
     if head.returncode != 0:
         raise ConfigError("--branch", branch, f"a branch cut from a HEAD that has {defaults_rel}: it is not "
                                               f"committed; commit it first")
-    ignored = _git(repo, "check-ignore", "--quiet", "--", str(REPORT_DIR / f"{result.report_id}.md"), check=False)
+    # Every kind of file the commit adds (a repository ignoring *.png or *.json is common): git add refuses any.
+    kinds = [REPORT_DIR / f"{result.report_id}.md", REPORT_DIR / f"{result.report_id}.json",
+             REPORT_DIR / result.report_id / "plot.png"]
+    ignored = _git(repo, "check-ignore", "--", *map(str, kinds), check=False)  # 0: one of them or more
     if ignored.returncode == 0:
-        raise ConfigError("--branch", branch, f"a repository that does not ignore {REPORT_DIR.as_posix()}/ (a "
-                                              f".gitignore rule matches it), where the report is committed")
+        raise ConfigError("--branch", branch, f"a repository that does not ignore {REPORT_DIR.as_posix()}/ or the "
+                                              f".md, .json and .png files the report is committed as (a .gitignore "
+                                              f"rule matches them)")
     working = defaults_path.read_text()
     check_unchanged(result, working, defaults_path)  # before the branch is made: nothing half-done on a refusal
     if working != head.stdout and working != render_defaults(head.stdout, result)[0]:
@@ -123,24 +127,47 @@ def check_branch(result: PromotionResult, branch: str, repo_root: str | Path) ->
     return defaults_path
 
 
-def _commit_promotion(result: PromotionResult, repo: Path, defaults_path: Path, written: dict[Path, Optional[bytes]]
-                      ) -> tuple[list[str], list[str], Path]:
-    """Defaults, report and plots written and committed on the branch just made: (edits, files, the Markdown).
-    ``written`` gets each path before it is written, with its bytes before (None: it did not exist)."""
-    def claim(path: Path) -> Path:
-        written.setdefault(path, path.read_bytes() if path.is_file() else None)
+@dataclass
+class _Written:
+    """What a promotion on its new branch wrote, so that a failure can put it back (``_undo_branch``)."""
+
+    files: dict[Path, Optional[bytes]] = field(default_factory=dict)
+    """Each file before it was written: its bytes, or None where there was none."""
+    folders: list[Path] = field(default_factory=list)
+    """Folders made here (none of them was there before), outermost first."""
+    kept: list[Path] = field(default_factory=list)
+    """Folders that were there already: a file in them that is not in ``files`` was added here."""
+
+    def claim(self, path: Path) -> Path:
+        self.files.setdefault(path, path.read_bytes() if path.is_file() else None)
         return path
 
-    claim(defaults_path)
+    def make(self, folder: Path, repo: Path) -> None:
+        for made in reversed([folder, *folder.parents]):
+            if made.is_relative_to(repo) and made != repo and not made.exists():
+                self.folders.append(made)
+        folder.mkdir(parents=True, exist_ok=True)
+
+
+def _commit_promotion(result: PromotionResult, repo: Path, defaults_path: Path, written: _Written
+                      ) -> tuple[list[str], list[str], Path]:
+    """Defaults, report and plots written and committed on the branch just made: (edits, files, the Markdown).
+    Every path is claimed in ``written`` before it is written."""
+    written.claim(defaults_path)
     edits = write_defaults(result, defaults_path)
     report_dir = repo / REPORT_DIR
-    report_dir.mkdir(parents=True, exist_ok=True)
-    md_path = claim(report_dir / f"{result.report_id}.md")
-    json_path = claim(report_dir / f"{result.report_id}.json")
-    # The trade-off plots sit next to the report, so its relative image links work in the pull request.
+    written.make(report_dir, repo)
+    md_path = written.claim(report_dir / f"{result.report_id}.md")
+    json_path = written.claim(report_dir / f"{result.report_id}.json")
+    # The trade-off plots sit next to the report, so its relative image links work in the pull request. A folder
+    # of this report id may be there already (an earlier `promote --out reports/promotions` of the same receipts).
     plot_dir = report_dir / result.report_id
-    if not plot_dir.exists():
-        written[plot_dir] = None  # made here: removed whole on a failure
+    if plot_dir.is_dir():
+        written.kept.append(plot_dir)
+        for existing in sorted(plot_dir.rglob("*")):
+            if existing.is_file():
+                written.claim(existing)
+    written.make(plot_dir, repo)
     plots = list(result.write_plots(plot_dir, relative_to=report_dir).values())
     md_path.write_text(result.markdown)
     json_path.write_text(result.to_json() + "\n")
@@ -157,16 +184,25 @@ def _commit_promotion(result: PromotionResult, repo: Path, defaults_path: Path, 
     return edits, files, md_path
 
 
-def _undo_branch(repo: Path, branch: str, back_to: str, detached: bool, written: dict[Path, Optional[bytes]]) -> None:
-    """A promotion that failed on its new branch (a refused ``git add``, a full disk, an interrupt) leaves the user
-    where they were: its files as they were (staged copies dropped), back on the branch it started from, and the new
-    branch gone. Found in review: the user was left on an empty branch with the promoted defaults staged, which a
-    switch back carried onto their branch. Each step is tried whatever the others do."""
-    steps = [lambda path=path: _git(repo, "reset", "--quiet", "--", str(path.resolve().relative_to(repo)))
-             for path in written]
-    for path, content in written.items():
+def _undo_branch(repo: Path, branch: str, back_to: str, detached: bool, written: _Written) -> None:
+    """A promotion that failed on its new branch (a refused commit, a full disk, an interrupt) leaves the user
+    where they were: what it staged unstaged (the user's own staged work stays), its files as they were, the
+    folders it made gone, back on the branch it started from, the new branch deleted. Found in review: the user was
+    left on an empty branch with the promoted defaults staged, which a switch back carried onto their branch. Each
+    step is tried whatever the others do."""
+    def relative(path: Path) -> str:
+        return str(path.resolve().relative_to(repo))
+
+    added = [path for folder in written.kept for path in folder.rglob("*")
+             if path.is_file() and path not in written.files]
+    steps: list[Any] = [lambda path=path: _git(repo, "reset", "--quiet", "--", relative(path))
+                        for path in [*written.files, *added, *written.folders]]
+    for path, content in written.files.items():
         steps.append(lambda path=path, content=content: path.write_bytes(content) if content is not None
-                     else shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True))
+                     else path.unlink(missing_ok=True))
+    steps += [lambda path=path: path.unlink(missing_ok=True) for path in added]
+    # A folder made here holds only what this promotion wrote (a plot written before the failure included).
+    steps += [lambda folder=folder: shutil.rmtree(folder) for folder in written.folders]
     steps += [lambda: _git(repo, "switch", "--quiet", *(("--detach",) if detached else ()), back_to),
               lambda: _git(repo, "branch", "--quiet", "-D", branch)]
     for step in steps:
@@ -183,7 +219,7 @@ def make_branch(result: PromotionResult, branch: str, repo_root: str | Path, ope
     base = head.stdout.strip() or None
     start = _git(repo, "rev-parse", "HEAD").stdout.strip()
     _git(repo, "switch", "-c", branch)
-    written: dict[Path, Optional[bytes]] = {}
+    written = _Written()
     try:
         edits, files, md_path = _commit_promotion(result, repo, defaults_path, written)
     except BaseException:

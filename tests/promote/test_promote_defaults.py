@@ -420,8 +420,46 @@ def test_a_value_measured_before_another_was_written_is_held(policy: Policy, def
     written = defaults_file.read_text()
     assert write_defaults(second, defaults_file) == [] and defaults_file.read_text() == written
     assert load_defaults(defaults_file).values["mamba_scan"] == "sequential"
-    # Planned after the write, its lane runs moe_dispatch=jagged: nothing holds it.
+    # Planned after the write, its lane runs moe_dispatch=jagged: nothing holds it, read alone or with the whole
+    # experiment (MLflow's default), where the outdated lane's test is history once its shape was measured again.
     later = simulate(Sim(features=[scan], lane=base_lane(**{"features.moe_dispatch": "jagged"}), campaign="c3",
                          block_prefix="c3-", **knobs), 2)
     third = promote(later, policy_path=anywhere(policy), defaults_path=defaults_file)
     assert [c.new for c in third.changes] == ["chunked"] and not third.changes[0].held
+    everything = promote(scan_campaign + later, policy_path=anywhere(policy), defaults_path=defaults_file)
+    assert sorted(v.verdict for v in everything.verdicts) == [PROMOTE, PROMOTE]
+    [change] = everything.changes
+    assert change.new == "chunked" and not change.held
+    assert [r["lane_key"] for r in change.evidence] == [third.verdicts[0].lane_key]  # the lane that runs now
+
+
+def test_a_lane_is_outdated_by_any_value_the_file_replaced_since(policy: Policy, defaults_file: Path) -> None:
+    """Two promotions in a row (eager -> regional -> whole): a campaign measured with ``eager`` is two writes out of
+    date, and no single record names both ``eager`` and ``whole``; it is held all the same (found in review)."""
+    knobs = {**QUIET, "aa_per_host": 2}
+    scan = simulate(Sim(features=[FeatureTruth("mamba_scan", "chunked", "sequential", 1.06)], campaign="c2",
+                        block_prefix="c2-", **knobs), 1)
+    assert {r.requested.lane["compile.posture"] for r in scan} == {"eager"}
+    for number, (new, old) in enumerate([("regional", "eager"), ("whole", "regional")]):
+        step = simulate(Sim(features=[FeatureTruth("compile", new, old, 1.05)], campaign=f"k{number}",
+                            lane=base_lane(**{"compile.posture": old}), block_prefix=f"k{number}-", **knobs), number)
+        assert write_defaults(promote(step, policy_path=anywhere(policy), defaults_path=defaults_file),
+                              defaults_file)
+    assert load_defaults(defaults_file).values["compile"] == "whole"
+    result = promote(scan, policy_path=anywhere(policy), defaults_path=defaults_file)
+    [change] = result.changes
+    assert change.new is None and "compile=eager" in change.held and "compile=whole" in change.held
+    assert write_defaults(result, defaults_file) == []
+
+
+@pytest.mark.parametrize("content", [None, "features:\n  moe_dispatch: {value: caf\xe9}\n".encode("latin-1")],
+                         ids=["missing", "not-utf8"])
+def test_a_defaults_file_that_cannot_be_read_is_refused_by_name(policy: Policy, tmp_path: Path,
+                                                              content: bytes | None) -> None:
+    from ablate.config.schema import ConfigError
+
+    path = tmp_path / "defaults.yaml"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ConfigError, match=str(path)):
+        promote(simulate(Sim(features=[moe(1.05)], **QUIET), 0), policy_path=policy, defaults_path=path)

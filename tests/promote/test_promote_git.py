@@ -226,17 +226,43 @@ def test_a_commit_that_fails_on_the_new_branch_leaves_everything_as_it_was(polic
     assert git(repo, "branch", "--show-current") == "main" and git(repo, "branch", "--list", "promote/moe") == ""
     assert defaults.read_text() == before
     assert git(repo, "diff", "--cached", "--name-only") == "unrelated.txt"
-    assert not (repo / "reports" / "promotions" / f"{result.report_id}.md").exists()
-    assert not (repo / "reports" / "promotions" / result.report_id).exists()
+    assert not (repo / "reports").exists()  # made by the promotion, and gone with it
 
 
-def test_a_repository_that_ignores_the_report_is_refused_before_the_branch(policy: Policy, repo: Path) -> None:
-    (repo / ".gitignore").write_text("reports/\n")
+def test_the_undo_keeps_a_report_folder_that_was_there(policy: Policy, repo: Path) -> None:
+    """An earlier ``promote --out reports/promotions`` of the same receipts left this report id's plot folder: a
+    failed promotion on its branch puts its files back as they were and stages none of them on the user's branch
+    (found in review: the plots stayed staged on main)."""
+    hook = repo / ".git" / "hooks" / "pre-commit"
+    hook.write_text("#!/bin/sh\nexit 1\n")
+    hook.chmod(hook.stat().st_mode | stat.S_IXUSR)
+    defaults = repo / "search_spaces" / "defaults.yaml"
+    result = promote(simulate(Sim(features=[moe(1.05)], noise=0.007, aa_per_host=2), 0), policy_path=policy,
+                     defaults_path=defaults)
+    folder = repo / "reports" / "promotions" / result.report_id
+    plots = result.write_plots(folder, relative_to=folder.parent)
+    assert plots
+    for plot in plots.values():
+        Path(plot).write_bytes(b"an earlier run's plot")
+    (folder / "notes.txt").write_text("the user's own file\n")
+    before = {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+    with pytest.raises(RuntimeError, match="commit"):
+        make_branch(result, "promote/moe", repo)
+    assert git(repo, "branch", "--show-current") == "main" and git(repo, "branch", "--list", "promote/moe") == ""
+    assert git(repo, "diff", "--cached", "--name-only") == "unrelated.txt"
+    assert {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()} == before
+    assert not (folder.parent / f"{result.report_id}.md").exists()
+
+
+@pytest.mark.parametrize("rule", ["reports/", "*.png", "*.json"])
+def test_a_repository_that_ignores_the_report_is_refused_before_the_branch(policy: Policy, repo: Path,
+                                                                           rule: str) -> None:
+    (repo / ".gitignore").write_text(f"{rule}\n")
     defaults = repo / "search_spaces" / "defaults.yaml"
     before = defaults.read_text()
     result = promote(simulate(Sim(features=[moe(1.05)], noise=0.007, aa_per_host=2), 0), policy_path=policy,
                      defaults_path=defaults)
-    with pytest.raises(ConfigError, match="does not ignore reports/promotions/"):
+    with pytest.raises(ConfigError, match="does not ignore reports/promotions/ or the .md, .json and .png"):
         make_branch(result, "promote/moe", repo)
     assert git(repo, "branch", "--show-current") == "main" and git(repo, "branch", "--list", "promote/moe") == ""
     assert defaults.read_text() == before
