@@ -234,8 +234,14 @@ def _held_values(entry: Mapping[str, Any], shape: str) -> set[str]:
     shape's own evidence and overrides (value, the value it replaced, the lane's baseline)."""
     held: set[str] = set()
     for record in entry.get("evidence") or []:
-        if isinstance(record, Mapping) and (record.get("scope") == "global" or record.get("lane_shape") == shape):
-            held.update(str(record[k]) for k in ("value", "previous", "replaced") if record.get(k) is not None)
+        if not isinstance(record, Mapping):
+            continue
+        # ``previous`` is the promoting lane's own baseline (its shape may have run an override): a global record
+        # says it for that shape only, its value and the global value it replaced for every shape (found in review).
+        own = record.get("lane_shape") == shape
+        keys = ("value", "previous", "replaced") if own else ("value", "replaced") if record.get("scope") == "global" \
+            else ()
+        held.update(str(record[k]) for k in keys if record.get(k) is not None)
     for override in entry.get("lane_overrides") or []:
         if isinstance(override, Mapping) and override.get("lane_shape") == shape:
             held.update(str(override[k]) for k in ("value", "previous") if override.get(k) is not None)

@@ -49,6 +49,13 @@ def _git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProc
     return proc
 
 
+def _git_input(repo: Path, text: str, *args: str) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(["git", *args], cwd=repo, input=text, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
 def _title(result: PromotionResult) -> str:
     # From the changes the writer makes: a PROMOTE verdict whose shape's lanes disagree changes nothing.
     promoted = [f"{c.feature}={c.new}" for c in result.changes if c.scope == "global"]
@@ -133,13 +140,22 @@ class _Written:
 
     files: dict[Path, Optional[bytes]] = field(default_factory=dict)
     """Each file before it was written: its bytes, or None where there was none."""
+    staged: dict[Path, str] = field(default_factory=dict)
+    """Each claimed file's index entry before (``git ls-files --stage``), where it had one: the user's own staged
+    copy is put back as it was, not reset to HEAD (found in review)."""
+    repo: Optional[Path] = None
     folders: list[Path] = field(default_factory=list)
     """Folders made here (none of them was there before), outermost first."""
     kept: list[Path] = field(default_factory=list)
     """Folders that were there already: a file in them that is not in ``files`` was added here."""
 
     def claim(self, path: Path) -> Path:
-        self.files.setdefault(path, path.read_bytes() if path.is_file() else None)
+        if path not in self.files:
+            self.files[path] = path.read_bytes() if path.is_file() else None
+            if self.repo is not None:
+                entry = _git(self.repo, "ls-files", "--stage", "--", str(path), check=False).stdout.strip()
+                if entry:
+                    self.staged[path] = entry
         return path
 
     def make(self, folder: Path, repo: Path) -> None:
@@ -190,13 +206,19 @@ def _undo_branch(repo: Path, branch: str, back_to: str, detached: bool, written:
     folders it made gone, back on the branch it started from, the new branch deleted. Found in review: the user was
     left on an empty branch with the promoted defaults staged, which a switch back carried onto their branch. Each
     step is tried whatever the others do."""
+
     def relative(path: Path) -> str:
         return str(path.resolve().relative_to(repo))
 
     added = [path for folder in written.kept for path in folder.rglob("*")
              if path.is_file() and path not in written.files]
-    steps: list[Any] = [lambda path=path: _git(repo, "reset", "--quiet", "--", relative(path))
-                        for path in [*written.files, *added, *written.folders]]
+    # The index first: each claimed file's entry as it was (the user's staged copy, or HEAD's), none where it had
+    # none; whatever was added under the folders goes from the index.
+    steps: list[Any] = [lambda line=line: _git_input(repo, line + "\n", "update-index", "--index-info")
+                        for line in written.staged.values()]
+    steps += [lambda path=path: _git(repo, "rm", "--cached", "--quiet", "--ignore-unmatch", "-r", "--",
+                                     relative(path))
+              for path in [*(p for p in written.files if p not in written.staged), *added, *written.folders]]
     for path, content in written.files.items():
         steps.append(lambda path=path, content=content: path.write_bytes(content) if content is not None
                      else path.unlink(missing_ok=True))
@@ -219,7 +241,7 @@ def make_branch(result: PromotionResult, branch: str, repo_root: str | Path, ope
     base = head.stdout.strip() or None
     start = _git(repo, "rev-parse", "HEAD").stdout.strip()
     _git(repo, "switch", "-c", branch)
-    written = _Written()
+    written = _Written(repo=repo)
     try:
         edits, files, md_path = _commit_promotion(result, repo, defaults_path, written)
     except BaseException:

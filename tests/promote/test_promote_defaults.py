@@ -463,3 +463,29 @@ def test_a_defaults_file_that_cannot_be_read_is_refused_by_name(policy: Policy, 
         path.write_bytes(content)
     with pytest.raises(ConfigError, match=str(path)):
         promote(simulate(Sim(features=[moe(1.05)], **QUIET), 0), policy_path=policy, defaults_path=path)
+
+
+def test_a_global_records_baseline_outdates_only_its_own_shape(policy: Policy) -> None:
+    """A global record's ``previous`` is its promoting lane's baseline, which may be that shape's override: a lane
+    of another shape that runs that value on purpose was never run by the file there, and nothing holds it (found
+    in review: held for good, with a false reason). On the record's own shape the same lane is outdated."""
+    from ablate.config.load import Defaults
+    from ablate.promote.analysis import FeatureVerdict
+    from ablate.promote.defaults_writer import measured_before
+
+    own, other = "shape-111111111111", "shape-222222222222"
+    raw = {"features": {
+        "compile": {"value": "regional", "kind": "speed",
+                    "evidence": [{"report": "r1", "value": "regional", "previous": "whole", "replaced": "eager",
+                                  "scope": "global", "lane_shape": own, "lane_key": "k-own"}]},
+        "mamba_scan": {"value": "sequential", "kind": "speed", "evidence": []}}}
+    defaults = Defaults(values={"compile": "regional", "mamba_scan": "sequential"}, raw=raw)
+    # (lane, shape, compile posture the lane ran): whole on the record's shape, whole elsewhere, the replaced eager.
+    runs = [("lane-own-whole", own, "whole"), ("lane-other-whole", other, "whole"), ("lane-other-eager", other, "eager")]
+    lanes = {key: {"compile.posture": ran, "features.mamba_scan": "sequential"} for key, _, ran in runs}
+    verdicts = [FeatureVerdict(feature="mamba_scan", value="chunked", baseline_value="sequential", kind="speed",
+                               lane_key=key, software_fingerprint="sw", lane_shape=shape, device_class="cpu",
+                               verdict=PROMOTE) for key, shape, _ in runs]
+    found = measured_before(verdicts, defaults, lanes)
+    assert {v.lane_key for v in verdicts if v.test_key in found} == {"lane-own-whole", "lane-other-eager"}
+    assert all("compile=regional" in why for why in found.values())

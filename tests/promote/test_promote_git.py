@@ -220,12 +220,16 @@ def test_a_commit_that_fails_on_the_new_branch_leaves_everything_as_it_was(polic
                      defaults_path=defaults)
     if written_first:
         assert write_defaults(result, defaults)
+        git(repo, "add", "search_spaces/defaults.yaml")  # the user staged what --write wrote: it stays staged
     before = defaults.read_text()
+    staged = git(repo, "ls-files", "--stage")
     with pytest.raises(RuntimeError, match="refused by the test hook"):
         make_branch(result, "promote/moe", repo)
     assert git(repo, "branch", "--show-current") == "main" and git(repo, "branch", "--list", "promote/moe") == ""
     assert defaults.read_text() == before
-    assert git(repo, "diff", "--cached", "--name-only") == "unrelated.txt"
+    assert git(repo, "ls-files", "--stage") == staged
+    assert git(repo, "diff", "--cached", "--name-only").splitlines() == (
+        ["search_spaces/defaults.yaml", "unrelated.txt"] if written_first else ["unrelated.txt"])
     assert not (repo / "reports").exists()  # made by the promotion, and gone with it
 
 
