@@ -256,7 +256,8 @@ def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mappin
     ``held`` (their lane's bundle check did not pass, ``ablate.promote.bundle``) are measured lanes that do not
     promote, so they are neither written nor counted towards a global flip. A change whose value would run
     together with another new value on some lane, a set no passed bundle check (of ``bundles``) measured, is held
-    (``DefaultsChange.held``) under ``bundle.required``."""
+    (``DefaultsChange.held``) under ``bundle.required``. ``measured_lanes`` (lane key -> the lane as its receipts
+    record it) finds promoting lanes the file has since moved on from (``measured_before``)."""
     globals_ = _global_values(defaults)
     by_feature: dict[str, list[FeatureVerdict]] = defaultdict(list)
     for v in verdicts:
