@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import DEFAULT_POLICY, DEFAULTS, REPO
@@ -205,6 +206,16 @@ def test_write_branch_with_local_edits_is_refused_before_the_write(repo: Path, c
     assert not (repo / "reports").exists()
 
 
+def _refused_commits(repo: Path, policy: Policy) -> tuple[Path, Any]:
+    """The user's pre-commit hook refuses every commit; the defaults file and a promotion decided on it."""
+    hook = repo / ".git" / "hooks" / "pre-commit"
+    hook.write_text("#!/bin/sh\necho 'refused by the test hook' >&2\nexit 1\n")
+    hook.chmod(hook.stat().st_mode | stat.S_IXUSR)
+    defaults = repo / "search_spaces" / "defaults.yaml"
+    return defaults, promote(simulate(Sim(features=[moe(1.05)], noise=0.007, aa_per_host=2), 0), policy_path=policy,
+                             defaults_path=defaults)
+
+
 @pytest.mark.parametrize("written_first", [False, True], ids=["branch", "write-then-branch"])
 def test_a_commit_that_fails_on_the_new_branch_leaves_everything_as_it_was(policy: Policy, repo: Path,
                                                                            written_first: bool) -> None:
@@ -212,12 +223,7 @@ def test_a_commit_that_fails_on_the_new_branch_leaves_everything_as_it_was(polic
     the branch it started from, the new branch gone, the defaults file as it was (``--write``'s edit kept, nothing
     of it staged), no report file left, the user's own staged work still staged (found in review: the user was
     left on an empty branch with the promoted defaults staged, which a switch back carried over)."""
-    hook = repo / ".git" / "hooks" / "pre-commit"
-    hook.write_text("#!/bin/sh\necho 'refused by the test hook' >&2\nexit 1\n")
-    hook.chmod(hook.stat().st_mode | stat.S_IXUSR)
-    defaults = repo / "search_spaces" / "defaults.yaml"
-    result = promote(simulate(Sim(features=[moe(1.05)], noise=0.007, aa_per_host=2), 0), policy_path=policy,
-                     defaults_path=defaults)
+    defaults, result = _refused_commits(repo, policy)
     if written_first:
         assert write_defaults(result, defaults)
         git(repo, "add", "search_spaces/defaults.yaml")  # the user staged what --write wrote: it stays staged
@@ -237,12 +243,7 @@ def test_the_undo_keeps_a_report_folder_that_was_there(policy: Policy, repo: Pat
     """An earlier ``promote --out reports/promotions`` of the same receipts left this report id's plot folder: a
     failed promotion on its branch puts its files back as they were and stages none of them on the user's branch
     (found in review: the plots stayed staged on main)."""
-    hook = repo / ".git" / "hooks" / "pre-commit"
-    hook.write_text("#!/bin/sh\nexit 1\n")
-    hook.chmod(hook.stat().st_mode | stat.S_IXUSR)
-    defaults = repo / "search_spaces" / "defaults.yaml"
-    result = promote(simulate(Sim(features=[moe(1.05)], noise=0.007, aa_per_host=2), 0), policy_path=policy,
-                     defaults_path=defaults)
+    _, result = _refused_commits(repo, policy)
     folder = repo / "reports" / "promotions" / result.report_id
     plots = result.write_plots(folder, relative_to=folder.parent)
     assert plots
