@@ -379,8 +379,9 @@ LOST_WIN = ("not_flaky", "quality_not_worse", "win_possible")
 def _why_a_reject_keeps(target: Target, v: FeatureVerdict, policy: Policy) -> tuple[Optional[str], str]:
     """(why this re-test's REJECT does not show the win gone, None when it does; the reason a demotion gives).
 
-    The rule REJECTs on one gated candidate arm: right for a promotion (nothing is written), too little to take a
-    default away from every run (found in review: one LOW_PRIORITY arm of twelve demoted a 5% win). A gate demotes
+    The rule REJECTs on one gated candidate arm (a code about what the feature did; a node's facts leave the arm out
+    and reject nothing, ``rule.NODE_FACTS``): right for a promotion (nothing is written), too little to take a
+    default away from every run (found in review: one gated arm of twelve demoted a 5% win). A gate demotes
     when its arms are on evidence.min_hosts hosts and gated more often than the baseline's (Fisher, as the flaky
     clause), counting only codes about what the feature did; behind a thinner gate a measured lost win still
     demotes."""

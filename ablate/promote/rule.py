@@ -31,6 +31,7 @@ import numpy as np
 
 from ablate.promote.analysis import (HOLD, PROMOTE, REJECT, TAX_REPORTED, Clause, FeatureVerdict, rates_ok,
                                      with_refused)
+from ablate.promote.match import NOT_THE_FEATURES
 from ablate.promote.policy import Policy
 from ablate.promote.sequential import CAP, LOWER, UPPER, SequentialState, SprtBounds, sequential_state
 from ablate.promote.stats import (MIN_CLUSTERS, bootstrap_clusters, bootstrap_hl, holm, host_level_t,
@@ -71,9 +72,18 @@ def sprt_of(v: FeatureVerdict, policy: Policy, num_tests: int = 1) -> Sequential
                             seeds=work.seeds[order].tolist() if work.seeds.size == work.log_ratios.size else None)
 
 
+NODE_FACTS = frozenset({"LOW_PRIORITY", "HARDWARE_MISMATCH"}) & NOT_THE_FEATURES
+"""Gated codes about the machine an arm ran on (its CPU priority, hardware other than its partner's): the arm is
+left out as evidence, and rejects nothing. One LOW_PRIORITY arm of twelve rejected a real 5% win (found in review):
+a wrong verdict about the feature, from a fact about a machine. Still rejecting: INERT_TOGGLE on some candidate arms
+(``not_inert`` leaves that case to this clause) and BACKEND_FAILED_NODE_CHECK (the arm ran a backend its node's
+check found wrong: not a default to make while it computes wrong results somewhere)."""
+
+
 def _reject_clauses(v: FeatureVerdict, policy: Policy,
                     sprt: Optional[SequentialState] = None) -> list[Callable[[], Clause]]:
-    gated = v.gated_disqualifiers
+    gated = {code: n for code, n in v.gated_disqualifiers.items() if code not in NODE_FACTS}
+    node_facts = {code: n for code, n in v.gated_disqualifiers.items() if code in NODE_FACTS}
 
     def inert() -> Clause:
         if v.inert_reason is not None and not v.inert_everywhere:
@@ -83,11 +93,17 @@ def _reject_clauses(v: FeatureVerdict, policy: Policy,
         return Clause("not_inert", v.inert_reason is None, v.inert_reason or "the toggle can act in this lane")
 
     def disqualified() -> Clause:
-        shown = ", ".join(f"{c} x{n}" for c, n in sorted(gated.items()))
-        named = "; ".join(v.gated_arms[:2]) + (f"; and {len(v.gated_arms) - 2} more" if len(v.gated_arms) > 2 else "")
-        return Clause("no_disqualifier", not gated,
-                      f"candidate arms disqualified: {shown} ({named})" if gated else
-                      "no gated disqualifier on any candidate arm")
+        def listed(codes: dict[str, int]) -> str:
+            arms = [arm for arm in v.gated_arms if any(code in arm for code in codes)] or v.gated_arms
+            named = "; ".join(arms[:2]) + (f"; and {len(arms) - 2} more" if len(arms) > 2 else "")
+            return ", ".join(f"{c} x{n}" for c, n in sorted(codes.items())) + f" ({named})"
+
+        if gated:
+            return Clause("no_disqualifier", False, f"candidate arms disqualified: {listed(gated)}")
+        if node_facts:
+            return Clause("no_disqualifier", True, f"no gated disqualifier about the feature; candidate arms left out "
+                                                   f"as evidence for their node's facts: {listed(node_facts)}")
+        return Clause("no_disqualifier", True, "no gated disqualifier on any candidate arm")
 
     def counters() -> Clause:
         found = v.counter_violations

@@ -111,6 +111,26 @@ def test_one_disqualified_candidate_arm_blocks_promotion(policy: Policy) -> None
     assert v.gated_disqualifiers == {"BACKEND_FALLBACK": 1} and v.n_blocks == 11  # never counted as a ratio
 
 
+@pytest.mark.parametrize("code", [Code.LOW_PRIORITY, Code.HARDWARE_MISMATCH])
+def test_a_nodes_fact_on_a_candidate_arm_leaves_the_arm_out_and_rejects_nothing(policy: Policy, code: Code) -> None:
+    """A machine's facts say nothing about the feature: one such arm of twelve REJECTed a real 5% win (found in
+    review). The arm is left out as evidence, and the eleven other blocks decide; a code about what the feature
+    made go wrong on the same arm, or a backend its node's check found wrong, still rejects."""
+    receipts = simulate(Sim(features=[moe(1.05)], **QUIET), 0)
+    arm = candidates(receipts)[4]
+    arm.disqualifiers.append(Disqualifier(code=code, detail="the node's fact"))
+    arm.identity.status = Status.disqualified
+    v = verdict_of(run(receipts, policy))
+    assert v.verdict == PROMOTE and v.n_blocks == 11, v.reason
+    assert v.gated_disqualifiers == {code.value: 1}
+    [clause] = [c for c in v.clauses if c.name == "no_disqualifier"]
+    assert clause.passed and f"{code.value} x1" in clause.detail and "node's facts" in clause.detail
+    for feature_code in (Code.NONFINITE_LOSS, Code.BACKEND_FAILED_NODE_CHECK):
+        arm.disqualifiers[1:] = [Disqualifier(code=feature_code, detail="what ran went wrong")]
+        v = verdict_of(run(receipts, policy))
+        assert v.verdict == REJECT and f"{feature_code.value} x1" in v.reason, v.reason
+
+
 def test_a_warning_disqualifier_is_counted_but_does_not_gate(policy: Policy) -> None:
     receipts = simulate(Sim(features=[moe(1.05)], **QUIET), 0)
     candidates(receipts)[0].disqualifiers.append(Disqualifier(code=Code.HOST_CONTENDED, severity=Severity.warn))

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from ablate.cli import app
 from ablate.config.load import flat_lane, load_defaults, load_sweep, with_feature
 from ablate.config.schema import ConfigError
-from ablate.promote import PROMOTE, REJECT, Policy, promote, with_overrides, write_defaults
+from ablate.promote import HOLD, PROMOTE, REJECT, Policy, promote, with_overrides, write_defaults
 from ablate.promote.defaults_writer import CONFIRMED, DEMOTED, UNCONFIRMED
 from ablate.promote.evidence import shape_key
 from ablate.promote.revalidate import find_targets, judge, plan_retests
@@ -431,8 +431,7 @@ def test_a_gate_on_fewer_hosts_than_a_promote_needs_keeps_the_value_marked(polic
     a node's own facts and INERT_TOGGLE (on some arms: the toggle acted on the others) count as none."""
     m = mark_jagged(tmp_path, policy)
     win = keyed(simulate(retest_sim(m, moe(1.05)), 7), m.lane_key)
-    cases = [(Code.LOW_PRIORITY, 1, 1), (Code.LOW_PRIORITY, 3, 2), (Code.HARDWARE_MISMATCH, 3, 2),
-             (Code.INERT_TOGGLE, 3, 2), (Code.NONFINITE_LOSS, 1, 1), (Code.NONFINITE_LOSS, 2, 2),
+    cases = [(Code.INERT_TOGGLE, 3, 2), (Code.NONFINITE_LOSS, 1, 1), (Code.NONFINITE_LOSS, 2, 2),
              (Code.NONFINITE_LOSS, 3, 1)]
     for code, hosts, per_host in cases:
         receipts = gated([r.model_copy(deep=True) for r in win], code, hosts, per_host)
@@ -441,6 +440,18 @@ def test_a_gate_on_fewer_hosts_than_a_promote_needs_keeps_the_value_marked(polic
         assert v.verdict == REJECT and code.value in v.reason, (code, hosts)
         [o] = result.revalidations
         assert o.outcome == UNCONFIRMED and "too thin to demote on" in o.reason, (code, hosts, o.reason)
+        assert result.changes == []
+    # A node's own facts reject nothing at all: their arms are left out as evidence, and the rest decides (one arm
+    # of twelve: the win stands; six: too few blocks left, held).
+    for code, hosts, per_host, verdict, outcome in [(Code.LOW_PRIORITY, 1, 1, PROMOTE, CONFIRMED),
+                                                    (Code.LOW_PRIORITY, 3, 2, HOLD, UNCONFIRMED),
+                                                    (Code.HARDWARE_MISMATCH, 3, 2, HOLD, UNCONFIRMED)]:
+        receipts = gated([r.model_copy(deep=True) for r in win], code, hosts, per_host)
+        result = judged(m, policy, tmp_path / f"{code.value}-{hosts}-{per_host}", receipts)
+        [v] = result.verdicts
+        [clause] = [c for c in v.clauses if c.name == "no_disqualifier"]
+        assert clause.passed and "left out as evidence for their node's facts" in clause.detail, clause.detail
+        assert (v.verdict, result.revalidations[0].outcome) == (verdict, outcome), (code, hosts, v.reason)
         assert result.changes == []
     result = judged(m, policy, tmp_path / "all", gated([r.model_copy(deep=True) for r in win], Code.NONFINITE_LOSS,
                                                        3, 2))
@@ -452,9 +463,9 @@ def test_a_thin_gate_does_not_shield_a_lost_win_from_the_demotion(policy: Policy
     for good (found in review): the later clauses still demote it."""
     m = mark_jagged(tmp_path, policy)
     result = judged(m, policy, tmp_path, gated(keyed(simulate(retest_sim(m, moe(0.90)), 7), m.lane_key),
-                                               Code.LOW_PRIORITY, 1))
+                                               Code.NONFINITE_LOSS, 1))
     [v] = result.verdicts
-    assert v.reason.startswith("candidate arms disqualified: LOW_PRIORITY")
+    assert v.reason.startswith("candidate arms disqualified: NONFINITE_LOSS")
     assert "win_possible" in [c.name for c in v.also_rejected]
     [o] = result.revalidations
     assert o.outcome == DEMOTED and o.reason.startswith("no meaningful win") and "too thin" in o.reason
@@ -672,7 +683,7 @@ def test_a_thin_gate_does_not_shield_a_counter_on_every_host(policy: Policy, tmp
     for r in receipts:
         if r.identity.feature and r.identity.arm.value == "candidate":
             r.observed.compile.graph_breaks = 3
-    result = judged(m, policy, tmp_path, gated(receipts, Code.LOW_PRIORITY, 1))
+    result = judged(m, policy, tmp_path, gated(receipts, Code.NONFINITE_LOSS, 1))
     [v] = result.verdicts
     assert failing_names(v) == ["no_disqualifier"] and "exact_counters" in [c.name for c in v.also_rejected]
     assert [o.outcome for o in result.revalidations] == [DEMOTED]

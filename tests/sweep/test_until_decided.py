@@ -316,7 +316,7 @@ def test_the_judge_leaves_out_blocks_whose_partner_arm_is_still_running() -> Non
     lone = copy.deepcopy(next(r for r in receipts if r.identity.arm.value == "candidate"))
     lone.identity.block_id, lone.identity.receipt_id = "in-flight", "in-flight-a1"
     lone.steps.data_s = [x + 1e-6 for x in lone.steps.data_s]  # its own measurement, not a replayed copy
-    lone.disqualifiers.append(Disqualifier(code=Code.LOW_PRIORITY, detail="niceness 15 inherited"))
+    lone.disqualifiers.append(Disqualifier(code=Code.BACKEND_FAILED_NODE_CHECK, detail="node check: wrong"))
     lone.identity.status = Status.disqualified
     (closed,) = judge_states(receipts + [lone], policy, DEFAULTS).values()
     assert closed.decided and "no_disqualifier" in closed.why, "the premise: read as is, the lone arm closes it"
