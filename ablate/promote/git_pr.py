@@ -42,16 +42,9 @@ class BranchOutcome:
     """The committed Markdown report, relative to the repository root (the only copy ``promote`` leaves)."""
 
 
-def _git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True)
+def _git(repo: Path, *args: str, check: bool = True, stdin: Optional[str] = None) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(["git", *args], cwd=repo, input=stdin, capture_output=True, text=True)
     if check and proc.returncode != 0:
-        raise RuntimeError(f"git {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
-    return proc
-
-
-def _git_input(repo: Path, text: str, *args: str) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(["git", *args], cwd=repo, input=text, capture_output=True, text=True)
-    if proc.returncode != 0:
         raise RuntimeError(f"git {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc
 
@@ -138,12 +131,12 @@ def check_branch(result: PromotionResult, branch: str, repo_root: str | Path) ->
 class _Written:
     """What a promotion on its new branch wrote, so that a failure can put it back (``_undo_branch``)."""
 
+    repo: Path
     files: dict[Path, Optional[bytes]] = field(default_factory=dict)
     """Each file before it was written: its bytes, or None where there was none."""
     staged: dict[Path, str] = field(default_factory=dict)
     """Each claimed file's index entry before (``git ls-files --stage``), where it had one: the user's own staged
     copy is put back as it was, not reset to HEAD (found in review)."""
-    repo: Optional[Path] = None
     folders: list[Path] = field(default_factory=list)
     """Folders made here (none of them was there before), outermost first."""
     kept: list[Path] = field(default_factory=list)
@@ -152,15 +145,14 @@ class _Written:
     def claim(self, path: Path) -> Path:
         if path not in self.files:
             self.files[path] = path.read_bytes() if path.is_file() else None
-            if self.repo is not None:
-                entry = _git(self.repo, "ls-files", "--stage", "--", str(path), check=False).stdout.strip()
-                if entry:
-                    self.staged[path] = entry
+            entry = _git(self.repo, "ls-files", "--stage", "--", str(path), check=False).stdout.strip()
+            if entry:
+                self.staged[path] = entry
         return path
 
-    def make(self, folder: Path, repo: Path) -> None:
+    def make(self, folder: Path) -> None:
         for made in reversed([folder, *folder.parents]):
-            if made.is_relative_to(repo) and made != repo and not made.exists():
+            if made.is_relative_to(self.repo) and made != self.repo and not made.exists():
                 self.folders.append(made)
         folder.mkdir(parents=True, exist_ok=True)
 
@@ -172,7 +164,7 @@ def _commit_promotion(result: PromotionResult, repo: Path, defaults_path: Path, 
     written.claim(defaults_path)
     edits = write_defaults(result, defaults_path)
     report_dir = repo / REPORT_DIR
-    written.make(report_dir, repo)
+    written.make(report_dir)
     md_path = written.claim(report_dir / f"{result.report_id}.md")
     json_path = written.claim(report_dir / f"{result.report_id}.json")
     # The trade-off plots sit next to the report, so its relative image links work in the pull request. A folder
@@ -183,7 +175,7 @@ def _commit_promotion(result: PromotionResult, repo: Path, defaults_path: Path, 
         for existing in sorted(plot_dir.rglob("*")):
             if existing.is_file():
                 written.claim(existing)
-    written.make(plot_dir, repo)
+    written.make(plot_dir)
     plots = list(result.write_plots(plot_dir, relative_to=report_dir).values())
     md_path.write_text(result.markdown)
     json_path.write_text(result.to_json() + "\n")
@@ -214,7 +206,7 @@ def _undo_branch(repo: Path, branch: str, back_to: str, detached: bool, written:
              if path.is_file() and path not in written.files]
     # The index first: each claimed file's entry as it was (the user's staged copy, or HEAD's), none where it had
     # none; whatever was added under the folders goes from the index.
-    steps: list[Any] = [lambda line=line: _git_input(repo, line + "\n", "update-index", "--index-info")
+    steps: list[Any] = [lambda line=line: _git(repo, "update-index", "--index-info", stdin=line + "\n")
                         for line in written.staged.values()]
     steps += [lambda path=path: _git(repo, "rm", "--cached", "--quiet", "--ignore-unmatch", "-r", "--",
                                      relative(path))

@@ -31,7 +31,6 @@ import numpy as np
 
 from ablate.promote.analysis import (HOLD, PROMOTE, REJECT, TAX_REPORTED, Clause, FeatureVerdict, rates_ok,
                                      with_refused)
-from ablate.promote.match import NOT_THE_FEATURES
 from ablate.promote.policy import Policy
 from ablate.promote.sequential import CAP, LOWER, UPPER, SequentialState, SprtBounds, sequential_state
 from ablate.promote.stats import (MIN_CLUSTERS, bootstrap_clusters, bootstrap_hl, holm, host_level_t,
@@ -72,7 +71,7 @@ def sprt_of(v: FeatureVerdict, policy: Policy, num_tests: int = 1) -> Sequential
                             seeds=work.seeds[order].tolist() if work.seeds.size == work.log_ratios.size else None)
 
 
-NODE_FACTS = frozenset({"LOW_PRIORITY", "HARDWARE_MISMATCH"}) & NOT_THE_FEATURES
+NODE_FACTS = frozenset({"LOW_PRIORITY", "HARDWARE_MISMATCH"})
 """Gated codes about the machine an arm ran on (its CPU priority, hardware other than its partner's): the arm is
 left out as evidence, and rejects nothing. One LOW_PRIORITY arm of twelve rejected a real 5% win (found in review):
 a wrong verdict about the feature, from a fact about a machine. Still rejecting: INERT_TOGGLE on some candidate arms

@@ -481,7 +481,8 @@ def test_a_global_records_baseline_outdates_only_its_own_shape(policy: Policy) -
         "mamba_scan": {"value": "sequential", "kind": "speed", "evidence": []}}}
     defaults = Defaults(values={"compile": "regional", "mamba_scan": "sequential"}, raw=raw)
     # (lane, shape, compile posture the lane ran): whole on the record's shape, whole elsewhere, the replaced eager.
-    runs = [("lane-own-whole", own, "whole"), ("lane-other-whole", other, "whole"), ("lane-other-eager", other, "eager")]
+    runs = [("lane-own-whole", own, "whole"), ("lane-other-whole", other, "whole"),
+            ("lane-other-eager", other, "eager")]
     lanes = {key: {"compile.posture": ran, "features.mamba_scan": "sequential"} for key, _, ran in runs}
     verdicts = [FeatureVerdict(feature="mamba_scan", value="chunked", baseline_value="sequential", kind="speed",
                                lane_key=key, software_fingerprint="sw", lane_shape=shape, device_class="cpu",
