@@ -15,10 +15,13 @@ started by this script on a free loopback port and stopped at the end. Every run
 benchmarks/results/promote_store.json (never overwritten): date, git commit, threads, host load, per-run
 seconds, medians, targets met or missed.
 
-``--cache`` (default ``both``) says what each CLI run remembers of receipts already checked
+``--cache`` (default ``all``) says what each CLI run remembers of receipts already checked
 (``ablate.receipts.accepted``): ``cold`` runs start from an empty cache, so every receipt is checked in full (the
-first promotion over a store); ``warm`` runs share one primed by an untimed run (every later promotion over the same
-receipts). Both are timed, interleaved, and reported apart.
+first promotion over a store on a machine that did not log it); ``sweep`` runs start from a copy of the cache the
+store's writers left (``store_10k.WRITER_CACHE``: the first promotion after a sweep, on the machine whose driver
+logged it); ``warm`` runs share one primed by an untimed run (every later promotion over the same receipts). All are
+timed, interleaved, and reported apart. ``sweep`` needs a store populated by writers that remember (and the same
+checking code since): otherwise it is left out, and the record says why.
 
 ``--profile`` adds in-process timings of the read path's parts (run search, payload decode + validation,
 per-artifact reads sequential and concurrent, the promotion rule). ``--previous`` times the CLI of the last
@@ -202,6 +205,52 @@ def _subset_db(directory: Path, source: str) -> Path:
     return target
 
 
+def _writer_check_ms(sample: int = 500, repeats: int = 3) -> dict[str, Any]:
+    """CPU milliseconds the writer spends per logged payload checking it as a reader would
+    (``bulk_read.logged_payload_key``, what ``TrackingClient.log_arm`` adds to each arm), in this process."""
+    from bench_promote import build
+
+    from ablate.receipts.store import seal
+    from ablate.tracking.bulk_read import logged_payload_key
+    from ablate.tracking.mapping import receipt_tags
+    from ablate.tracking.payload import encode_json
+
+    items = []
+    for receipt in build(sample)[:sample]:
+        sealed = seal(receipt)
+        payload = sealed.model_dump_json().encode("utf-8")
+        items.append((payload, {**receipt_tags(sealed), **encode_json(payload)}))
+    runs = []
+    for _ in range(repeats):
+        start = time.process_time()
+        keys = [logged_payload_key(payload, tags) for payload, tags in items]
+        runs.append(round((time.process_time() - start) / len(items) * 1000, 3))
+        if not all(keys):
+            raise RuntimeError("the writer refused a payload of the benchmark's own campaign")
+    return {"median_ms": statistics.median(runs), "runs_ms": runs, "payloads": len(items),
+            "criterion": f"median of {repeats} passes over the same payloads, CPU time (process_time) per payload"}
+
+
+def _writers_cache(directory: Path) -> tuple[Optional[Path], str]:
+    """(the cache the store's writers left, what it is), or (None, why not) when it is missing or was written by
+    other checking code than this tree's: the CLI would then check every receipt, a cold run by another name."""
+    from ablate.tracking.bulk_read import CHECKING_FINGERPRINT
+
+    cache = directory / store_10k.WRITER_CACHE
+    current = cache / f"accepted-{CHECKING_FINGERPRINT}.bin"
+    if not cache.is_dir():
+        return None, f"{directory} was populated before its writers remembered what they logged"
+    if not current.exists():
+        return None, (f"{cache} holds no file of this tree's checking code ({current.name}; it has "
+                      f"{sorted(p.name for p in cache.glob('accepted-*.bin'))}): populate the store again")
+    from ablate.receipts import accepted
+
+    keys = len(accepted._read(current)[0])
+    receipts = json.loads((directory / store_10k.MARKER).read_text())["receipts"]
+    # A population retry ("database is locked") finds its run logged and remembers nothing: those are checked.
+    return cache, f"{current}: {keys} keys for {receipts} receipts"
+
+
 def _previous_tree(tmp: Path) -> Path:
     tree = tmp / "previous"
     tree.mkdir()
@@ -227,10 +276,11 @@ def main() -> None:
     parser.add_argument("--store", type=Path, default=None,
                         help="an already populated store directory (e.g. one written under an older receipt schema "
                              "version, which readers still accept) instead of the one for this schema version")
-    parser.add_argument("--cache", choices=("cold", "warm", "both"), default="both",
-                        help="cold: every CLI run starts with no remembered receipt (each one checked in full); warm: "
-                             "runs share a cache primed by one untimed run (a promotion over receipts already read "
-                             "once); both: interleaved")
+    parser.add_argument("--cache", choices=("cold", "sweep", "warm", "both", "all"), default="all",
+                        help="cold: every CLI run starts with no remembered receipt (each one checked in full); sweep: "
+                             "each starts from a copy of what the store's writers remembered (the first promotion "
+                             "after a sweep); warm: runs share a cache primed by one untimed run (a promotion over "
+                             "receipts already read once); both: cold and warm; all: the three, interleaved")
     parser.add_argument("--call-sites", action="store_true",
                         help="time a copy of this tree with the receipt-bundle call sites applied")
     args = parser.parse_args()
@@ -257,7 +307,11 @@ def main() -> None:
         server, uris["server"] = start_mlflow_server(server_db, directory / "mlartifacts", tmp / "server.log")
         tree = _patched_tree(tmp) if args.call_sites else None
         try:
-            states = ("cold", "warm") if args.cache == "both" else (args.cache,)
+            states = {"both": ("cold", "warm"), "all": ("cold", "sweep", "warm")}.get(args.cache, (args.cache,))
+            sweep_cache, record["sweep_cache"] = _writers_cache(directory)
+            if "sweep" in states and sweep_cache is None:
+                print(f"  no 'sweep' runs: {record['sweep_cache']}", flush=True)
+                states = tuple(state for state in states if state != "sweep")
             warm_cache = tmp / "cache-warm"
             if "warm" in states and args.repeat:
                 (tmp / "priming").mkdir()
@@ -275,7 +329,9 @@ def main() -> None:
                             key = f"{kind}/{state}"
                             out = tmp / f"{kind}-{state}-{i}"
                             out.mkdir()
-                            cache = warm_cache if state == "warm" else tmp / f"cache-cold-{kind}-{i}"
+                            cache = warm_cache if state == "warm" else tmp / f"cache-{state}-{kind}-{i}"
+                            if state == "sweep":  # each run its own copy: a run adds what it checked in full
+                                shutil.copytree(sweep_cache, cache)
                             runs[key].append({**time_cli(uri, out, pythonpath=tree, cache_dir=cache),
                                               "cache": state, "threads": threading.active_count()})
                             print(f"  {key:12s} run {i + 1}: {runs[key][-1]['seconds']:.2f} s "
@@ -286,6 +342,8 @@ def main() -> None:
                 record["medians_s"] = {key: _median([r["seconds"] for r in rs]) for key, rs in runs.items()}
                 record["targets_met"] = {key: record["medians_s"][key] <= TARGETS_S[key.split("/")[0]]
                                          for key in runs}
+            record["writer_check_ms"] = _writer_check_ms()
+            print(f"  writer's check per logged payload: {record['writer_check_ms']['median_ms']} ms of CPU", flush=True)
             if args.profile:
                 record["profile"] = {}
                 for kind, uri in uris.items():

@@ -7,7 +7,8 @@ receipt count), reused when its ``populated.json`` marker is there.
 Receipts: the simulated campaign of bench_promote.py (8 lanes, 4 hosts, 2 rounds = 2 sweeps), real validated
 ``Receipt`` objects. Each sweep is logged by its own process through ``TrackingClient.parent_run``,
 ``log_receipt`` (params, tags with the receipt payload, metrics and per-step series, ``receipt.json``,
-``goodput.png``) and ``log_summary``, as ``ablate receipts sync`` does.
+``goodput.png``) and ``log_summary``, as ``ablate receipts sync`` does. The writers remember what they logged in
+``<store>/writer-cache`` (a sweep's driver does so in the user's cache), never in the user's own cache.
 
 One shortcut, off with ``--render-every-png``: ``goodput.png`` is rendered for real once per (lane, arm role) and
 its bytes reused for the other receipts of that pair. Rendering is ~0.3 s of the ~0.4 s a receipt costs to log
@@ -40,6 +41,9 @@ CACHE_ROOT = Path("/tmp/ablate-bench-10k")
 EXPERIMENT = "ablate"
 PAYLOAD_FORMAT = "p1"
 MARKER = "populated.json"
+WRITER_CACHE = "writer-cache"
+"""Where the populating writers remember the payloads they logged (``ablate.receipts.accepted``), as a sweep's
+driver does in the user's cache: bench_promote_store.py's ``sweep`` runs start from a copy of it."""
 
 
 def store_dir(num_receipts: int, render_every_png: bool) -> Path:
@@ -63,8 +67,13 @@ def _cached_png(real: Any) -> Any:
     return goodput_png
 
 
-def _log_sweep(args: tuple[str, str, list[Any], bool]) -> dict[str, Any]:
-    uri, sweep_id, receipts, render_every_png = args
+def _log_sweep(args: tuple[str, str, list[Any], bool, str]) -> dict[str, Any]:
+    uri, sweep_id, receipts, render_every_png, writer_cache = args
+    import os
+
+    from ablate.receipts.accepted import CACHE_ENV
+
+    os.environ[CACHE_ENV] = writer_cache
     from ablate.tracking import mlflow_store
     from ablate.tracking.mlflow_store import TrackingClient
 
@@ -109,12 +118,16 @@ def populate(num_receipts: int = 10_368, workers: int = 2, render_every_png: boo
     by_sweep: dict[str, list[Any]] = {}
     for receipt in receipts:
         by_sweep.setdefault(receipt.identity.sweep_id, []).append(receipt)
-    jobs = [(sqlite_uri(directory), sweep, mine, render_every_png) for sweep, mine in sorted(by_sweep.items())]
+    writer_cache = directory / WRITER_CACHE
+    writer_cache.mkdir(mode=0o700)
+    jobs = [(sqlite_uri(directory), sweep, mine, render_every_png, str(writer_cache))
+            for sweep, mine in sorted(by_sweep.items())]
     with multiprocessing.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
         sweeps = pool.map(_log_sweep, jobs)
     record = {"receipts": len(receipts), "sweeps": sweeps, "workers": workers, "build_receipts_s": round(build_s, 1),
               "populate_s": round(time.perf_counter() - start, 1), "render_every_png": render_every_png,
               "schema_version": SCHEMA_VERSION, "payload_format": PAYLOAD_FORMAT,
+              "writer_cache": sorted(p.name for p in writer_cache.glob("accepted-*.bin")),
               "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     (directory / MARKER).write_text(json.dumps(record, indent=2) + "\n")
     print(f"populated {directory} in {record['populate_s']} s: {json.dumps(sweeps)}", flush=True)

@@ -72,13 +72,15 @@ def payload_key(data: bytes) -> bytes:
 class AcceptedPayloads:
     """The keys (``payload_key``) of payloads accepted under one checking code; ``add`` then ``save``."""
 
-    def __init__(self, path: Optional[Path]) -> None:
+    def __init__(self, path: Optional[Path], read: bool = True) -> None:
+        """``read`` off: only ``add`` and ``save`` (a writer), without holding every key the file has (~100 bytes of
+        memory each, for the life of a sweep); a key it adds again is appended again, which a reader's set drops."""
         self.path = path
-        self._known = _read(path)[0] if path is not None else set()
+        self._known = _read(path)[0] if path is not None and read else set()
         self._new: set[bytes] = set()
 
     @classmethod
-    def open(cls, fingerprint: Optional[str]) -> "AcceptedPayloads":
+    def open(cls, fingerprint: Optional[str], read: bool = True) -> "AcceptedPayloads":
         """The cache of the code with ``fingerprint``; a disabled one when it is off, when there is no fingerprint
         (the checking code's source is not installed) or no cache directory (no home)."""
         try:
@@ -87,7 +89,7 @@ class AcceptedPayloads:
             directory = None
         if directory is None or fingerprint is None:
             return cls(None)
-        return cls(directory / f"accepted-{fingerprint}.bin")
+        return cls(directory / f"accepted-{fingerprint}.bin", read=read)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._known
@@ -96,26 +98,32 @@ class AcceptedPayloads:
         self._new.update(key for key in keys if key not in self._known)
 
     def save(self) -> None:
-        """Appends the new keys in one write; a missing, damaged or misaligned file is written anew instead
-        (atomically: a reader never sees half a file)."""
+        """Appends the new keys in one write; a missing file is created whole, a damaged or misaligned one written
+        anew (atomically: a reader never sees half a file)."""
         if self.path is None or not self._new:
             return
-        if self.path.parent.exists() and not _private(self.path.parent):
-            return  # never read from such a directory: writing there would only rewrite the file on every read
         new = b"".join(sorted(self._new))
-        try:
-            known, aligned = _read(self.path)
-            if aligned:
+        try:  # all of it: a cache directory this user cannot reach (another user's home) costs time, never a sweep
+            if self.path.parent.exists() and not _private(self.path.parent):
+                return  # never read from such a directory: writing there would only rewrite the file on every read
+            if not self.path.exists() and _create(self.path, new):
+                _prune(self.path)
+                self._saved()
+                return
+            if _appendable(self.path):
                 descriptor = os.open(self.path, os.O_WRONLY | os.O_APPEND)
                 try:
                     os.write(descriptor, new)
                 finally:
                     os.close(descriptor)
             else:
-                _write_new(self.path, b"".join(sorted(known)) + new)
+                _write_new(self.path, b"".join(sorted(_read(self.path)[0])) + new)
                 _prune(self.path)
-        except OSError:  # read-only or full cache directory: the next read checks these again
+        except OSError:  # read-only, full or unreachable cache directory: the next read checks these again
             return
+        self._saved()
+
+    def _saved(self) -> None:
         self._known |= self._new
         self._new = set()
 
@@ -160,13 +168,43 @@ def _read(path: Path) -> tuple[set[bytes], bool]:
     return {body[i:i + _DIGEST_BYTES] for i in range(0, whole, _DIGEST_BYTES)}, whole == len(body)
 
 
-def _write_new(path: Path, body: bytes) -> None:
+def _appendable(path: Path) -> bool:
+    """Ours, of this format and whole (a torn last entry would misalign every key appended after it), from its
+    header and size alone: a writer need not read every key."""
+    try:
+        if not _trusted(path):
+            return False
+        with path.open("rb") as handle:
+            head = handle.read(len(_MAGIC))
+            size = os.fstat(handle.fileno()).st_size
+    except OSError:
+        return False
+    return head == _MAGIC and (size - len(_MAGIC)) % _DIGEST_BYTES == 0
+
+
+def _write_new(path: Path, body: bytes, replace: bool = True) -> bool:
+    """``path`` holds ``body`` whole, or (``replace`` off) False when another writer made ``path`` first."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     handle = tempfile.NamedTemporaryFile(dir=path.parent, prefix=".accepted-", delete=False)  # mode 0600
     try:
         with handle:
             handle.write(_MAGIC + body)
-        os.replace(handle.name, path)
+        if replace:
+            os.replace(handle.name, path)
+        else:
+            try:
+                os.link(handle.name, path)
+            except FileExistsError:
+                return False
+            except OSError:  # a file system without hard links (some network and FUSE ones): the race stays open
+                os.replace(handle.name, path)
+        return True
     finally:
-        if os.path.exists(handle.name):  # not replaced: an error or an interrupt on the way
+        if os.path.exists(handle.name):  # replaced (or linked: this name is the file's second one), or an error
             os.unlink(handle.name)
+
+
+def _create(path: Path, body: bytes) -> bool:
+    """A new file with ``body``; False when another writer created it first (two sweeps closing at once, or a
+    sweep and a promotion), whose keys replacing it would lose: those are then appended to instead."""
+    return _write_new(path, body, replace=False)

@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from ablate.receipts.accepted import AcceptedPayloads
 from ablate.receipts.outline import ReceiptLike, outline
 from ablate.receipts.rejection import from_run_tags
 from ablate.receipts.schema import Receipt, Status
@@ -68,7 +69,7 @@ from ablate.receipts.store import (SPOOL_FILE, append_spool_or_fallback, load_re
                                    receipt_digest, seal, short)
 from ablate.redact import redact_uri
 from ablate.tracking import receipt_bundle
-from ablate.tracking.bulk_read import collector_paused, read_arm_runs
+from ablate.tracking.bulk_read import CHECKING_FINGERPRINT, collector_paused, logged_payload_key, read_arm_runs
 from ablate.tracking.blocks import (block_key, block_runs, open_block_run, preload_blocks, settle_blocks,
                                     try_answer_block)
 from ablate.tracking.mapping import (
@@ -90,7 +91,7 @@ from ablate.tracking.mapping import (
     sweep_note,
     sweep_run_name,
 )
-from ablate.tracking.payload import COUNT_TAG, payload_tags, sealed_payload_tags
+from ablate.tracking.payload import COUNT_TAG, encode_json, payload_json, payload_tags
 from ablate.tracking.plots import block_png, goodput_png, goodput_svg, summary_png, summary_svg
 from ablate.tracking.uri import TrackingStoreError, check_sqlite_store, resolve_tracking_uri, sqlite_path, ui_base
 
@@ -189,6 +190,10 @@ class TrackingClient:
         self.ledger: Optional[receipt_bundle.Ledger] = None
         """The runs this client makes for a sweep it opened empty (``MlflowStore.open_sweep``): its bundle is
         written from them, without a search."""
+        self.accepted: Optional[AcceptedPayloads] = None
+        """This user's cache of payloads already checked (``ablate.receipts.accepted``), opened at the first arm run
+        logged; saved with each sweep's summary (``log_summary``)."""
+        self._accepted_lock = threading.Lock()
 
     def _experiment(self, name: str) -> str:
         found = self.client.get_experiment_by_name(name)
@@ -302,7 +307,8 @@ class TrackingClient:
         start_ms = end_ms - int(receipt.time.wall_s * 1000)
         sealed, name = seal(receipt), run_name(receipt)  # sealed once: the payload tags and receipt.json share it
         tags = receipt_tags(receipt)
-        tags.update(sealed_payload_tags(sealed))  # what the bulk reader uses; receipt.json stays the authoritative copy
+        payload = sealed.model_dump_json().encode("utf-8")
+        tags.update(encode_json(payload))  # what the bulk reader uses; receipt.json stays the authoritative copy
         block_run_id, made = open_block_run(self, receipt, parent_run_id)
         tags["mlflow.parentRunId"] = block_run_id
         run = self.client.create_run(self.experiment_id, start_time=start_ms, tags=tags, run_name=name)
@@ -315,12 +321,37 @@ class TrackingClient:
         self._log_batch(run_id, params=receipt_params(receipt), metrics=metrics, tags={TAG + "logged": "1"})
         status = "FAILED" if receipt.identity.status is Status.failed else "FINISHED"
         self.client.set_terminated(run_id, status=status, end_time=end_ms)
+        if COUNT_TAG in tags:
+            self._remember_accepted(payload, tags)
         key = block_key(receipt)
         if made:  # the first arm into a block run made here: nothing to answer yet
             self.unpaired[key] = receipt
         else:
             try_answer_block(self, key, block_run_id, known=receipt)
         return run_id, True
+
+    def _remember_accepted(self, payload: bytes, tags: dict[str, str]) -> None:
+        """The payload just logged, checked as a reader checks it and remembered when accepted (kept until
+        ``save_accepted``): the first ``ablate promote`` after this sweep, on this machine, reads it as a later one
+        does. About 1 ms of CPU an arm (benchmarks/results/promote_store.json, ``writer_check_ms``)."""
+        with self._accepted_lock:
+            if self.accepted is None:
+                self.accepted = AcceptedPayloads.open(CHECKING_FINGERPRINT, read=False)
+            if self.accepted.path is None:  # the cache is off (or has nowhere to live): nothing to check it for
+                return
+            key = logged_payload_key(payload, tags)
+            if key is not None:
+                self.accepted.add([key])
+
+    def save_accepted(self) -> None:
+        """Never raises: the cache only saves time, and a sweep's close or a sync must not fail on it."""
+        with self._accepted_lock:
+            if self.accepted is None:
+                return
+            try:
+                self.accepted.save()
+            except Exception as exc:  # noqa: BLE001 - the next read checks these payloads in full instead
+                log.info("the payloads this writer checked were not remembered (%s): the next read checks them", exc)
 
     def _record(self, receipt: Receipt, run: Any, tags: dict[str, str], block_made: Optional[str]) -> None:
         """The arm run just created (and the block run made for it) into the ledger of its sweep."""
@@ -368,6 +399,7 @@ class TrackingClient:
         receipt_bundle.write_bundle(self, parent_run_id, sweep_id, known=ledger.runs() if ledger else None)
         if ledger is not None:
             ledger.close()
+        self.save_accepted()
 
 
 class MlflowStore:
@@ -486,16 +518,20 @@ class MlflowStore:
     def close_sweep(self, sweep_id: str, receipts: Iterable[ReceiptLike], failed: bool) -> None:
         """Summary plot on the parent run, which is then marked FINISHED (or FAILED when blocks errored)."""
         self.stop_monitor()
-        if not self.online or self.client is None or self.parent_run_id is None:
-            return
         try:
-            if not self._blocks_settled(sweep_id):
-                settle_blocks(self.client, sweep_id, final=True)
-            self.client.log_summary(self.parent_run_id, sweep_id, receipts)
-            self.client.client.set_terminated(self.parent_run_id, status="FAILED" if failed else "FINISHED")
-        except Exception as exc:  # noqa: BLE001
-            self._go_offline(exc)
-        checkpoint_wal(self.tracking_uri)
+            if not self.online or self.client is None or self.parent_run_id is None:
+                return
+            try:
+                if not self._blocks_settled(sweep_id):
+                    settle_blocks(self.client, sweep_id, final=True)
+                self.client.log_summary(self.parent_run_id, sweep_id, receipts)
+                self.client.client.set_terminated(self.parent_run_id, status="FAILED" if failed else "FINISHED")
+            except Exception as exc:  # noqa: BLE001
+                self._go_offline(exc)
+            checkpoint_wal(self.tracking_uri)
+        finally:
+            if self.client is not None:  # also when MLflow went away: the arms logged before that were checked
+                self.client.save_accepted()
 
     def _blocks_settled(self, sweep_id: str) -> bool:
         """Every block run of the sweep is known to this client (read when the sweep opened, or made since) and
@@ -612,8 +648,11 @@ def sync(source: str | Path, tracking_uri: Optional[str] = None, experiment: Opt
             if not new and logged_digest and COUNT_TAG not in existing.data.tags:
                 # Logged before payloads existed, and the file is the logged copy (same digest): give it one, so
                 # readers stop downloading its receipt.json.
-                client._log_batch(existing.info.run_id, tags=payload_tags(receipt))
+                added = payload_tags(receipt)
+                client._log_batch(existing.info.run_id, tags=added)
                 result.payloads_added.append(rid)
+                if COUNT_TAG in added:
+                    client._remember_accepted(payload_json(added), {**existing.data.tags, **added})
         settle_blocks(client, sweep_id)
         client.log_summary(parent_id, sweep_id, mine)
         if created:

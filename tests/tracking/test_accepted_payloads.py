@@ -267,6 +267,30 @@ def test_files_of_older_checking_code_are_pruned(tmp_path) -> None:
     assert accepted.payload_key(b"{}") in accepted.AcceptedPayloads(directory / "accepted-current.bin")
 
 
+def test_two_writers_that_find_no_file_both_keep_their_keys(tmp_path, monkeypatch) -> None:
+    """Two sweeps closing at once (or a sweep and a promotion) both find no file: the one that writes second appends
+    to the file the other made, where replacing it lost the other's keys."""
+    directory = tmp_path / "cache"
+    directory.mkdir(mode=0o700)
+    path = directory / "accepted-current.bin"
+    first, second = accepted.AcceptedPayloads(path), accepted.AcceptedPayloads(path)
+    first.add([accepted.payload_key(b"first")])
+    second.add([accepted.payload_key(b"second")])
+    real = accepted._write_new
+
+    def other_writer_first(*args: Any, **kwargs: Any) -> Any:
+        monkeypatch.setattr(accepted, "_write_new", real)
+        second.save()  # between the first writer finding no file and writing one
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(accepted, "_write_new", other_writer_first)
+    first.save()
+    both = accepted.AcceptedPayloads(path)
+    assert accepted.payload_key(b"first") in both and accepted.payload_key(b"second") in both
+    assert accepted._read(path) == ({accepted.payload_key(b"first"), accepted.payload_key(b"second")}, True)
+    assert [p.name for p in directory.iterdir()] == [path.name], "no temporary file is left behind"
+
+
 def test_a_read_of_a_few_runs_leaves_the_cache_alone(store, counted, monkeypatch, tmp_path) -> None:
     """The sweep driver reads one or two runs per answered block: opening (all of) the cache would cost more than
     checking them, so such reads neither consult nor feed it."""
@@ -276,3 +300,124 @@ def test_a_read_of_a_few_runs_leaves_the_cache_alone(store, counted, monkeypatch
     load_receipts_from_mlflow(uri, "ablate")
     assert sorted(counted) == sorted(2 * [r.identity.receipt_id for r in receipts])
     assert not (tmp_path / "cache").exists()
+
+
+def test_the_writer_remembers_what_it_logged_so_the_first_read_checks_nothing(tmp_path, counted, monkeypatch) -> None:
+    """The sweep driver (and ``receipts sync``) checks each payload it logs as a reader would and saves the accepted
+    ones with the sweep's summary: the first promotion after a sweep reads as a later one does. A payload the
+    reader's checks refuse (here: stamped beyond this clock) is not remembered, and still reads as refused."""
+    import datetime as dt
+
+    from ablate.tracking.mlflow_store import TrackingClient
+
+    receipts = [seal(r) for r in simulate(Sim(features=[moe(1.05)], hosts=2, blocks_per_host=2, rounds=1),
+                                          seed=5)][:6]
+    later = (dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=2)).isoformat(timespec="seconds")
+    future = seal(receipts[-1].model_copy(update={"identity": receipts[-1].identity.model_copy(
+        update={"created_at": later, "receipt_id": receipts[-1].identity.receipt_id + "-later"})}))
+    uri = fresh_mlflow_uri(tmp_path / "writer")
+    client, parents = log_campaign(uri, receipts[:-1] + [future])
+    cache = tmp_path / "cache"
+    assert not cache.exists(), "nothing is written before the sweep's summary"
+    (sweep,) = parents
+    client.log_summary(parents[sweep], sweep, receipts[:-1] + [future])
+    (path,) = cache.glob("accepted-*.bin")
+    assert len(accepted._read(path)[0]) == len(receipts) - 1
+    assert sorted(counted) == sorted(r.identity.receipt_id for r in receipts[:-1] + [future]), \
+        "the writer gave each payload the reader's full checks"
+    counted.clear()
+    first, rejected, _ = load_receipts_from_mlflow(uri, "ablate")
+    assert counted == [future.identity.receipt_id], "only the refused payload took the full checks"
+    assert _dumps((first, [], {})) == sorted(r.model_dump_json() for r in receipts[:-1])
+    assert len(rejected) == 1 and "in the future" in rejected[0][1]
+
+
+def test_with_the_cache_off_the_writer_checks_and_writes_nothing(tmp_path, counted, monkeypatch) -> None:
+    from ablate.tracking.mlflow_store import TrackingClient  # noqa: F401 - the writer under test, via log_campaign
+
+    monkeypatch.setenv(accepted.CACHE_ENV, accepted.OFF)
+    checked: list[bytes] = []
+    real = bulk_read.logged_payload_key
+    monkeypatch.setattr("ablate.tracking.mlflow_store.logged_payload_key",
+                        lambda data, tags: checked.append(data) or real(data, tags))
+    receipts = [seal(r) for r in simulate(Sim(features=[moe(1.05)], hosts=2, blocks_per_host=1, rounds=1),
+                                          seed=6)][:2]
+    uri = fresh_mlflow_uri(tmp_path / "off")
+    client, parents = log_campaign(uri, receipts)
+    (sweep,) = parents
+    client.log_summary(parents[sweep], sweep, receipts)
+    assert checked == [] and counted == []
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_cache_directory_this_user_cannot_reach_costs_time_never_a_save(tmp_path, monkeypatch) -> None:
+    """Another user's home (a container run with --user and HOME=/root): looking at the directory raises
+    PermissionError. A save then keeps nothing, and raises nothing."""
+    def unreachable(item: Path) -> bool:
+        raise PermissionError(13, "Permission denied", str(item))
+
+    directory = tmp_path / "cache"
+    directory.mkdir(mode=0o700)
+    cache = accepted.AcceptedPayloads(directory / "accepted-current.bin")
+    cache.add([accepted.payload_key(b"{}")])
+    monkeypatch.setattr(accepted, "_private", unreachable)
+    cache.save()
+    assert list(directory.iterdir()) == []
+
+
+def test_a_cache_that_cannot_be_saved_never_fails_a_sync_or_a_sweeps_close(tmp_path, monkeypatch) -> None:
+    """The writer's cache only saves time: a save that raises leaves the sync whole (every arm logged, the sweep run
+    FINISHED), and a sweep's close whose MLflow went away still saves what was checked before."""
+    from ablate.receipts.store import write_receipt
+    from ablate.tracking.mlflow_store import MlflowStore, TrackingClient, sync
+
+    monkeypatch.setenv(accepted.CACHE_ENV, str(tmp_path / "cache"))
+    receipts = [seal(r) for r in simulate(Sim(features=[moe(1.05)], hosts=1, blocks_per_host=1, rounds=1),
+                                          seed=7)][:2]
+    sweep_dir = tmp_path / "sweep"
+    for receipt in receipts:
+        write_receipt(receipt, sweep_dir / "receipts")
+    real = accepted.AcceptedPayloads.save
+
+    def refused(self: accepted.AcceptedPayloads) -> None:
+        raise PermissionError(13, "Permission denied", str(self.path))
+
+    monkeypatch.setattr(accepted.AcceptedPayloads, "save", refused)
+    uri = fresh_mlflow_uri(tmp_path / "sync")
+    result = sync(sweep_dir, uri, experiment="ablate")
+    assert sorted(result.logged) == sorted(r.identity.receipt_id for r in receipts)
+    (sweep,) = result.parents.values()
+    assert TrackingClient(uri, "ablate").client.get_run(sweep).info.status == "FINISHED"
+
+    monkeypatch.setattr(accepted.AcceptedPayloads, "save", real)
+    store = MlflowStore(fresh_mlflow_uri(tmp_path / "sweep-store"), "ablate", tmp_path / "driver")
+    sweep_id = receipts[0].identity.sweep_id
+    store.open_sweep(sweep_id, "sim", {}, {}, system_metrics=False)
+    assert all(store.log_receipt(r) for r in receipts)
+    store._go_offline(ConnectionError("the tracking server went away"))
+    store.close_sweep(sweep_id, receipts, failed=False)
+    (path,) = (tmp_path / "cache").glob("accepted-*.bin")
+    assert accepted._read(path)[0] == {accepted.payload_key(r.model_dump_json().encode()) for r in receipts}
+
+
+def test_the_writer_appends_without_reading_what_the_cache_holds(tmp_path, counted, monkeypatch) -> None:
+    """A sweep's driver holds none of the cache's keys (a user's cache grows with every sweep): it only appends."""
+    from ablate.tracking.mlflow_store import TrackingClient  # noqa: F401 - the writer under test, via log_campaign
+
+    directory = tmp_path / "cache"
+    directory.mkdir(mode=0o700)
+    path = directory / f"accepted-{bulk_read.CHECKING_FINGERPRINT}.bin"
+    older = [accepted.payload_key(str(i).encode()) for i in range(3)]
+    path.write_bytes(accepted._MAGIC + b"".join(older))
+    path.chmod(0o600)
+    reads: list[Path] = []
+    real_read = accepted._read
+    monkeypatch.setattr(accepted, "_read", lambda p: reads.append(p) or real_read(p))
+    receipts = [seal(r) for r in simulate(Sim(features=[moe(1.05)], hosts=1, blocks_per_host=1, rounds=1),
+                                          seed=8)][:2]
+    client, parents = log_campaign(fresh_mlflow_uri(tmp_path / "store"), receipts)
+    (sweep,) = parents
+    client.log_summary(parents[sweep], sweep, receipts)
+    assert reads == [], "the writer never read the file's keys"
+    assert real_read(path) == (set(older) | {accepted.payload_key(r.model_dump_json().encode()) for r in receipts},
+                               True)

@@ -202,9 +202,13 @@ def test_server_bulk_path_returns_the_artifact_paths_receipts_and_promote_uses_i
 
 
 def test_sync_writes_the_payload_and_gives_one_to_runs_logged_before_it(
-        campaign: list[Receipt], tmp_path: Path, artifact_reads: list[str]) -> None:
+        campaign: list[Receipt], tmp_path: Path, artifact_reads: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from ablate.receipts import accepted
     from ablate.receipts.store import write_receipt
+    from ablate.tracking.bulk_read import CHECKING_FINGERPRINT
     from ablate.tracking.mlflow_store import sync
+
+    monkeypatch.setenv(accepted.CACHE_ENV, str(tmp_path / "cache"))
 
     sweep_dir = tmp_path / "sweep"
     mine = [r for r in campaign if r.identity.sweep_id == campaign[0].identity.sweep_id][:4]
@@ -220,8 +224,12 @@ def test_sync_writes_the_payload_and_gives_one_to_runs_logged_before_it(
     withdraw_bundle(client, client.parent_run(mine[0].identity.sweep_id, "sim")[0])
     assert load_receipts_from_mlflow(uri, "ablate")[1] == [] and artifact_reads == [old]
 
+    for remembered in (tmp_path / "cache").glob("accepted-*.bin"):
+        remembered.unlink()  # what the first sync remembered: the payload given now is remembered anew
     again = sync(sweep_dir, uri, experiment="ablate")
     assert again.payloads_added == [mine[2].identity.receipt_id] and "payload added to 1 older run" in str(again)
+    cache = accepted.AcceptedPayloads.open(CHECKING_FINGERPRINT)
+    assert [accepted.payload_key(r.model_dump_json().encode()) in cache for r in mine] == [False, False, True, False]
     artifact_reads.clear()
     found, rejected, _ = load_receipts_from_mlflow(uri, "ablate")
     assert rejected == [] and _dumps(found) == _dumps(mine) and artifact_reads == []
