@@ -245,7 +245,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="ablate-bench-orch-"))
     # The writer remembers every payload it logs (ablate.receipts.accepted), as in a user's sweep, but here into
     # this run's own cache: simulated receipts have no place in the user's.
-    os.environ.setdefault("ABLATE_CACHE_DIR", str(work / "accepted-cache"))
+    os.environ["ABLATE_CACHE_DIR"] = str(work / "accepted-cache")
     load_before = _load()
     path = campaign(work / "campaign", args.blocks)
 
