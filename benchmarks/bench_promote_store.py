@@ -346,7 +346,8 @@ def main() -> None:
                 record["targets_met"] = {key: record["medians_s"][key] <= TARGETS_S[key.split("/")[0]]
                                          for key in runs}
             record["writer_check_ms"] = _writer_check_ms()
-            print(f"  writer's check per logged payload: {record['writer_check_ms']['median_ms']} ms of CPU", flush=True)
+            print(f"  writer's check per logged payload: {record['writer_check_ms']['median_ms']} ms of CPU",
+                  flush=True)
             if args.profile:
                 record["profile"] = {}
                 for kind, uri in uris.items():
