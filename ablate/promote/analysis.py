@@ -130,6 +130,9 @@ class FeatureVerdict:
     delta: float = 0.0
     noise_floor: Optional[float] = None
     aa_blocks: int = 0
+    uncalibrated_hosts: list[str] = field(default_factory=list)
+    """Hosts of this test's blocks on which none of its calibration's A/A blocks ran: a slot bias there is unbounded,
+    so the test neither promotes nor rejects (``rule``)."""
     win_fraction: Optional[float] = None
     min_host_median: Optional[float] = None
     loho_min_lower: Optional[float] = None
@@ -518,6 +521,10 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
     hosts = np.asarray([b.host for b, _ in rows], dtype=object)
     verdict.n_blocks = int(d.size)
     verdict.n_hosts = len(set(hosts.tolist()))
+    # A/A blocks that ran on other hosts than the test's bound another machine's slot bias: a +3% candidate-slot
+    # bias on the test's three hosts promoted a null feature in 23 of 30 seeds, calibrated on a fourth host alone
+    # (found by review helper 2).
+    verdict.uncalibrated_hosts = calibration.uncovered(hosts.tolist()) if calibration.num_blocks else []
     verdict.n_seeds = len({json.dumps(b.seed, default=str) for b, _ in rows})
     counted = {r.round_id for r in test.counted_rounds}
     verdict.n_rounds = len(counted)
@@ -594,7 +601,7 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
         # in an uncalibrated lane, or with a gated candidate arm, which left its ratio out (found in review: three
         # OOMs and no A/A block read "within budget"). The lower end is lowered by the A/A bias bound, as the
         # speed tests' REJECT bound is widened by it: a slot bias must not hide a cost.
-        calibrated = verdict.aa_blocks >= policy.threshold.min_aa_blocks
+        calibrated = verdict.aa_blocks >= policy.threshold.min_aa_blocks and not verdict.uncalibrated_hosts
         if verdict.ci95 is not None and verdict.n_blocks >= policy.evidence.min_blocks and calibrated \
                 and not verdict.gated_arms:
             verdict.within_budget = verdict.ci95[0] / (1.0 + (verdict.bias_bound or 0.0)) >= 1.0 - verdict.budget
@@ -611,8 +618,11 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
                         created_at=np.asarray([b.created_at for b, _ in rows], dtype=object),
                         seeds=np.asarray([json.dumps(b.seed, default=str) for b, _ in rows], dtype=object),
                         aa_var_log=calibration.aa_var_log,
+                        # A look calibrated on none of some host's A/A blocks is no calibration, as one with too
+                        # few A/A blocks is not: the blocks it judged include that host's.
                         then=[(cal.bias_bound_log or 0.0, cal.aa_var_log or 0.0)
-                              if cal.num_blocks >= policy.threshold.min_aa_blocks else None
-                              for _, cal in test.calibration_then],
+                              if cal.num_blocks >= policy.threshold.min_aa_blocks and not cal.uncovered(
+                                  b.host for b, _ in rows if rank.get(b.round_id, -1) <= j) else None
+                              for j, (_, cal) in enumerate(test.calibration_then)],
                         then_rank=np.asarray([rank.get(b.round_id, -1) for b, _ in rows], dtype=int))
     return verdict

@@ -109,6 +109,12 @@ class Calibration:
     last_at: Optional[str] = None
     aa_var_log: Optional[float] = None
     """Variance of the A/A log ratios: pure noise, the sequential test's floor on a feature's block variance."""
+    hosts: tuple[str, ...] = ()
+    """Where those A/A blocks ran: the bias bound says nothing of another host's slot bias."""
+
+    def uncovered(self, hosts: Iterable[str]) -> list[str]:
+        """Those of ``hosts`` on which no A/A block of this calibration ran."""
+        return sorted(set(hosts) - set(self.hosts))
 
     @property
     def noise_floor(self) -> Optional[float]:
@@ -282,7 +288,8 @@ def _calibrate(lane_key: str, fingerprint: str, blocks: list[Block], policy: Pol
                         abs_quantile(losses, policy.quality.spread_quantile)) if losses else None,
         aa_hl_log=hodges_lehmann(ratios) if ratios.size else None, aa_interval_log=interval, bias_bound_log=bound,
         first_at=stamps[0] if stamps else None, last_at=stamps[-1] if stamps else None,
-        aa_var_log=float(np.var(ratios, ddof=1)) if ratios.size >= 2 else None)
+        aa_var_log=float(np.var(ratios, ddof=1)) if ratios.size >= 2 else None,
+        hosts=tuple(sorted({h for h, _ in rows})))
 
 
 def startup_outliers(blocks: list[Block]) -> dict[str, str]:

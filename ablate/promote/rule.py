@@ -115,6 +115,8 @@ def _reject_clauses(v: FeatureVerdict, policy: Policy,
         (v.n_hosts < policy.evidence.min_hosts, f"{v.n_hosts} host(s) < {policy.evidence.min_hosts}"),
         (v.aa_blocks < policy.threshold.min_aa_blocks,
          f"{v.aa_blocks} A/A block(s) < {policy.threshold.min_aa_blocks}"),
+        (bool(v.uncalibrated_hosts), f"no A/A block on host(s) {', '.join(v.uncalibrated_hosts)}: their slot bias "
+                                     f"is not bounded"),
         (bool(v.left_out_arms), f"{len(v.left_out_arms)} arm(s) in sweeps the --sweep selection left out")) if short]
 
     def flaky() -> Clause:
@@ -265,12 +267,15 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
                       f"measured against the current default {v.baseline_value!r}")
 
     def calibrated() -> Clause:
-        ok = v.aa_blocks >= policy.threshold.min_aa_blocks
+        ok = v.aa_blocks >= policy.threshold.min_aa_blocks and not v.uncalibrated_hosts
         bias = _pct(None if v.bias_bound is None else 1 + v.bias_bound)
         where = ("contains 1" if v.aa_interval[0] <= 1.0 <= v.aa_interval[1] else "excludes 1: systematic bias"
                  ) if v.aa_interval else "none"
+        missing = (f"; no A/A block on host(s) {', '.join(v.uncalibrated_hosts)}, where this test ran: their slot "
+                   f"bias is not bounded (run A/A blocks there)" if v.uncalibrated_hosts else "")
         return Clause("calibrated", ok, f"{v.aa_blocks} A/A blocks beside this test's rounds (need "
-                                        f"{policy.threshold.min_aa_blocks}); bias bound {bias}, A/A interval {where}")
+                                        f"{policy.threshold.min_aa_blocks}); bias bound {bias}, A/A interval {where}"
+                                        f"{missing}")
 
     def failure_rate() -> Clause:
         # Crashes in blocks that could not be paired hold the test as a matched block's would, and only hold: the

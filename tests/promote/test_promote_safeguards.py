@@ -98,3 +98,31 @@ def test_a_host_whose_median_loses_holds_the_promotion(policy: Policy) -> None:
     assert all("every_host_wins" in [c.name for c in v.clauses if not c.passed] for v in held)
     lax = with_overrides(policy, {"consistency.every_host_median_wins": False})
     assert [v.verdict for v in results(lax)].count(PROMOTE) >= 5  # mutant: the clause off
+
+
+def _calibrated_elsewhere(truth: float, slot_bias: float, hosts: int, seed: int) -> list[Any]:
+    """A test on ``hosts`` hosts whose candidate slot runs ``slot_bias`` faster there, and the only A/A blocks of
+    its sweeps (two a round) on one more host without that bias."""
+    feature = simulate(Sim(features=[moe(truth)], hosts=hosts, aa_per_host=0, noise=0.005, slot_bias=slot_bias), seed)
+    aa = simulate(Sim(features=[], hosts=hosts + 1, aa_per_host=2, noise=0.005, block_prefix="aa-"), seed + 1000)
+    return feature + [r for r in aa if r.identity.host == f"node-{hosts}"]
+
+
+def test_aa_blocks_on_other_hosts_than_the_tests_never_bound_its_bias(policy: Policy,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slot bias on the test's hosts that its calibration never saw: a null feature promoted and a real 2% win was
+    rejected (review helper 2: 23 of 30 and 26 of 30 seeds). Such a test holds, and says which hosts lack A/A
+    blocks."""
+    def verdicts(truth: float, slot_bias: float, hosts: int) -> list[Any]:
+        return [verdict for seed in range(6) for verdict in promote(
+            _calibrated_elsewhere(truth, slot_bias, hosts, seed), policy_path=policy, defaults_path=DEFAULTS,
+            curves=False).verdicts]
+
+    null, win = verdicts(1.0, 0.03, 3), verdicts(1.02, -0.03, 5)
+    assert [v.verdict for v in null + win] == ["HOLD"] * 12
+    assert all(v.uncalibrated_hosts == [f"node-{h}" for h in range(3)] for v in null)
+    assert all("no A/A block on host(s) node-0, node-1, node-2" in c.detail for v in null for c in v.clauses
+               if c.name == "calibrated")
+    monkeypatch.setattr(evidence.Calibration, "uncovered", lambda self, hosts: [])
+    assert sum(v.verdict == PROMOTE for v in verdicts(1.0, 0.03, 3)) >= 3, "mutant: every host counts as calibrated"
+    assert sum(v.verdict == "REJECT" for v in verdicts(1.02, -0.03, 5)) >= 3
