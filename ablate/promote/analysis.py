@@ -204,6 +204,9 @@ class FeatureVerdict:
     win needs reads them (promotion-rule.md §5.5.8: it comes after the decision by design)."""
     stop_unmatched: Optional[str] = None
     """Why the blocks up to the sequential test's stop do not reproduce that stop (the test holds)."""
+    later_losing_hosts: list[str] = field(default_factory=list)
+    """Hosts whose blocks all came in after the sequential test stopped and whose median block is not a win: the
+    stop's "every host wins" never saw them, and the verdict never promotes over them (``rule``)."""
     not_looked_at: list[str] = field(default_factory=list)
     """Blocks that came in after the sequential test stopped (or past its cap): the verdict is judged on the blocks
     up to the stop, as it stopped (``ablate.promote.engine``)."""

@@ -289,6 +289,14 @@ def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mappin
             not_global.append("rejected in another lane")
         if policy.scope.global_requires_all_lanes and {v.lane_key for v in promoted} != {v.lane_key for v in tests}:
             not_global.append("not every measured lane promoted it")
+        # A win that holds only below some run length (cheaper to start, slower per step) is the measured lanes'
+        # at their horizon: a global default also runs the longer jobs it loses on (found by review helper 2: a
+        # lane measured at 200 steps flipped the global default to a value 2% slower per step).
+        short = [v for v in promoted if (v.break_even or {}).get("kind") == "until"]
+        if short:
+            worst = min(short, key=lambda v: v.break_even["steps"])
+            not_global.append(f"it wins only for runs shorter than {worst.break_even['steps']:,.0f} steps (cheaper "
+                              f"to start, slower per step; measured at a horizon of {worst.horizon_steps:,} steps)")
         if policy.single_node:
             # One host says nothing about the others (promotion-rule.md §5.9): the value is the measured lanes'.
             not_global.append(f"policy {policy.name!r} is single-node: a promotion is scoped to the lanes measured "

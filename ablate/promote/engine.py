@@ -238,6 +238,12 @@ def _as_stopped(test: TestEvidence, v: FeatureVerdict, policy: Policy, windows: 
         setattr(judged, name, getattr(v, name))
     kept = {id(b) for b in looked}
     judged.not_looked_at = [b.block_id for b in test.blocks if id(b) not in kept]
+    # A host the stop never saw is bad news the stop could not weigh: its losing median holds a PROMOTE, as the
+    # fixed rule's every-host clause would (found by review helper 2: a third round adding a host 6% slower, and
+    # the sequential policy promoted globally in 20 of 20 seeds where the fixed one held).
+    looked_hosts = {row.host for row in judged.hosts}
+    judged.later_losing_hosts = sorted(row.host for row in v.hosts if row.host not in looked_hosts and (
+        row.median_speedup is None or row.median_speedup <= 1.0))
     # By member sweeps, not by round id: cut at the stop, a round that merged a looked-at sweep with a later one is
     # the looked-at sweep alone, and its merged id then passed for a round after the stop, confirming a suspicious
     # win with the very round it was judged on (found in review).

@@ -339,6 +339,7 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
 
     def host_medians() -> Clause:
         losers = [h.host for h in v.hosts if h.median_speedup is None or h.median_speedup <= 1.0]
+        losers += [f"{host} (its blocks all after the sequential stop)" for host in v.later_losing_hosts]
         ok = not cons.every_host_median_wins or not losers
         return Clause("every_host_wins", ok, f"host median not a win on {', '.join(losers)}" if losers else
                       "every host's median block won")

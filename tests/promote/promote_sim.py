@@ -174,6 +174,8 @@ class FeatureTruth:
     loss_effect: float = 0.0
     one_time_s: float = 0.0
     """Extra one-time cost of the candidate (setup, compile warmup), seconds."""
+    baseline_one_time_s: float = 0.0
+    """Extra one-time cost of the baseline: a candidate cheaper to start."""
 
 
 @dataclass
@@ -260,6 +262,7 @@ def simulate(sim: Sim, seed: int) -> list[Receipt]:
                     feature, baseline = truth.feature, truth.baseline
                     value = truth.value if is_cand else truth.baseline  # each arm records its own value
                     lane[FEATURE_PATHS[feature]] = value
+                    extra = truth.baseline_one_time_s
                     if is_cand:
                         log_tps += math.log(truth.ratio) + host_arm[(feature, truth.value)][h]
                         if sim.host_arm_effects is not None:

@@ -490,3 +490,19 @@ def test_a_global_records_baseline_outdates_only_its_own_shape(policy: Policy) -
     found = measured_before(verdicts, defaults, lanes)
     assert {v.lane_key for v in verdicts if v.test_key in found} == {"lane-own-whole", "lane-other-eager"}
     assert all("compile=regional" in why for why in found.values())
+
+
+def test_a_win_that_holds_only_for_short_runs_never_flips_the_global_default(policy: Policy) -> None:
+    """A candidate 2% slower per step but 20 s cheaper to start wins a lane measured at 200 steps; flipping the global
+    default made every 10,000-step run slower (review helper 2: global in 20 of 20 seeds). It is that lane's override,
+    with the run length the win ends at as the reason."""
+    shorter = FeatureTruth("moe_dispatch", "jagged", "padded", 0.98, baseline_one_time_s=20.0)
+    for seed in range(2):
+        result = promote(simulate(Sim(features=[shorter], horizon=200, aa_per_host=2), seed), policy_path=policy,
+                         defaults_path=DEFAULTS, curves=False)
+        (verdict,) = result.verdicts
+        assert verdict.verdict == "PROMOTE" and verdict.break_even["kind"] == "until", verdict.reason
+        (change,) = result.changes
+        assert change.scope == "lane" and list(change.overrides.values()) == ["jagged"]
+        assert any(why.startswith("it wins only for runs shorter than ") and "horizon of 200 steps" in why
+                   for why in change.not_global), change.not_global

@@ -468,3 +468,24 @@ def test_a_sweep_that_ran_with_a_looked_at_round_never_confirms_a_suspicious_win
     assert v.rounds_after_stop == []
     assert v.verdict == HOLD and "needs a confirming round (2 of 3 rounds)" in v.reason, v.reason
     assert result.changes == [] or all(c.new is None for c in result.changes)
+
+
+def test_a_host_first_seen_after_the_stop_that_loses_holds_the_promotion(seq_policy: Policy) -> None:
+    """Two rounds on three hosts stop the sequential test at a +5% win; a third round adds a host where the feature
+    is 6% slower. Judged as it stopped, the test promoted (review helper 2: 20 of 20 seeds, where the fixed rule
+    held). The new host's losing median holds it, by name; a winning new host does not."""
+    def campaign(late_ratio: float, seed: int) -> list[Any]:
+        first = simulate(Sim(features=[moe(1.05)], hosts=3, rounds=2, noise=0.005), seed)
+        late = simulate(Sim(features=[moe(late_ratio)], hosts=4, rounds=3, noise=0.005, block_prefix="late-"),
+                        seed + 100)
+        return first + [r for r in late if r.identity.sweep_id == "sim-r3" and r.identity.host == "node-3"]
+
+    for seed in range(2):
+        (losing,) = promote(campaign(0.94, seed), policy_path=seq_policy, defaults_path=DEFAULTS,
+                            curves=False).verdicts
+        assert losing.not_looked_at and losing.later_losing_hosts == ["node-3"], losing.reason
+        assert losing.verdict == HOLD and "node-3 (its blocks all after the sequential stop)" in losing.reason
+        (winning,) = promote(campaign(1.05, seed), policy_path=seq_policy, defaults_path=DEFAULTS,
+                             curves=False).verdicts
+        assert winning.not_looked_at and winning.later_losing_hosts == [] and winning.verdict == PROMOTE, \
+            winning.reason
