@@ -621,8 +621,8 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
                         created_at=np.asarray([b.created_at for b, _ in rows], dtype=object),
                         seeds=np.asarray([json.dumps(b.seed, default=str) for b, _ in rows], dtype=object),
                         aa_var_log=calibration.aa_var_log,
-                        # A look calibrated on none of some host's A/A blocks is no calibration, as one with too
-                        # few A/A blocks is not: the blocks it judged include that host's.
+                        # A look whose A/A blocks ran on none of some host it judged counts as uncalibrated, like
+                        # one with too few A/A blocks: that host's slot bias is in its blocks, unbounded.
                         then=[(cal.bias_bound_log or 0.0, cal.aa_var_log or 0.0)
                               if cal.num_blocks >= policy.threshold.min_aa_blocks and not cal.uncovered(
                                   b.host for b, _ in rows if rank.get(b.round_id, -1) <= j) else None
