@@ -44,7 +44,7 @@ import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
@@ -61,6 +61,7 @@ from ablate.receipts.store import (RECEIPTS_DIR, SPOOL_FILE, ReceiptNotSaved, di
                                    write_receipt_or_fallback)
 from ablate.sweep.layout import LATEST, Layout, SweepLock
 from ablate.sweep.node_check import NODE_CHECK_TAG, check_plan
+from ablate.sweep.placement import TrialResources, aa_targets, dispatch_order, uncovered_lanes
 from ablate.sweep.plan import ORDERS_IN_PAIRS, ORDERS_SHUFFLED, SweepPlan, plan_sweep
 from ablate.redact import process_env_only, redact_text, redact_uri
 from ablate.sweep.resources import (Capacity, block_need, check_cluster, gpu_resources, local_ray_init_kwargs,
@@ -837,7 +838,13 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         # Tune saved any (Ctrl+C while Ray started or the sweep was set up) gets a fresh one: without it the resume
         # ran every planned block as a grid, decided tests included (found in review).
         restorable = resume and _tune_can_restore(layout.tune_path(sweep_id))
-        searcher = searcher_factory(plan) if searcher_factory is not None and not restorable else None
+        # A/A blocks first, one on each host: the rule calibrates a test only on its own hosts' A/A blocks. Only
+        # the order Tune gets and where those blocks ask to run change; the plan (and its fingerprint) does not.
+        aa_placement = aa_targets(plan.blocks, capacity.nodes, sweep_id)
+        dispatch = replace(plan, blocks=dispatch_order(plan.blocks, aa_placement))
+        for line in uncovered_lanes(plan.blocks, capacity.nodes):
+            log.warning("%s", line)
+        searcher = searcher_factory(dispatch) if searcher_factory is not None and not restorable else None
         if not resume:
             meta = {"sweep_id": sweep_id, "campaign": sweep.name, "campaign_file": str(path.resolve()),
                     "experiment": sweep.tracking.experiment, "tracking_uri": shown(uri),
@@ -845,7 +852,9 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
                     "orders": ORDERS_IN_PAIRS,
                     "blocks": [b.label() for b in plan.blocks], "skipped": plan.skipped,
                     "created_at": datetime.now(timezone.utc).isoformat(), "params": params,
-                    "node_checks": node_checks}
+                    "node_checks": node_checks,
+                    "aa_targets": {block: {"host": target.host, "node_id": target.node_id, "first": target.first}
+                                   for block, target in aa_placement.items()}}
             layout.write(f"{SWEEPS_DIR}/{sweep_id}.json", json.dumps(meta, indent=2, default=str))
             layout.write(LATEST, sweep_id + "\n")
         store = MlflowStore(uri, sweep.tracking.experiment, layout.local_dir)
@@ -886,7 +895,9 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
                    "block_mode": sweep.block_mode.value, "node_check_path": sweep.node_check.path,
                    "schedule": params["schedule"],
                    "run_arm": _run_arm_options(sweep, layout, sweep_id), "simulate_arms": simulate_arms is True}
-        trainable = tune.with_resources(tune.with_parameters(run_block, context=context), need.trial_resources())
+        trainable = tune.with_resources(tune.with_parameters(run_block, context=context),
+                                        TrialResources(need.trial_resources(), aa_placement) if aa_placement
+                                        else need.trial_resources())
         interrupted = _TuneInterrupted()
         tune_log = logging.getLogger("ray.tune.tune")
         tune_log.addFilter(interrupted)
@@ -896,7 +907,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         fatal: Optional[str] = None
         try:
             with tune_env_filter():  # Tune would copy AWS_* keys into every trial's logged runtime env
-                grid = _tuner(trainable, sweep, layout, plan, capacity, restorable, searcher).fit()
+                grid = _tuner(trainable, sweep, layout, dispatch, capacity, restorable, searcher).fit()
         except KeyboardInterrupt:  # a second Ctrl+C: Tune skipped its last save; still account for every receipt
             interrupted.seen = True
         except Exception as exc:  # noqa: BLE001 - e.g. Tune cannot save its state on a full disk: a line, then the

@@ -54,3 +54,31 @@ def test_blocks_spread_over_nodes_and_arms_stay_together(two_nodes: Any, tmp_pat
     for block, nodes in nodes_per_block.items():
         assert len(nodes) == 1, f"block {block}: arms on {nodes}"
         assert nodes == {trial_node[block]}, "a receipt's node is its trial's node"
+
+
+def test_aa_blocks_run_first_one_on_each_node_where_they_were_sent(two_nodes: Any, tmp_path: Path) -> None:
+    """One block at a time: left to Ray, consecutive blocks may all land on one node (every node is free at each
+    start), so the A/A blocks of a lane could calibrate one host only and every test elsewhere would HOLD. The
+    feature runs eager in both arms (moe_dispatch): nothing here is about compiling."""
+    import json
+
+    import ray
+
+    node_ids = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+    campaign = tiny_smoke(tmp_path / "campaign", name="aa-spread", features={"moe_dispatch": ["jagged"]}, blocks=1,
+                          aa_blocks=2, resources={"cpus_per_worker": 1, "max_concurrent_blocks": 1})
+    summary = run_sweep(campaign, tracking_uri=fresh_mlflow_uri(tmp_path), storage=str(tmp_path / "runs"),
+                        progress=False)
+    assert (summary.blocks_done, summary.exit_code, summary.max_concurrent) == (3, 0, 1)
+    meta = json.loads((Path(summary.sweep_dir) / "sweeps" / f"{summary.sweep_id}.json").read_text())
+    targets = meta["aa_targets"]
+    receipts, rejected = load_receipts(Path(summary.sweep_dir) / "receipts")
+    assert rejected == [] and len(receipts) == 6
+    aa_blocks = {r.identity.block_id for r in receipts if r.identity.kind == "aa"}
+    assert sorted(targets) == sorted(aa_blocks) and all(t["first"] for t in targets.values())
+    assert {t["node_id"] for t in targets.values()} == node_ids
+    started = sorted(summary.timeline, key=lambda block: summary.timeline[block]["trial_started_at"])
+    assert set(started[:2]) == aa_blocks, f"the A/A blocks start first: {started}"
+    for receipt in receipts:
+        if receipt.identity.block_id in aa_blocks:
+            assert receipt.identity.node_id == targets[receipt.identity.block_id]["node_id"], "ran where it was sent"
