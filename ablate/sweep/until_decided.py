@@ -19,8 +19,10 @@ The other clauses (quality, order, per-host and per-round wins, flakiness) are f
 used to stop (stopping at their first pass after every block would promote a worse candidate several times as
 often), only to judge the blocks the SPRT stopped at, so an upper crossing they hold ends as HOLD, said why.
 A/A blocks, bundle blocks and taxes run in every round (they calibrate and qualify the speed tests, and taxes are
-never decided). The campaign ends when no speed test is open (judged before each round, the first included), when
-``sequential.max_rounds`` rounds have run in this invocation, on an interruption or a fatal error (``--resume``
+never decided). The campaign ends when no speed test is open (judged before each round, the first included) and
+none decided holds for want of A/A blocks (too few, or none on a host its blocks ran on: rounds go on, running only
+the blocks that run every round, until its calibration is complete), when ``sequential.max_rounds`` rounds have run
+in this invocation, on an interruption or a fatal error (``--resume``
 continues), or when a round finishes no block (said, never looped). A round with errored blocks (an arm that
 kept crashing) does not end the campaign: failed candidate arms are evidence the rule judges.
 """
@@ -85,6 +87,9 @@ class Standing:
     """The promotion test's LLR after each block (against ``upper``)."""
     lower_trace: list[Optional[float]] = field(default_factory=list)
     """The rejection test's LLR (hypotheses lowered by the A/A bias bound; against ``lower``)."""
+    awaits_aa: bool = False
+    """Decided, but its verdict holds for want of A/A blocks (too few, or none on a host its blocks ran on): it gets
+    no more blocks, and the campaign goes on with rounds whose A/A blocks (sent to every node first) calibrate it."""
 
     @property
     def key(self) -> SpeedKey:
@@ -131,6 +136,15 @@ def judge_states(receipts: Iterable[Receipt], policy: Policy, defaults_path: str
             state.why = seq.get("stop_reason") or v.reason
             if (decision, v.verdict) not in ((UPPER, PROMOTE), (LOWER, REJECT)):
                 state.why += f"; the verdict is {v.verdict}: {v.reason}"
+            # A bound crossed, the verdict held on its calibration: more of its own blocks cannot help, A/A blocks
+            # can (a HOLD that ended the campaign here waited for a sweep nobody would run). Not at the cap: that
+            # HOLD is "inconclusive" however well calibrated.
+            state.awaits_aa = decision in (UPPER, LOWER) and v.verdict == HOLD and (
+                bool(v.uncalibrated_hosts) or v.aa_blocks < policy.threshold.min_aa_blocks)
+            if state.awaits_aa:
+                missing = (f"none on host(s) {', '.join(v.uncalibrated_hosts)}" if v.uncalibrated_hosts else
+                           f"{v.aa_blocks} of the {policy.threshold.min_aa_blocks} it needs")
+                state.why += f"; waits for A/A blocks ({missing})"
         elif exact is not None:
             state.state = DECIDED
             state.why = f"{exact.name}: {exact.detail}"
@@ -390,17 +404,13 @@ def run_until_decided(path: str | Path, *, policy_path: str | Path, resume: bool
     stop = ""
     while True:
         states = judge.states()
-        open_tests = [k for k in planned if not (k in states and states[k].decided)]
         resuming = resume and not rounds
-        if not open_tests and not resuming:
-            stop = "every speed test of the campaign is decided"
+        stop, note = next_round(planned, states, aa_blocks=sweep.aa_blocks, rounds=rounds,
+                                max_rounds=policy.sequential.max_rounds, resuming=resuming)
+        if stop:
             break
-        if len(rounds) >= policy.sequential.max_rounds:
-            stop = f"{len(rounds)} rounds run, the policy's sequential.max_rounds"
-            break
-        if rounds and rounds[-1].blocks_run == 0:
-            stop = "the last round ran no block (every block's test was decided before it started)"
-            break
+        if note:
+            echo(note)
         wait = _gap_wait(judge.receipts(), policy, resuming)
         if wait > 0:
             echo(f"waiting {wait:.0f}s before the next round: sweeps starting less than "
@@ -429,6 +439,27 @@ def run_until_decided(path: str | Path, *, policy_path: str | Path, resume: bool
         tracking_uri=shown(resolve_tracking_uri(tracking_uri or sweep.tracking.uri)), experiment=sweep.tracking.experiment,
         rounds=rounds, states=sorted((final[k] for k in planned if k in final), key=lambda s: s.key),
         stop_reason=stop, sweep_summaries=summaries, defaults_path=judge.defaults_path)
+
+
+def next_round(planned: Iterable[SpeedKey], states: dict[SpeedKey, Standing], *, aa_blocks: int,
+               rounds: list[RoundRecord], max_rounds: int, resuming: bool) -> tuple[str, str]:
+    """(why the campaign stops, "" to run another round; a line saying why a round runs only to calibrate)."""
+    planned = list(planned)
+    open_tests = [k for k in planned if not (k in states and states[k].decided)]
+    # Only A/A blocks can settle these, and only a campaign that plans some runs them.
+    uncalibrated = [k for k in planned if k in states and states[k].awaits_aa]
+    if not open_tests and not (uncalibrated and aa_blocks) and not resuming:
+        return ("every speed test of the campaign is decided" + (
+            f" ({len(uncalibrated)} hold for want of A/A blocks, and the campaign plans none: aa_blocks is 0)"
+            if uncalibrated else ""), "")
+    if len(rounds) >= max_rounds:
+        return f"{len(rounds)} rounds run, the policy's sequential.max_rounds", ""
+    if rounds and rounds[-1].blocks_run == 0:
+        return "the last round ran no block (every block's test was decided before it started)", ""
+    if uncalibrated and not open_tests and not resuming:
+        return "", (f"{len(uncalibrated)} decided test(s) hold for want of A/A blocks: another round runs the blocks "
+                    f"that run every round (its A/A blocks go to every node first) to calibrate them")
+    return "", ""
 
 
 def _gap_wait(receipts: Iterable[Receipt], policy: Policy, resuming: bool) -> float:

@@ -30,8 +30,8 @@ from ablate.promote.sequential import CAP, LOWER, UPPER  # noqa: E402
 from ablate.receipts.store import load_receipts  # noqa: E402
 from ablate.sweep.plan import plan_sweep  # noqa: E402
 from ablate.sweep.run import run_sweep  # noqa: E402
-from ablate.sweep.until_decided import (DECIDED, OPEN, Standing, UntilDecidedSearcher, block_keys,  # noqa: E402
-                                        judge_states, sequential_policy)
+from ablate.sweep.until_decided import (DECIDED, OPEN, RoundRecord, Standing, UntilDecidedSearcher,  # noqa: E402
+                                        block_keys, judge_states, next_round, sequential_policy)
 
 POLICIES = REPO / "search_spaces" / "policies"
 DEFAULTS = REPO / "search_spaces" / "defaults.yaml"
@@ -152,7 +152,7 @@ def _policy_file(directory: Path, **overrides: object) -> Path:
 def test_until_decided_runs_only_undecided_tests_resumes_after_ctrl_c_and_stops_when_all_are_decided(
         ray_address: str, tmp_path: Path) -> None:
     """Real rounds through the CLI: a fixed sweep first gives moe_dispatch its capped evidence; `ablate sweep
-    --until-decided` on the campaign with both features then runs mamba_scan's blocks (and the A/A block) only.
+    --until-decided` on the campaign with both features then runs mamba_scan's blocks (and the A/A blocks) only.
     Ctrl+C once its first block is in; `--until-decided --resume` continues that same round (Tune restores the
     searcher: no block twice, moe_dispatch still left out) and the campaign stops once mamba_scan is capped too.
 
@@ -161,16 +161,19 @@ def test_until_decided_runs_only_undecided_tests_resumes_after_ctrl_c_and_stops_
     10-20 s of a 2-core host each time, and starting Ray is not what this test is about."""
     uri = fresh_mlflow_uri(tmp_path)
     storage = str(tmp_path / "storage")
+    # min_aa_blocks 2, the round's A/A blocks: the lane is calibrated, so a test that crosses a bound is not held for
+    # want of A/A blocks (which would run the campaign on to max_rounds for more of them).
     policy = _policy_file(tmp_path, **{"evidence.min_rounds": 1, "evidence.min_blocks_per_round": 2,
                                        "evidence.min_round_gap_s": 0, "sequential.min_blocks": 2,
-                                       "sequential.max_blocks": 2, "sequential.max_rounds": 2})
+                                       "sequential.max_blocks": 2, "sequential.max_rounds": 2,
+                                       "threshold.min_aa_blocks": 2})
     earlier = tiny_smoke(tmp_path / "fixed", name="decide", steps=4, blocks=2, aa_blocks=1,
                          features={"moe_dispatch": ["jagged"]}, resources={"cpus_per_worker": 1,
                                                                            "max_concurrent_blocks": 1})
     first = run_sweep(earlier, tracking_uri=uri, storage=storage, progress=False)
     assert first.exit_code == 0 and first.blocks_done == 3
 
-    campaign = tiny_smoke(tmp_path / "until", name="decide", steps=4, blocks=2, aa_blocks=1,
+    campaign = tiny_smoke(tmp_path / "until", name="decide", steps=4, blocks=2, aa_blocks=2,
                           resources={"cpus_per_worker": 1, "max_concurrent_blocks": 1})
     receipts_dir = Path(storage) / "decide" / "receipts"
     command = [sys.executable, "-m", "ablate", "sweep", str(campaign), "--until-decided", "--policy", str(policy),
@@ -216,8 +219,8 @@ def test_until_decided_runs_only_undecided_tests_resumes_after_ctrl_c_and_stops_
     assert {r.identity.sweep_id for r in receipts} == {round_id}  # no second round was needed
     valid = [r for r in receipts if r.identity.status.value == "valid"]
     blocks = {(r.identity.block_id, r.identity.feature) for r in valid}
-    assert {f for _, f in blocks} == {"mamba_scan", None} and len(blocks) == 3, blocks  # never moe_dispatch
-    assert len(valid) == 6  # each of the three blocks once: nothing ran twice after the resume
+    assert {f for _, f in blocks} == {"mamba_scan", None} and len(blocks) == 4, blocks  # never moe_dispatch
+    assert len(valid) == 8  # each of the four blocks once: nothing ran twice after the resume
     assert "moe_dispatch=jagged lane" in output and output.count(": decided (") >= 2, output[-4000:]
     assert f"--policy {policy}" in output
     assert "--defaults " in " ".join(output.split()), "promote reads the campaign's defaults, as the judge did"
@@ -334,3 +337,46 @@ def test_the_judge_leaves_out_blocks_whose_partner_arm_is_still_running() -> Non
     later.identity.sweep_id, later.identity.receipt_id = "sim-r2", "later-a0"
     later.identity.created_at = "2099-01-01T00:00:00+00:00"
     assert lone in settled_blocks(receipts + [lone, later])
+
+
+def _standing(feature: str, state: str, awaits_aa: bool = False) -> Standing:
+    return Standing(feature=feature, value="v", lane_key="lane", state=state, verdict="HOLD", why="",
+                    awaits_aa=awaits_aa)
+
+
+def test_a_test_decided_but_held_for_want_of_aa_blocks_keeps_the_campaign_going_until_they_ran() -> None:
+    """A clear win whose only A/A blocks ran on another host crosses the upper bound and holds (its hosts' slot bias
+    is unbounded). It gets no more blocks of its own, but the campaign must not end "every test decided": the next
+    round's A/A blocks (sent to every node first) are what settles it. With them on its hosts it is promoted."""
+    policy = load_policy(POLICIES / "default_sequential.yaml")
+    win = simulate(Sim([moe(1.3)], aa_per_host=0, noise=0.007), seed=3)
+    aa = simulate(Sim([], hosts=4, aa_per_host=2, noise=0.007, block_prefix="aa-"), seed=1003)
+    elsewhere = [r for r in aa if r.identity.host == "node-3"]
+    (held,) = judge_states(win + elsewhere, policy, DEFAULTS).values()
+    assert held.decision == UPPER and held.decided and held.verdict == "HOLD" and held.awaits_aa
+    assert "waits for A/A blocks (none on host(s) node-0, node-1, node-2)" in held.why, held.why
+    rounds = [RoundRecord("r1", blocks_run=8, blocks_skipped=0, started_at=0.0, elapsed_s=1.0, exit_code=0)]
+    stop, note = next_round([held.key], {held.key: held}, aa_blocks=2, rounds=rounds, max_rounds=4, resuming=False)
+    assert stop == "" and "1 decided test(s) hold for want of A/A blocks" in note
+    # A campaign that plans no A/A block would wait for good: it ends, and says why the test still holds.
+    stop, _ = next_round([held.key], {held.key: held}, aa_blocks=0, rounds=rounds, max_rounds=4, resuming=False)
+    assert stop.startswith("every speed test of the campaign is decided") and "aa_blocks is 0" in stop
+    stop, _ = next_round([held.key], {held.key: held}, aa_blocks=2, rounds=rounds * 4, max_rounds=4, resuming=False)
+    assert "sequential.max_rounds" in stop
+
+    (settled,) = judge_states(win + aa, policy, DEFAULTS).values()
+    assert settled.decided and settled.verdict == PROMOTE and not settled.awaits_aa, settled.why
+    stop, note = next_round([settled.key], {settled.key: settled}, aa_blocks=2, rounds=rounds, max_rounds=4,
+                            resuming=False)
+    assert (stop, note) == ("every speed test of the campaign is decided", "")
+
+
+def test_the_next_round_runs_while_a_test_is_open_and_never_after_a_round_that_ran_nothing() -> None:
+    open_, done = _standing("a", OPEN), _standing("b", DECIDED)
+    states = {open_.key: open_, done.key: done}
+    ran = RoundRecord("r1", blocks_run=3, blocks_skipped=1, started_at=0.0, elapsed_s=1.0, exit_code=0)
+    assert next_round(list(states), states, aa_blocks=1, rounds=[ran], max_rounds=3, resuming=False) == ("", "")
+    nothing = RoundRecord("r2", blocks_run=0, blocks_skipped=4, started_at=0.0, elapsed_s=1.0, exit_code=0)
+    stop, _ = next_round(list(states), states, aa_blocks=1, rounds=[ran, nothing], max_rounds=3, resuming=False)
+    assert stop.startswith("the last round ran no block")
+    assert next_round([done.key], {done.key: done}, aa_blocks=1, rounds=[], max_rounds=3, resuming=True) == ("", "")
