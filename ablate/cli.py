@@ -211,6 +211,22 @@ def _load_source(source: Optional[Path], tracking_uri: Optional[str], experiment
     Every file, spool line or run that could not be used is printed with its reason (stderr), whichever command
     asked: a receipt never disappears from evidence without a word.
     """
+    # What a command loads lives until it exits: the collector stays off while it loads and the load is frozen
+    # before it comes back on, whose first pass otherwise walked every object the load made (1.2 million, 0.7 s
+    # of a 10,000-receipt promote).
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _load_unfrozen(source, tracking_uri, experiment, sweep_name, ui_url, run_labels, left_out)
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
+
+
+def _load_unfrozen(source: Optional[Path], tracking_uri: Optional[str], experiment: str,
+                   sweep_name: Optional[list[str]], ui_url: Optional[str], run_labels: Optional[dict],
+                   left_out: Optional[list]) -> tuple[list, list, dict]:
     if source is not None:
         from ablate.receipts.store import load_receipts
 
@@ -377,11 +393,10 @@ def promote(
         check_branch_name(branch, Path.cwd())  # a ConfigError: one `error:` line from main(), exit 2
     run_labels: dict = {}
     left_out: list = []
+    # 10,000 receipts are millions of objects that live until exit: the cyclic collector re-scanning them while
+    # the rule allocates cost ~15% of its time. _load_source freezes them (nothing here becomes garbage).
     receipts, rejected, links = _load_source(source, tracking_uri, experiment, sweep_name, ui_url, run_labels,
                                              left_out)
-    # 10,000 receipts are millions of objects that live until exit: the cyclic collector re-scanning them while
-    # the rule allocates cost ~15% of its time. Frozen, they are left alone (nothing here becomes garbage).
-    gc.freeze()
     if not receipts:
         _fail(markup_escape(f"no valid receipts found in {source or redact_uri(default_tracking_uri(tracking_uri))}"
                             + (f" ({len(rejected)} rejected: {redact_text(str(rejected[0][1]))})" if rejected

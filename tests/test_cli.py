@@ -234,3 +234,31 @@ def test_a_bad_process_count_is_refused_before_any_receipt_is_read(tmp_path: Pat
     assert out.exit_code == 2, out.output
     assert "ABLATE_PROCESSES='two'" in out.output and "allowed: a whole number >= 1" in out.output
     assert "no such file" not in out.output
+
+
+def test_what_a_command_loads_is_frozen_and_the_collector_is_left_as_it_was(tmp_path: Path) -> None:
+    """Loaded receipts live until the command exits: frozen before the collector comes back on, its first pass does
+    not walk them (1.2 million objects, 0.7 s of a 10,000-receipt promote). On every way out, even a refused
+    source, the collector is on again if it was."""
+    import gc
+
+    import typer
+
+    from ablate import cli
+
+    gc.unfreeze()
+    try:
+        receipts, rejected, _ = cli._load_source(SMOKE_RECEIPTS, None, "ablate", None)
+        assert receipts and rejected == [] and gc.isenabled()
+        frozen = gc.get_freeze_count()
+        assert frozen > 0 and all(gc.is_tracked(r) for r in receipts[:3])
+        gc.unfreeze()
+        with pytest.raises(typer.Exit):
+            cli._load_source(tmp_path / "missing", None, "ablate", None)
+        assert gc.isenabled()
+        gc.disable()
+        cli._load_source(SMOKE_RECEIPTS, None, "ablate", None)
+        assert not gc.isenabled(), "a caller that had it off keeps it off"
+    finally:
+        gc.enable()
+        gc.unfreeze()
