@@ -13,14 +13,13 @@ busy cluster may not honour): only the first wave moves.
 
 How to use (``ablate.sweep.run``)::
 
-    targets = aa_targets(plan.blocks, capacity.nodes, plan.sweep_id)  # A/A block id -> node; {} on one node
+    targets = aa_targets(plan.blocks, capacity.nodes, turn)   # A/A block id -> node; {} on one node
     order = dispatch_order(plan.blocks, targets)            # the blocks in the order Tune gets them
     tune.with_resources(trainable, TrialResources(need.trial_resources(), targets))
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -48,16 +47,16 @@ def spread_nodes(nodes: Sequence[NodeFit]) -> list[NodeFit]:
     return [group[turn] for turn in range(rounds) for _, group in sorted(by_host.items()) if turn < len(group)]
 
 
-def aa_targets(blocks: Sequence[Block], nodes: Sequence[NodeFit], salt: str = "") -> dict[str, Target]:
+def aa_targets(blocks: Sequence[Block], nodes: Sequence[NodeFit], turn: int = 0) -> dict[str, Target]:
     """A/A block id -> the node it asks for. Each lane's A/A blocks, in plan order, are dealt round-robin over
-    ``spread_nodes``, the lanes starting at different nodes; ``salt`` (the sweep id) turns where lane ``i`` starts,
-    so that over rounds a lane's first block visits every node. Empty when fewer than two nodes fit a block: there
-    is nothing to spread.
+    ``spread_nodes``, lane ``i`` starting at node ``i + turn``: ``turn`` (the campaign's earlier sweeps) moves every
+    lane on by one node a sweep, so over rounds a lane's first block visits every node. Empty when fewer than two
+    nodes fit a block: there is nothing to spread.
 
     The first wave (``Target.first``) is as many blocks as the nodes run at once, each node taking as many as it
     holds, the lanes in turn: they all start together at the sweep's start, when every node is free, so every soft
     target is honoured. Lanes beyond it ask for their nodes too, but wait their turn in plan order, and a busy
-    cluster puts a block on whichever node frees first."""
+    cluster puts a block on whichever node frees first (``coverage_warnings`` says which lanes may miss a host)."""
     spread = spread_nodes(nodes)
     if len(spread) < 2:
         return {}
@@ -65,7 +64,7 @@ def aa_targets(blocks: Sequence[Block], nodes: Sequence[NodeFit], salt: str = ""
     for block in blocks:
         if block.is_aa:
             by_lane[block.lane_key].append(block)
-    shift = int(hashlib.sha256(salt.encode()).hexdigest()[:8], 16) % len(spread)
+    shift = turn % len(spread)
     dealt = {lane: [(block, spread[(lane_index + shift + rank) % len(spread)])
                     for rank, block in enumerate(by_lane[lane])]
              for lane_index, lane in enumerate(sorted(by_lane))}
@@ -90,16 +89,28 @@ def dispatch_order(blocks: Sequence[Block], targets: Mapping[str, Target]) -> li
     return front + [b for b in blocks if b.block_id not in moved]
 
 
-def uncovered_lanes(blocks: Sequence[Block], nodes: Sequence[NodeFit]) -> list[str]:
-    """One line per lane with fewer A/A blocks than hosts: tests that run on the hosts left without one HOLD."""
+def coverage_warnings(blocks: Sequence[Block], nodes: Sequence[NodeFit], targets: Mapping[str, Target]) -> list[str]:
+    """One line per lane whose A/A blocks are not sure to reach every host: fewer blocks than hosts, or a first wave
+    too small for every lane (a grid's lanes times the hosts, beyond what the nodes run at once). A test that runs on
+    a host without an A/A block of its own sweep HOLDs there."""
     hosts = {node.host for node in nodes if node.arms > 0}
-    counts: dict[str, int] = defaultdict(int)
+    lanes: dict[str, list[Block]] = defaultdict(list)
     for block in blocks:
         if block.is_aa:
-            counts[block.lane_key] += 1
-    return [f"lane {lane}: {count} A/A block(s) for {len(hosts)} hosts: a test that runs on a host without one "
-            f"holds (its slot bias is not bounded there); set aa_blocks >= {len(hosts)}"
-            for lane, count in sorted(counts.items()) if 0 < count < len(hosts)]
+            lanes[block.lane_key].append(block)
+    lines = []
+    for lane, aa in sorted(lanes.items()):
+        sure = {targets[b.block_id].host for b in aa if b.block_id in targets and targets[b.block_id].first}
+        if len(aa) < len(hosts):
+            lines.append(f"lane {lane}: {len(aa)} A/A block(s) for {len(hosts)} hosts: a test that runs on a host "
+                         f"without one holds (its slot bias is not bounded there); set aa_blocks >= {len(hosts)} "
+                         f"(and at least the policy's threshold.min_aa_blocks)")
+        elif targets and sure != hosts:
+            lines.append(f"lane {lane}: its A/A blocks are sure to start on {len(sure)} of {len(hosts)} hosts (the "
+                         f"nodes run {sum(n.arms for n in nodes)} block(s) at once, fewer than every lane's first "
+                         f"A/A blocks); a test on {', '.join(sorted(hosts - sure))} may hold until a later round's "
+                         f"deal (--until-decided moves it on by a node each round)")
+    return lines
 
 
 class TrialResources:

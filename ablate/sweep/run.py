@@ -61,7 +61,7 @@ from ablate.receipts.store import (RECEIPTS_DIR, SPOOL_FILE, ReceiptNotSaved, di
                                    write_receipt_or_fallback)
 from ablate.sweep.layout import LATEST, Layout, SweepLock
 from ablate.sweep.node_check import NODE_CHECK_TAG, check_plan
-from ablate.sweep.placement import TrialResources, aa_targets, dispatch_order, uncovered_lanes
+from ablate.sweep.placement import TrialResources, aa_targets, coverage_warnings, dispatch_order
 from ablate.sweep.plan import ORDERS_IN_PAIRS, ORDERS_SHUFFLED, SweepPlan, plan_sweep
 from ablate.redact import process_env_only, redact_text, redact_uri
 from ablate.sweep.resources import (Capacity, block_need, check_cluster, gpu_resources, local_ray_init_kwargs,
@@ -564,6 +564,15 @@ def _sweep_identity(path: Path, resume: bool, storage: Optional[str]
     return sweep, layout, plan, meta
 
 
+def _aa_turn(layout: Layout, sweep_id: str, meta: Mapping[str, Any]) -> int:
+    """How far this sweep moves every lane's A/A deal on (``ablate.sweep.placement.aa_targets``): one node per
+    earlier sweep of the campaign, so its rounds' first A/A blocks visit every node; a resumed sweep keeps its own."""
+    if "aa_turn" in meta:
+        return int(meta["aa_turn"])
+    directory = layout.local_dir / SWEEPS_DIR
+    return sum(1 for path in directory.glob("*.json") if path.stem != sweep_id) if directory.is_dir() else 0
+
+
 def _tune_can_restore(tune_path: str) -> bool:
     from ray import tune
 
@@ -840,9 +849,10 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         restorable = resume and _tune_can_restore(layout.tune_path(sweep_id))
         # A/A blocks first, one on each host: the rule calibrates a test only on its own hosts' A/A blocks. Only
         # the order Tune gets and where those blocks ask to run change; the plan (and its fingerprint) does not.
-        aa_placement = aa_targets(plan.blocks, capacity.nodes, sweep_id)
+        turn = _aa_turn(layout, sweep_id, meta if resume else {})
+        aa_placement = aa_targets(plan.blocks, capacity.nodes, turn)
         dispatch = replace(plan, blocks=dispatch_order(plan.blocks, aa_placement))
-        for line in uncovered_lanes(plan.blocks, capacity.nodes):
+        for line in coverage_warnings(plan.blocks, capacity.nodes, aa_placement):
             log.warning("%s", line)
         searcher = searcher_factory(dispatch) if searcher_factory is not None and not restorable else None
         if not resume:
@@ -853,6 +863,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
                     "blocks": [b.label() for b in plan.blocks], "skipped": plan.skipped,
                     "created_at": datetime.now(timezone.utc).isoformat(), "params": params,
                     "node_checks": node_checks,
+                    "aa_turn": turn,
                     "aa_targets": {block: {"host": target.host, "node_id": target.node_id, "first": target.first}
                                    for block, target in aa_placement.items()}}
             layout.write(f"{SWEEPS_DIR}/{sweep_id}.json", json.dumps(meta, indent=2, default=str))

@@ -19,12 +19,12 @@ The other clauses (quality, order, per-host and per-round wins, flakiness) are f
 used to stop (stopping at their first pass after every block would promote a worse candidate several times as
 often), only to judge the blocks the SPRT stopped at, so an upper crossing they hold ends as HOLD, said why.
 A/A blocks, bundle blocks and taxes run in every round (they calibrate and qualify the speed tests, and taxes are
-never decided). The campaign ends when no speed test is open (judged before each round, the first included) and
-none decided holds for want of A/A blocks (too few, or none on a host its blocks ran on: rounds go on, running only
-the blocks that run every round, until its calibration is complete), when ``sequential.max_rounds`` rounds have run
-in this invocation, on an interruption or a fatal error (``--resume``
-continues), or when a round finishes no block (said, never looped). A round with errored blocks (an arm that
-kept crashing) does not end the campaign: failed candidate arms are evidence the rule judges.
+never decided). The campaign ends when no speed test is open (judged before each round, the first included; a test
+that crossed a bound but holds for want of A/A blocks beside its own, too few or none on a host its blocks ran on,
+stays open: the rule calibrates a test with its own sweeps' A/A blocks only), when ``sequential.max_rounds`` rounds
+have run in this invocation, on an interruption or a fatal error (``--resume`` continues), or when a round finishes
+no block (said, never looped). A round with errored blocks (an arm that kept crashing) does not end the campaign:
+failed candidate arms are evidence the rule judges.
 """
 
 from __future__ import annotations
@@ -88,8 +88,9 @@ class Standing:
     lower_trace: list[Optional[float]] = field(default_factory=list)
     """The rejection test's LLR (hypotheses lowered by the A/A bias bound; against ``lower``)."""
     awaits_aa: bool = False
-    """Decided, but its verdict holds for want of A/A blocks (too few, or none on a host its blocks ran on): it gets
-    no more blocks, and the campaign goes on with rounds whose A/A blocks (sent to every node first) calibrate it."""
+    """A bound crossed, but the verdict holds for want of A/A blocks beside its own (too few, or none on a host its
+    blocks ran on): it stays open, since only a round that runs its blocks and A/A blocks (sent to every node first)
+    calibrates it; the rule reads A/A blocks of the test's own sweeps only. Its decision stays the stop's."""
 
     @property
     def key(self) -> SpeedKey:
@@ -136,15 +137,17 @@ def judge_states(receipts: Iterable[Receipt], policy: Policy, defaults_path: str
             state.why = seq.get("stop_reason") or v.reason
             if (decision, v.verdict) not in ((UPPER, PROMOTE), (LOWER, REJECT)):
                 state.why += f"; the verdict is {v.verdict}: {v.reason}"
-            # A bound crossed, the verdict held on its calibration: more of its own blocks cannot help, A/A blocks
-            # can (a HOLD that ended the campaign here waited for a sweep nobody would run). Not at the cap: that
-            # HOLD is "inconclusive" however well calibrated.
+            # A bound crossed, the verdict held on its calibration: closed, the campaign ended on a HOLD that only a
+            # round with A/A blocks beside the test's own could settle, a round nobody would run. Not at the cap:
+            # that HOLD is "inconclusive" however well calibrated.
             state.awaits_aa = decision in (UPPER, LOWER) and v.verdict == HOLD and (
                 bool(v.uncalibrated_hosts) or v.aa_blocks < policy.threshold.min_aa_blocks)
             if state.awaits_aa:
+                state.state = OPEN
                 missing = (f"none on host(s) {', '.join(v.uncalibrated_hosts)}" if v.uncalibrated_hosts else
                            f"{v.aa_blocks} of the {policy.threshold.min_aa_blocks} it needs")
-                state.why += f"; waits for A/A blocks ({missing})"
+                state.why += (f"; waits for A/A blocks beside its own ({missing}): it runs again, its decision "
+                              f"stays the stop's")
         elif exact is not None:
             state.state = DECIDED
             state.why = f"{exact.name}: {exact.detail}"
@@ -445,10 +448,11 @@ def next_round(planned: Iterable[SpeedKey], states: dict[SpeedKey, Standing], *,
                rounds: list[RoundRecord], max_rounds: int, resuming: bool) -> tuple[str, str]:
     """(why the campaign stops, "" to run another round; a line saying why a round runs only to calibrate)."""
     planned = list(planned)
-    open_tests = [k for k in planned if not (k in states and states[k].decided)]
-    # Only A/A blocks can settle these, and only a campaign that plans some runs them.
+    # Only A/A blocks beside their own can settle these, and only a campaign that plans some runs them.
     uncalibrated = [k for k in planned if k in states and states[k].awaits_aa]
-    if not open_tests and not (uncalibrated and aa_blocks) and not resuming:
+    open_tests = [k for k in planned if not (k in states and states[k].decided)
+                  and not (k in uncalibrated and not aa_blocks)]
+    if not open_tests and not resuming:
         return ("every speed test of the campaign is decided" + (
             f" ({len(uncalibrated)} hold for want of A/A blocks, and the campaign plans none: aa_blocks is 0)"
             if uncalibrated else ""), "")
@@ -456,9 +460,9 @@ def next_round(planned: Iterable[SpeedKey], states: dict[SpeedKey, Standing], *,
         return f"{len(rounds)} rounds run, the policy's sequential.max_rounds", ""
     if rounds and rounds[-1].blocks_run == 0:
         return "the last round ran no block (every block's test was decided before it started)", ""
-    if uncalibrated and not open_tests and not resuming:
-        return "", (f"{len(uncalibrated)} decided test(s) hold for want of A/A blocks: another round runs the blocks "
-                    f"that run every round (its A/A blocks go to every node first) to calibrate them")
+    if uncalibrated and not resuming:
+        return "", (f"{len(uncalibrated)} test(s) crossed a bound but hold for want of A/A blocks beside their own: "
+                    f"they run again, beside A/A blocks sent to every node first")
     return "", ""
 
 

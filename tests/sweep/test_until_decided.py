@@ -344,27 +344,33 @@ def _standing(feature: str, state: str, awaits_aa: bool = False) -> Standing:
                     awaits_aa=awaits_aa)
 
 
-def test_a_test_decided_but_held_for_want_of_aa_blocks_keeps_the_campaign_going_until_they_ran() -> None:
-    """A clear win whose only A/A blocks ran on another host crosses the upper bound and holds (its hosts' slot bias
-    is unbounded). It gets no more blocks of its own, but the campaign must not end "every test decided": the next
-    round's A/A blocks (sent to every node first) are what settles it. With them on its hosts it is promoted."""
+def test_a_crossing_held_for_want_of_aa_blocks_stays_open_until_a_round_beside_them_calibrates_it() -> None:
+    """A clear win whose sweeps ran A/A blocks only on another host crosses the upper bound and holds (its hosts'
+    slot bias is unbounded). Closed, the campaign ended "every test decided" on that HOLD. The rule reads only A/A
+    blocks of the test's own sweeps, so a round of A/A blocks alone settles nothing: the test stays open, and a
+    round that runs its blocks beside A/A blocks on its hosts promotes it."""
     policy = load_policy(POLICIES / "default_sequential.yaml")
-    win = simulate(Sim([moe(1.3)], aa_per_host=0, noise=0.007), seed=3)
-    aa = simulate(Sim([], hosts=4, aa_per_host=2, noise=0.007, block_prefix="aa-"), seed=1003)
-    elsewhere = [r for r in aa if r.identity.host == "node-3"]
+    win = simulate(Sim([moe(1.3)], aa_per_host=0, noise=0.007), seed=3)  # sweeps sim-r1, sim-r2
+    aa = simulate(Sim([], hosts=4, aa_per_host=2, noise=0.007, rounds=3, block_prefix="aa-"), seed=1003)
+    elsewhere = [r for r in aa if r.identity.host == "node-3" and r.identity.sweep_id != "sim-r3"]
     (held,) = judge_states(win + elsewhere, policy, DEFAULTS).values()
-    assert held.decision == UPPER and held.decided and held.verdict == "HOLD" and held.awaits_aa
-    assert "waits for A/A blocks (none on host(s) node-0, node-1, node-2)" in held.why, held.why
+    assert held.decision == UPPER and held.verdict == "HOLD" and held.awaits_aa and held.state == OPEN
+    assert "waits for A/A blocks beside its own (none on host(s) node-0, node-1, node-2)" in held.why, held.why
     rounds = [RoundRecord("r1", blocks_run=8, blocks_skipped=0, started_at=0.0, elapsed_s=1.0, exit_code=0)]
     stop, note = next_round([held.key], {held.key: held}, aa_blocks=2, rounds=rounds, max_rounds=4, resuming=False)
-    assert stop == "" and "1 decided test(s) hold for want of A/A blocks" in note
-    # A campaign that plans no A/A block would wait for good: it ends, and says why the test still holds.
+    assert stop == "" and "1 test(s) crossed a bound but hold for want of A/A blocks" in note
+    # A campaign that plans no A/A block would run it for nothing: it ends, and says why the test still holds.
     stop, _ = next_round([held.key], {held.key: held}, aa_blocks=0, rounds=rounds, max_rounds=4, resuming=False)
     assert stop.startswith("every speed test of the campaign is decided") and "aa_blocks is 0" in stop
     stop, _ = next_round([held.key], {held.key: held}, aa_blocks=2, rounds=rounds * 4, max_rounds=4, resuming=False)
     assert "sequential.max_rounds" in stop
 
-    (settled,) = judge_states(win + aa, policy, DEFAULTS).values()
+    third = [r for r in aa if r.identity.sweep_id == "sim-r3"]
+    (alone,) = judge_states(win + elsewhere + third, policy, DEFAULTS).values()
+    assert alone.awaits_aa and alone.verdict == "HOLD", "A/A blocks of a sweep the test did not run in bound nothing"
+    beside = [r for r in simulate(Sim([moe(1.3)], aa_per_host=2, noise=0.007, rounds=3, block_prefix="r3-"), seed=5)
+              if r.identity.sweep_id == "sim-r3"]
+    (settled,) = judge_states(win + elsewhere + beside, policy, DEFAULTS).values()
     assert settled.decided and settled.verdict == PROMOTE and not settled.awaits_aa, settled.why
     stop, note = next_round([settled.key], {settled.key: settled}, aa_blocks=2, rounds=rounds, max_rounds=4,
                             resuming=False)
