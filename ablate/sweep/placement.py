@@ -5,11 +5,11 @@ The promotion rule calibrates a test only on A/A blocks of the hosts the test ra
 +3% candidate-slot bias on three hosts, calibrated on a fourth, promoted a null feature in 23 of 30 seeds. Ray alone
 places blocks wherever a slot is free, so with a few A/A blocks per lane over several hosts most hosts got none, and
 every test on them held. Here each lane's A/A blocks are dealt over the nodes that fit a block (every host's first
-node before any second one), and the first one per node is dispatched before any other block, asking Ray for its
-node (``PlacementGroupFactory`` with a soft target: at the sweep's start every node is free, so each lands where it
-was sent). The target is soft on purpose: a node that died or is full lets the block run elsewhere, as before,
-instead of waiting for good. Later A/A blocks keep their planned places in time (and their soft targets, which a
-busy cluster may not honour): only the first wave moves.
+node before any second one), and a first wave of them, as many as the nodes run at once, is dispatched before any
+other block, each asking Ray for its node (``PlacementGroupFactory`` with a soft target: at the sweep's start every
+node is free, so each lands where it was sent). The target is soft on purpose: a node that died or is full lets the
+block run elsewhere, as before, instead of waiting for good. Later A/A blocks keep their planned places in time (and
+their soft targets, which a busy cluster may not honour): only the first wave moves.
 
 How to use (``ablate.sweep.run``)::
 
@@ -33,7 +33,7 @@ class Target:
     node_id: str
     host: str
     first: bool
-    """The lane's first A/A block on this node: dispatched before every other block."""
+    """In the first wave: dispatched before every other block, when its node is sure to be free."""
 
 
 def spread_nodes(nodes: Sequence[NodeFit]) -> list[NodeFit]:
