@@ -210,8 +210,10 @@ def test_a_real_sweep_interrupted_with_sigint_reports_the_running_block_as_inter
     listening stayed on disk only, in neither MLflow nor the spool, and the only hint was Ray's
     ``Tuner.restore(...)``, not ``ablate sweep --resume``."""
     # Sequential blocks: an interleaved pair writes both receipts together at its end, so there would be no
-    # moment with one receipt of a still-running block to interrupt.
-    campaign = tiny_smoke(tmp_path / "campaign", name="sigint", steps=30, features={"fused_residual": ["on"]},
+    # moment with one receipt of a still-running block to interrupt. moe_dispatch: both arms run eager (a
+    # fused_residual candidate compiled with Inductor, ~10 s of each block on 2 cores, and interrupting is not
+    # about compiling); b000's second arm still needs its start-up (seconds) and 30 steps after the first receipt.
+    campaign = tiny_smoke(tmp_path / "campaign", name="sigint", steps=30, features={"moe_dispatch": ["jagged"]},
                           blocks=2, aa_blocks=0, resources={"cpus_per_worker": 1, "max_concurrent_blocks": 1},
                           block_mode="sequential")
     uri = fresh_mlflow_uri(tmp_path)

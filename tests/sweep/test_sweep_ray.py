@@ -154,7 +154,9 @@ def test_multi_worker_trial_shape_cannot_deadlock_on_two_cpus(ray_address: str, 
 
 
 def test_resume_after_the_driver_is_killed(ray_address: str, tmp_path: Path) -> None:
-    campaign = tiny_smoke(tmp_path / "campaign", name="resume", features={"fused_residual": ["on"]}, blocks=1,
+    # moe_dispatch: both arms run eager; resuming is not about compiling (a fused_residual candidate compiles
+    # with Inductor, ~10 s a block on 2 cores).
+    campaign = tiny_smoke(tmp_path / "campaign", name="resume", features={"moe_dispatch": ["jagged"]}, blocks=1,
                           aa_blocks=1, resources={"cpus_per_worker": 1, "max_concurrent_blocks": 1})
     uri = fresh_mlflow_uri(tmp_path)
     storage = str(tmp_path / "runs")
