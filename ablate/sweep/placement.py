@@ -43,8 +43,8 @@ def spread_nodes(nodes: Sequence[NodeFit]) -> list[NodeFit]:
     by_host: dict[str, list[NodeFit]] = defaultdict(list)
     for node in sorted((n for n in nodes if n.arms > 0), key=lambda n: (n.host, n.node_id)):
         by_host[node.host].append(node)
-    rounds = max((len(group) for group in by_host.values()), default=0)
-    return [group[turn] for turn in range(rounds) for _, group in sorted(by_host.items()) if turn < len(group)]
+    deepest = max((len(group) for group in by_host.values()), default=0)
+    return [group[index] for index in range(deepest) for _, group in sorted(by_host.items()) if index < len(group)]
 
 
 def aa_targets(blocks: Sequence[Block], nodes: Sequence[NodeFit], turn: int = 0) -> dict[str, Target]:
@@ -54,7 +54,8 @@ def aa_targets(blocks: Sequence[Block], nodes: Sequence[NodeFit], turn: int = 0)
     nodes fit a block: there is nothing to spread.
 
     The first wave (``Target.first``) is as many blocks as the nodes run at once, each node taking as many as it
-    holds, the lanes in turn: they all start together at the sweep's start, when every node is free, so every soft
+    holds, the lanes in turn (from lane ``turn``: a grid with more lanes than the wave holds gets each lane into it
+    over rounds): they all start together at the sweep's start, when every node is free, so every soft
     target is honoured. Lanes beyond it ask for their nodes too, but wait their turn in plan order, and a busy
     cluster puts a block on whichever node frees first (``coverage_warnings`` says which lanes may miss a host)."""
     spread = spread_nodes(nodes)
@@ -70,8 +71,10 @@ def aa_targets(blocks: Sequence[Block], nodes: Sequence[NodeFit], turn: int = 0)
              for lane_index, lane in enumerate(sorted(by_lane))}
     free = {node.node_id: node.arms for node in spread}
     first: set[str] = set()
+    lanes = sorted(dealt)
+    lanes = lanes[turn % len(lanes):] + lanes[:turn % len(lanes)] if lanes else lanes
     for rank in range(max((len(d) for d in dealt.values()), default=0)):
-        for lane in sorted(dealt):
+        for lane in lanes:
             if rank < len(dealt[lane]):
                 block, node = dealt[lane][rank]
                 if free[node.node_id] > 0:

@@ -446,7 +446,8 @@ def run_until_decided(path: str | Path, *, policy_path: str | Path, resume: bool
 
 def next_round(planned: Iterable[SpeedKey], states: dict[SpeedKey, Standing], *, aa_blocks: int,
                rounds: list[RoundRecord], max_rounds: int, resuming: bool) -> tuple[str, str]:
-    """(why the campaign stops, "" to run another round; a line saying why a round runs only to calibrate)."""
+    """(why the campaign stops, "" to run another round; a line saying when a round runs for tests that crossed a
+    bound and wait for A/A blocks beside their own)."""
     planned = list(planned)
     # Only A/A blocks beside their own can settle these, and only a campaign that plans some runs them.
     uncalibrated = [k for k in planned if k in states and states[k].awaits_aa]

@@ -88,6 +88,18 @@ def test_each_sweep_moves_a_lanes_deal_on_by_one_node_so_rounds_visit_every_node
     assert next(iter(aa_targets(plan.blocks, nodes, 3).values())).node_id == firsts[0]
 
 
+def test_a_grid_larger_than_the_first_wave_gets_every_lane_into_it_over_rounds(tmp_path: Path) -> None:
+    """3 lanes, 2 one-slot nodes: each sweep's first wave holds 2 lanes; moving the lanes on with the turn, as the
+    nodes are, lets the third lane start first in a later round (a fixed lane order left it out of every one)."""
+    plan = _plan(tmp_path, aa_blocks=2, grid=True)
+    nodes = [_node("n1", "a"), _node("n2", "b")]
+    lane_of = {b.block_id: b.lane_key for b in plan.blocks if b.is_aa}
+    waves = [{lane_of[block] for block, t in aa_targets(plan.blocks, nodes, turn).items() if t.first}
+             for turn in range(3)]
+    assert all(len(wave) == 2 for wave in waves)
+    assert set().union(*waves) == set(lane_of.values())
+
+
 def test_lanes_not_sure_to_reach_every_host_are_named_with_what_to_do(tmp_path: Path) -> None:
     nodes = [_node("n1", "a"), _node("n2", "b"), _node("n3", "c")]
     few = _plan(tmp_path / "few", aa_blocks=2)
