@@ -157,15 +157,31 @@ def _run_subprocess(spec: ArmSpec, work: Path, max_failures: int, timeout_s: Opt
     return None
 
 
-def _claim_attempt(work: Path) -> int:
-    """Rank 0 claims the next attempt number with an exclusive create (Train restarts the whole group)."""
+def _claim_attempt(work: Path, prefix: str = "attempt") -> int:
+    """The next attempt number, claimed with an exclusive create (Train restarts the whole group)."""
     for number in itertools.count():
         try:
-            os.close(os.open(work / f"attempt-{number}.state", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            os.close(os.open(work / f"{prefix}-{number}.state", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             return number
         except FileExistsError:
             continue
     raise AssertionError("unreachable")
+
+
+def _group_attempt(work: Path, rank: int) -> int:
+    """This worker group's attempt within the arm, the same on every rank: rank 0 claims it (its claims are the
+    arm's restart count) and Train V2 broadcasts it. Train V1 has no such collective: there each rank counts its
+    own starts, which agree unless a rank died before its train function ran."""
+    claimed = _claim_attempt(work) if rank == 0 else None
+    try:
+        from ray.train.v2._internal.constants import is_v2_enabled
+    except ImportError:
+        is_v2_enabled = None  # type: ignore[assignment]
+    if is_v2_enabled is not None and is_v2_enabled():
+        from ray.train.collective import broadcast_from_rank_zero
+
+        return int(broadcast_from_rank_zero(claimed))
+    return claimed if claimed is not None else _claim_attempt(work, prefix=f"rank{rank}-attempt")
 
 
 def _train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -183,7 +199,11 @@ def _train_loop_per_worker(config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
     work = Path(config["work_dir"])
-    restarts = _claim_attempt(work) if rank == 0 else 0
+    restarts = _group_attempt(work, rank)
+    # Compile caches of this worker group's attempt, set before anything compiles (Inductor and Triton read the
+    # variables when they first compile): a group Train restarts inside the arm compiles cold again, as a
+    # relaunched one-worker arm does, and every arm's worker runtime env is the same.
+    os.environ.update(_private_caches(work, restart=restarts))
     spec = ArmSpec.from_json(config["spec"])
     cuda_index = None
     if torch.cuda.is_available():
@@ -278,7 +298,9 @@ def _run_ray_train(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchI
     if use_gpu is None:
         use_gpu = lane.hardware.device.value != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
     # Ray starts workers at niceness 15 by default; an arm measured at low priority is pre-empted by anything.
-    env_vars = {"PYTHONPATH": _pythonpath(), "RAY_worker_niceness": "0", **_private_caches(work)}
+    # No per-arm value here (the compile caches are set per attempt in the train function): every arm's workers
+    # get the same runtime env.
+    env_vars = {"PYTHONPATH": _pythonpath(), "RAY_worker_niceness": "0"}
     if not use_gpu:
         env_vars["DS_ACCELERATOR"] = "cpu"
     scaling: dict[str, Any] = {"num_workers": lane.engine.workers, "use_gpu": use_gpu}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Iterator
 
@@ -14,31 +13,28 @@ from trainer_helpers import CORPUS, make_spec, tiny_lane
 from trainers import run_arm
 from trainers.run import TRAIN_ENV_DEFAULTS
 
-REPO = Path(__file__).resolve().parents[2]
 LANE = {"batch": {"micro_batch": 2, "seq_len": 32, "grad_accum": 2},
         "budget": {"steps": 4, "family_sample_steps": 1, "min_steady_steps": 2},
         "data": {"source": "text", "path": str(CORPUS)}}
 
 
 @pytest.fixture(scope="module")
-def ray_arms(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, Receipt], str, Path]]:
-    ray = pytest.importorskip("ray")
-    extensions = tmp_path_factory.mktemp("torch_extensions")
+def ray_arms(train_ray: Path, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[tuple[dict[str, Receipt], str, Path]]:
+    import ray
+
     receipts = tmp_path_factory.mktemp("ray") / "receipts"
-    env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-           "TORCH_EXTENSIONS_DIR": str(extensions)}
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False)
-    try:
-        node = ray.get_runtime_context().get_node_id()
-        # 0.05 MiB splits the tiny model's ~180 kB of gradients into several buckets, so the cap acts.
-        ddp = tiny_lane(**LANE, engine={"name": "ddp", "workers": 2, "bucket_cap_mb": 0.05})
-        deepspeed = tiny_lane(**LANE, engine={"name": "deepspeed", "workers": 2, "zero_stage": 2,
-                                              "overlap_comm": True, "reduce_bucket_size": 20000,
-                                              "allgather_bucket_size": 20000})
-        arms = {"ddp": run_arm(make_spec(ddp, receipts)), "deepspeed": run_arm(make_spec(deepspeed, receipts))}
-        yield arms, node, extensions
-    finally:
-        ray.shutdown()
+    node = ray.get_runtime_context().get_node_id()
+    # 0.05 MiB splits the tiny model's ~180 kB of gradients into several buckets, so the cap acts.
+    ddp = tiny_lane(**LANE, engine={"name": "ddp", "workers": 2, "bucket_cap_mb": 0.05})
+    deepspeed = tiny_lane(**LANE, engine={"name": "deepspeed", "workers": 2, "zero_stage": 2,
+                                          "overlap_comm": True, "reduce_bucket_size": 20000,
+                                          "allgather_bucket_size": 20000})
+    # The DDP arm's rank 0 is SIGKILLed at step 2 of its first attempt and Train restarts the whole group once
+    # (one more group start, not one more arm): its receipt is the surviving attempt's.
+    arms = {"ddp": run_arm(make_spec(ddp, receipts, inject={"kill_at_step": 2}), max_failures=1),
+            "deepspeed": run_arm(make_spec(deepspeed, receipts))}
+    yield arms, node, train_ray
 
 
 @pytest.mark.parametrize("engine", ["ddp", "deepspeed"])
@@ -48,7 +44,7 @@ def test_two_worker_arm_runs_under_ray_train_and_validates(ray_arms: tuple[dict[
     receipt = arms[engine]
     assert receipt.identity.status is Status.valid, (receipt.error, receipt.disqualifiers)
     validate_receipt(json.loads(receipt.model_dump_json()))
-    assert receipt.identity.executor == "ray_train" and receipt.identity.attempt == 0
+    assert receipt.identity.executor == "ray_train" and receipt.identity.attempt == (1 if engine == "ddp" else 0)
     assert receipt.identity.node_id == node                 # pinned to the caller's node
     assert receipt.requested.world_size == 2 and receipt.requested.tokens_per_step == 2 * 32 * 2 * 2
     assert receipt.observed.tokens_per_step == receipt.requested.tokens_per_step
@@ -80,3 +76,17 @@ def test_engines_resolve_their_buckets_and_train_the_same_model(ray_arms: tuple[
     assert ddp_losses[-1] < ddp_losses[0]
     # A client torch optimizer and no shared-memory allreduce: DeepSpeed built no C++ op on CPU.
     assert list(extensions.rglob("*.so")) == []
+
+
+def test_a_restarted_worker_group_compiles_into_fresh_caches(ray_arms: tuple[dict[str, Receipt], str, Path]) -> None:
+    arms, _, _ = ray_arms
+    restarted, first_try = arms["ddp"], arms["deepspeed"]
+    assert restarted.identity.attempt == 1 and first_try.identity.attempt == 0
+    assert restarted.time.badput_s["restart"] > 0 and first_try.time.badput_s["restart"] == 0
+    # The restarted group compiled into caches of its own: the dead attempt's kernels would have made its compile
+    # warm and its one-time cost read low.
+    assert restarted.env["TORCHINDUCTOR_CACHE_DIR"].endswith("/inductor-cache-restart1")
+    assert restarted.env["TRITON_CACHE_DIR"].endswith("/triton-cache-restart1")
+    assert first_try.env["TORCHINDUCTOR_CACHE_DIR"].endswith("/inductor-cache")
+    assert first_try.env["TRITON_CACHE_DIR"].endswith("/triton-cache")
+    assert len(restarted.steps.series) == 4

@@ -12,8 +12,6 @@ import pytest
 
 from trainers.run import TRAIN_ENV_DEFAULTS, _backend_config, _train_env, _trainer_class
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def test_train_env_applies_defaults_keeps_a_set_value_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
     names = list(TRAIN_ENV_DEFAULTS)
@@ -76,31 +74,27 @@ def _controller_probe(out: Path, arm: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def two_arms(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, list[dict[str, Any]]], Any]]:
-    ray = pytest.importorskip("ray")
+def two_arms(train_ray: Path, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[tuple[dict[str, list[dict[str, Any]]], Any]]:
+    import ray
     import ray.train
 
     out = tmp_path_factory.mktemp("train_start")
-    env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False)
-    try:
-        arms: dict[str, list[dict[str, Any]]] = {}
-        for arm in ("first", "second"):
-            with _train_env() as train_env:
-                trainer = _trainer_class()(
-                    _probe_loop_factory(),
-                    train_loop_config={"arm": arm, "out": str(out), "env_names": list(TRAIN_ENV_DEFAULTS)},
-                    scaling_config=ray.train.ScalingConfig(num_workers=2, use_gpu=False),
-                    torch_config=_backend_config(False),
-                    run_config=ray.train.RunConfig(name=f"probe-{arm}", storage_path=str(out / "ray"),
-                                                   worker_runtime_env={"env_vars": dict(train_env)},
-                                                   callbacks=[_controller_probe(out, arm)]))
-                trainer.fit()
-            arms[arm] = [json.loads((out / f"{arm}-{rank}.json").read_text()) for rank in range(2)]
-            arms[arm + "-controller"] = [json.loads((out / f"{arm}-controller.json").read_text())]
-        yield arms, ray
-    finally:
-        ray.shutdown()
+    arms: dict[str, list[dict[str, Any]]] = {}
+    for arm in ("first", "second"):
+        with _train_env() as train_env:
+            trainer = _trainer_class()(
+                _probe_loop_factory(),
+                train_loop_config={"arm": arm, "out": str(out), "env_names": list(TRAIN_ENV_DEFAULTS)},
+                scaling_config=ray.train.ScalingConfig(num_workers=2, use_gpu=False),
+                torch_config=_backend_config(False),
+                run_config=ray.train.RunConfig(name=f"probe-{arm}", storage_path=str(out / "ray"),
+                                               worker_runtime_env={"env_vars": dict(train_env)},
+                                               callbacks=[_controller_probe(out, arm)]))
+            trainer.fit()
+        arms[arm] = [json.loads((out / f"{arm}-{rank}.json").read_text()) for rank in range(2)]
+        arms[arm + "-controller"] = [json.loads((out / f"{arm}-controller.json").read_text())]
+    yield arms, ray
 
 
 def test_consecutive_two_worker_arms_never_share_a_process(two_arms: tuple[dict[str, list[dict[str, Any]]], Any]
