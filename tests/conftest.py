@@ -6,8 +6,9 @@ import atexit
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator, Optional
 
 import pytest
 
@@ -34,13 +35,81 @@ def repo() -> Path:
     return REPO
 
 
+SHARED_RAY = "ray_address"
+"""The fixture of the modules that share one local Ray runtime. They run one after another (``pytest_collection_
+modifyitems``), and the runtime stays up from one to the next when the last one left it idle: starting and stopping
+Ray costs ~7 s a module on 2 CPUs."""
+
+_shared_modules: set[Any] = set()
+_started_here = [False]
+
+
+def _uses_shared_ray(item: pytest.Item) -> bool:
+    return SHARED_RAY in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The shared-Ray modules move, whole and in their order, to where the first of them was; nothing else moves."""
+    modules: dict[Any, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(getattr(item, "module", None), []).append(item)
+    shared = [module for module, group in modules.items()
+              if module is not None and any(_uses_shared_ray(item) for item in group)]
+    _shared_modules.update(shared)
+    if len(shared) < 2:
+        return
+    ordered: list[pytest.Item] = []
+    for module, group in modules.items():
+        if module is shared[0]:
+            ordered.extend(item for name in shared for item in modules[name])
+        elif module not in _shared_modules:
+            ordered.extend(group)
+    items[:] = ordered
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: Optional[pytest.Item]) -> Iterator[None]:
+    """The shared runtime stops before the first test outside the shared modules (and at the end): no other test
+    ever runs beside it."""
+    yield
+    if _started_here[0] and (nextitem is None or getattr(nextitem, "module", None) not in _shared_modules):
+        import ray
+
+        ray.shutdown()
+        _started_here[0] = False
+
+
+def _idle(ray: Any, wait_s: float = 10.0) -> bool:
+    """Every resource free again (no placement group, actor or task left by the last module), within ``wait_s``:
+    Ray releases a finished trial's resources asynchronously."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            free, total = ray.available_resources(), ray.cluster_resources()
+            # Objects still in the store hold no scheduling resource: only what a block could wait for counts.
+            if all(free.get(name) == amount for name, amount in total.items() if name != "object_store_memory") \
+                    and len(ray.nodes()) == 1:
+                return True
+        except Exception:  # noqa: BLE001 - a runtime the last module broke: start a fresh one
+            return False
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def ray_address() -> Iterator[str]:
-    """A real local Ray runtime with 2 CPUs, one per test module (start-up costs seconds)."""
+    """A real local Ray runtime with 2 CPUs, shared by the modules that ask for it: a module reuses the runtime the
+    last one left idle, or starts a fresh one (anything still held, or none running)."""
     import ray
 
     from ablate.sweep.resources import local_ray_init_kwargs
 
-    ray.init(**local_ray_init_kwargs(num_cpus=2, num_gpus=0), include_dashboard=False, log_to_driver=False)
+    if ray.is_initialized() and not (_started_here[0] and _idle(ray)):
+        ray.shutdown()
+    if not ray.is_initialized():
+        # "local": a cluster someone else started on this machine (``ray start``) is never attached to by accident.
+        ray.init(address="local", **local_ray_init_kwargs(num_cpus=2, num_gpus=0), include_dashboard=False,
+                 log_to_driver=False)
+        _started_here[0] = True
     yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
