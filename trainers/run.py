@@ -99,8 +99,23 @@ def _worker_outcome(spec: ArmSpec, launch: LaunchInfo, result_path: Path, log_pa
         f"killed by signal {-code}" if code < 0 else f"exited with status {code}")
     launch.failure = {"type": "WorkerDied", "category": "exception",
                       "message": f"worker process {how} before writing a result (attempt {attempt})"
-                                 f"\n{_tail(log_path)}"}
+                                 f"{_full_disk(result_path.parent)}\n{_tail(log_path)}"}
     return None
+
+
+FULL_BELOW_BYTES = 64 * 1024
+"""Free space under which a dead worker's directory counts as full: its writes failed, and so did its log."""
+
+
+def _full_disk(directory: Path) -> str:
+    """Why a worker died without a result and often without a log line: the disk under its directory is full (its
+    traceback went to a log on that disk). Said in the failure, in the words of the error, so the receipt and the
+    sweep's console name the fault to act on."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return ""
+    return f": the disk of {directory} is full (No space left on device)" if free < FULL_BELOW_BYTES else ""
 
 
 def _start_worker(argv: list[str], work: Path, log: Any, launch: LaunchInfo, *, fork_server: bool = True,

@@ -564,6 +564,11 @@ def _sweep_identity(path: Path, resume: bool, storage: Optional[str]
     return sweep, layout, plan, meta
 
 
+def _targets_record(placement: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    return {block: {"host": target.host, "node_id": target.node_id, "first": target.first}
+            for block, target in placement.items()}
+
+
 def _aa_turn(layout: Layout, sweep_id: str, meta: Mapping[str, Any]) -> int:
     """How far this sweep moves every lane's A/A deal on (``ablate.sweep.placement.aa_targets``): one node per
     earlier sweep of the campaign, so its rounds' first A/A blocks visit every node; a resumed sweep keeps its own."""
@@ -712,17 +717,39 @@ class _DiskFaultLines(logging.Filter):
         return True
 
 
+class _ArmFailureLines(logging.Filter):
+    """Tune logs a block whose arm failed (``ArmFailed``, raised by the trial after both arms ran) with the
+    traceback of that raise: Ray's and Tune's frames around one line of ours, nothing the user can act on. Such a
+    record becomes one line with the failure; why the arm failed is in its receipt and worker log, and the summary
+    names the block."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from ablate.sweep.trial import ArmFailed
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, ArmFailed):
+            # Ray's wrapper puts its frames first: the failure is what follows "...ArmFailed: ".
+            text = str(exc)
+            marker = ArmFailed.__name__ + ": "
+            detail = " ".join(text[text.rfind(marker) + len(marker):].split() if marker in text else text.split())
+            record.msg, record.args = f"{record.getMessage()}: {detail[:500]}", None
+            record.exc_info, record.exc_text, record.stack_info = None, None, None
+        return True
+
+
 @contextlib.contextmanager
 def _disk_faults_in_one_line() -> Iterator[None]:
-    quiet = _DiskFaultLines()
+    quiet, arms = _DiskFaultLines(), _ArmFailureLines()
     loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
     for logger in loggers:
         logger.addFilter(quiet)
+        logger.addFilter(arms)
     try:
         yield
     finally:
         for logger in loggers:
             logger.removeFilter(quiet)
+            logger.removeFilter(arms)
 
 
 def _found_in_fallback(campaign: str, sweep_id: str, known: set[str], recorder: _Recorder) -> list[Receipt]:
@@ -863,11 +890,16 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
                     "blocks": [b.label() for b in plan.blocks], "skipped": plan.skipped,
                     "created_at": datetime.now(timezone.utc).isoformat(), "params": params,
                     "node_checks": node_checks,
-                    "aa_turn": turn,
-                    "aa_targets": {block: {"host": target.host, "node_id": target.node_id, "first": target.first}
-                                   for block, target in aa_placement.items()}}
+                    "aa_turn": turn, "aa_targets": _targets_record(aa_placement)}
             layout.write(f"{SWEEPS_DIR}/{sweep_id}.json", json.dumps(meta, indent=2, default=str))
             layout.write(LATEST, sweep_id + "\n")
+        else:
+            # A resume deals the A/A blocks again over the nodes up now (one may have gone or come): the record
+            # keeps what each run of the sweep asked for, the first one's under "aa_targets".
+            meta = {**meta, "resumes": [*meta.get("resumes", []),
+                                        {"at": datetime.now(timezone.utc).isoformat(),
+                                         "aa_targets": _targets_record(aa_placement)}]}
+            layout.write(f"{SWEEPS_DIR}/{sweep_id}.json", json.dumps(meta, indent=2, default=str))
         store = MlflowStore(uri, sweep.tracking.experiment, layout.local_dir)
         for what, why in plan.skipped:
             log.warning("not run: %s: %s", what, why)

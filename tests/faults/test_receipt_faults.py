@@ -119,3 +119,28 @@ def test_an_arm_whose_receipts_dir_refuses_writes_leaves_its_receipt(kind: str, 
     elif receipt.identity.status is not Status.valid:
         # The arm's own scratch may be on the full disk too: then it fails, and its receipt says why.
         assert receipt.error is not None and "No space left on device" in receipt.error.message
+
+
+def test_a_worker_that_died_on_a_full_disk_says_so(tmp_path: Path) -> None:
+    """A worker whose disk fills up dies without a result, and its traceback went to a log on that same disk: the
+    failure names the full disk (and the sweep's console shows it as one disk-fault line, not a traceback)."""
+    from fsfaults import can_mount, fill, tmpfs
+
+    from trainers.receipt import LaunchInfo
+    from trainers.run import _worker_outcome
+
+    if not can_mount():
+        pytest.skip("needs root with the right to mount a tmpfs (a real full disk)")
+    with tmpfs(tmp_path / "disk", size_kb=256) as disk:
+        work = disk / "arm"
+        work.mkdir()
+        log = work / "worker-0.log"
+        log.touch()
+        launch = LaunchInfo(executor="subprocess", run_start=0.0, end=0.0)
+        assert _worker_outcome(None, launch, work / "result-0.state", log, 1, 0, None) is None  # type: ignore[arg-type]
+        assert launch.failure is not None and "No space left" not in launch.failure["message"]  # space left
+        fill(disk)
+        assert _worker_outcome(None, launch, work / "result-0.state", log, 1, 0, None) is None  # type: ignore[arg-type]
+        assert launch.failure["message"].startswith(
+            f"worker process exited with status 1 before writing a result (attempt 0): the disk of {work} is full "
+            "(No space left on device)")

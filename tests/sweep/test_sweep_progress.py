@@ -254,3 +254,41 @@ def test_a_real_sweep_interrupted_with_sigint_reports_the_running_block_as_inter
     spool = receipts_dir.parent / "spool.jsonl"
     spooled = {r.identity.receipt_id for r in load_receipts(spool)[0]} if spool.exists() else set()
     assert on_disk and on_disk <= logged | spooled, (on_disk - logged - spooled, output[-3000:])
+
+
+def test_a_blocks_failed_arm_is_one_console_line_and_other_errors_keep_their_traceback() -> None:
+    """Tune logs a trial that raised ``ArmFailed`` with Ray's traceback around our one raise: during a sweep that
+    record is one line with the failure (why the arm failed is in its receipt); any other error keeps its
+    traceback (found when a full disk left a worker's log empty, so its failure named no disk fault)."""
+    import io
+    import logging
+
+    from ray.exceptions import RayTaskError
+
+    from ablate.sweep.run import _disk_faults_in_one_line
+    from ablate.sweep.trial import ArmFailed
+
+    failure = "block b000 attempt 0: baseline arm failed: worker process exited with status 1 (attempt 0)"
+    wrapped = RayTaskError("train", f"Traceback (most recent call last):\n  ...\nablate.sweep.trial.ArmFailed: "
+                                    f"{failure}", ArmFailed(failure)).as_instanceof_cause()
+    logger = logging.getLogger("ray.tune.execution.tune_controller")
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger.addHandler(handler)
+    try:
+        with _disk_faults_in_one_line():
+            for exc in (wrapped, ValueError("a bug of ours")):
+                try:
+                    raise exc
+                except Exception:  # noqa: BLE001
+                    logger.error("Trial task failed for trial b000", exc_info=True)
+        try:
+            raise wrapped
+        except Exception:  # noqa: BLE001 - outside a sweep: Tune's record as it is
+            logger.error("Trial task failed for trial b001", exc_info=True)
+    finally:
+        logger.removeHandler(handler)
+    arm_line, rest = stream.getvalue().split("\n", 1)
+    assert arm_line == f"Trial task failed for trial b000: {failure}"
+    assert rest.startswith("Trial task failed for trial b000\nTraceback") and "ValueError: a bug of ours" in rest
+    assert "Trial task failed for trial b001\nTraceback" in rest

@@ -200,4 +200,7 @@ def test_resume_after_the_driver_is_killed(ray_address: str, tmp_path: Path) -> 
     blocks = client.search([f"tags.`{TAG}sweep_id` = '{sweep_id}'", f"tags.`{TAG}role` = 'block'"])
     keys = [(b.data.tags[TAG + "block_id"], b.data.tags[TAG + "attempt"]) for b in blocks]
     assert len(keys) == len(set(keys)), f"a resumed sweep duplicated block runs: {sorted(keys)}"
-    json.loads((layout.local_dir / "sweeps" / f"{sweep_id}.json").read_text())
+    meta = json.loads((layout.local_dir / "sweeps" / f"{sweep_id}.json").read_text())
+    # The resume dealt the A/A blocks again (one node here: no targets) and the record says so beside the first deal.
+    assert [set(run) for run in meta["resumes"]] == [{"at", "aa_targets"}]
+    assert meta["resumes"][0]["aa_targets"] == meta["aa_targets"] == {}
