@@ -48,6 +48,7 @@ def _uses_shared_ray(item: pytest.Item) -> bool:
     return SHARED_RAY in getattr(item, "fixturenames", ())
 
 
+@pytest.hookimpl(trylast=True)  # after -k/-m deselect: a module whose Ray tests were deselected is not one of them
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """The shared-Ray modules move, whole and in their order, to where the first of them was; nothing else moves."""
     modules: dict[Any, list[pytest.Item]] = {}
@@ -69,8 +70,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: Optional[pytest.Item]) -> Iterator[None]:
-    """The shared runtime stops before the first test outside the shared modules (and at the end): no other test
-    ever runs beside it."""
+    """The shared runtime stops before the first test outside the shared modules (and at the end): only those
+    modules' tests run beside it."""
     yield
     if _started_here[0] and (nextitem is None or getattr(nextitem, "module", None) not in _shared_modules):
         import ray
@@ -80,15 +81,19 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: Optional[pytest.Item]) 
 
 
 def _idle(ray: Any, wait_s: float = 10.0) -> bool:
-    """Every resource free again (no placement group, actor or task left by the last module), within ``wait_s``:
-    Ray releases a finished trial's resources asynchronously."""
+    """Every scheduling resource free again and no placement group left, not even a pending one (the last module's
+    trials, actors and tasks are gone), within ``wait_s``: Ray releases a finished trial's resources
+    asynchronously. Actors without resources (a sweep's clock) do not count: nothing waits for them."""
+    from ray.util import placement_group_table
+
     deadline = time.monotonic() + wait_s
     while True:
         try:
             free, total = ray.available_resources(), ray.cluster_resources()
             # Objects still in the store hold no scheduling resource: only what a block could wait for counts.
             if all(free.get(name) == amount for name, amount in total.items() if name != "object_store_memory") \
-                    and len(ray.nodes()) == 1:
+                    and len(ray.nodes()) == 1 \
+                    and all(group.get("state") == "REMOVED" for group in placement_group_table().values()):
                 return True
         except Exception:  # noqa: BLE001 - a runtime the last module broke: start a fresh one
             return False

@@ -97,9 +97,11 @@ def _worker_outcome(spec: ArmSpec, launch: LaunchInfo, result_path: Path, log_pa
         return WorkerResult.from_json(result_path.read_text())
     how = f"timed out after {timeout_s}s" if code is None else (
         f"killed by signal {-code}" if code < 0 else f"exited with status {code}")
+    tail = _tail(log_path)
+    # An empty log says nothing of why; on a full disk the traceback itself was lost (the log is on that disk).
+    why = _full_disk(result_path.parent) if not tail.strip() else ""
     launch.failure = {"type": "WorkerDied", "category": "exception",
-                      "message": f"worker process {how} before writing a result (attempt {attempt})"
-                                 f"{_full_disk(result_path.parent)}\n{_tail(log_path)}"}
+                      "message": f"worker process {how} before writing a result (attempt {attempt}){why}\n{tail}"}
     return None
 
 
@@ -108,14 +110,18 @@ FULL_BELOW_BYTES = 64 * 1024
 
 
 def _full_disk(directory: Path) -> str:
-    """Why a worker died without a result and often without a log line: the disk under its directory is full (its
-    traceback went to a log on that disk). Said in the failure, in the words of the error, so the receipt and the
-    sweep's console name the fault to act on."""
+    """``: the disk of <directory> is full (No space left on device)`` when this process could write no more there
+    (bytes or inodes; root may use the blocks a filesystem keeps back for it), else empty. In the error's own words:
+    the receipt and the sweep's console then name the fault to act on."""
     try:
-        free = shutil.disk_usage(directory).free
+        stat = os.statvfs(directory)
     except OSError:
         return ""
-    return f": the disk of {directory} is full (No space left on device)" if free < FULL_BELOW_BYTES else ""
+    root = hasattr(os, "geteuid") and os.geteuid() == 0
+    blocks, inodes = (stat.f_bfree, stat.f_ffree) if root else (stat.f_bavail, stat.f_favail)
+    if blocks * stat.f_frsize >= FULL_BELOW_BYTES and (inodes > 0 or stat.f_files == 0):
+        return ""
+    return f": the disk of {directory} is full (No space left on device)"
 
 
 def _start_worker(argv: list[str], work: Path, log: Any, launch: LaunchInfo, *, fork_server: bool = True,
@@ -172,11 +178,11 @@ def _run_subprocess(spec: ArmSpec, work: Path, max_failures: int, timeout_s: Opt
     return None
 
 
-def _claim_attempt(work: Path, prefix: str = "attempt") -> int:
-    """The next attempt number, claimed with an exclusive create (Train restarts the whole group)."""
+def _claim_attempt(work: Path) -> int:
+    """Rank 0 claims the next attempt number with an exclusive create (Train restarts the whole group)."""
     for number in itertools.count():
         try:
-            os.close(os.open(work / f"{prefix}-{number}.state", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            os.close(os.open(work / f"attempt-{number}.state", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             return number
         except FileExistsError:
             continue
@@ -185,18 +191,10 @@ def _claim_attempt(work: Path, prefix: str = "attempt") -> int:
 
 def _group_attempt(work: Path, rank: int) -> int:
     """This worker group's attempt within the arm, the same on every rank: rank 0 claims it (its claims are the
-    arm's restart count) and Train V2 broadcasts it. Train V1 has no such collective: there each rank counts its
-    own starts, which agree unless a rank died before its train function ran."""
-    claimed = _claim_attempt(work) if rank == 0 else None
-    try:
-        from ray.train.v2._internal.constants import is_v2_enabled
-    except ImportError:
-        is_v2_enabled = None  # type: ignore[assignment]
-    if is_v2_enabled is not None and is_v2_enabled():
-        from ray.train.collective import broadcast_from_rank_zero
+    arm's restart count) and Train V2 broadcasts it (``_fit_arm``'s ``worker_runtime_env`` is V2's: arms need it)."""
+    from ray.train.collective import broadcast_from_rank_zero
 
-        return int(broadcast_from_rank_zero(claimed))
-    return claimed if claimed is not None else _claim_attempt(work, prefix=f"rank{rank}-attempt")
+    return int(broadcast_from_rank_zero(_claim_attempt(work) if rank == 0 else None))
 
 
 def _train_loop_per_worker(config: dict[str, Any]) -> None:

@@ -719,21 +719,24 @@ class _DiskFaultLines(logging.Filter):
 
 class _ArmFailureLines(logging.Filter):
     """Tune logs a block whose arm failed (``ArmFailed``, raised by the trial after both arms ran) with the
-    traceback of that raise: Ray's and Tune's frames around one line of ours, nothing the user can act on. Such a
-    record becomes one line with the failure; why the arm failed is in its receipt and worker log, and the summary
-    names the block."""
+    traceback of that raise: Ray's and Tune's frames around one line of ours. During a sweep such a record becomes
+    one line: each failed arm's first and last line (``ArmFailed.brief``); the whole failure, worker tracebacks
+    included, is in the arm's receipt and log, and the summary names the block."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from ablate.sweep.trial import ArmFailed
+        try:
+            from ablate.sweep.trial import ArmFailed
 
-        exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, ArmFailed):
-            # Ray's wrapper puts its frames first: the failure is what follows "...ArmFailed: ".
-            text = str(exc)
-            marker = ArmFailed.__name__ + ": "
-            detail = " ".join(text[text.rfind(marker) + len(marker):].split() if marker in text else text.split())
-            record.msg, record.args = f"{record.getMessage()}: {detail[:500]}", None
+            exc = record.exc_info[1] if record.exc_info else None
+            if not isinstance(exc, ArmFailed):
+                return True
+            original = getattr(exc, "cause", exc)  # Ray's RayTaskError(ArmFailed) keeps the raised one there
+            brief = getattr(original, "brief", None) or " ".join(str(original.args[0] if original.args else "")
+                                                                  .split())
+            record.msg, record.args = f"{record.getMessage()}: {brief}", None
             record.exc_info, record.exc_text, record.stack_info = None, None, None
+        except Exception:  # noqa: BLE001 - a filter that raises would end Tune's failure handling: keep the record
+            pass
         return True
 
 

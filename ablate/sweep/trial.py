@@ -90,7 +90,27 @@ def receipt_id(sweep_id: str, block_id: str, arm_index: int, attempt: int) -> st
 
 
 class ArmFailed(RuntimeError):
-    """An arm crashed; Tune retries the block (``max_failures``) as a new attempt."""
+    """An arm crashed; Tune retries the block (``max_failures``) as a new attempt. ``brief``: one line for the
+    console, each failed arm's first and last line (its full failure, tracebacks included, is the message and the
+    receipt's)."""
+
+    def __init__(self, message: str, brief: str = "") -> None:
+        super().__init__(message)
+        self.brief = brief or " ".join(message.split())
+
+
+def arm_failed(block_id: str, attempt: int, failures: list[str]) -> ArmFailed:
+    """The error a block's trial raises when arms failed (``failures``: "<role> arm failed: <why>" each)."""
+    head = f"block {block_id} attempt {attempt}: "
+    return ArmFailed(head + "; ".join(failures), head + "; ".join(_brief(failure) for failure in failures))
+
+
+def _brief(failure: str, limit: int = 300) -> str:
+    lines = [line.strip() for line in failure.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    text = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _attempt(floor: int) -> int:
@@ -202,7 +222,7 @@ def run_block(config: dict[str, Any], context: Optional[dict[str, Any]] = None) 
                              schedule=context.get("schedule", "fixed"))
         report(position, arm, spec, run_one(spec))
     if failed:
-        raise ArmFailed(f"block {block.block_id} attempt {attempt}: " + "; ".join(failed))
+        raise arm_failed(block.block_id, attempt, failed)
 
 
 def block_progress(receipts: Iterable[ReceiptLike], sweep_id: str) -> tuple[list[str], dict[str, int]]:

@@ -134,8 +134,9 @@ def test_a_worker_that_died_on_a_full_disk_says_so(tmp_path: Path) -> None:
     with tmpfs(tmp_path / "disk", size_kb=256) as disk:
         work = disk / "arm"
         work.mkdir()
-        log = work / "worker-0.log"
+        log, said = work / "worker-0.log", work / "worker-1.log"
         log.touch()
+        said.write_text("MemoryError")
         launch = LaunchInfo(executor="subprocess", run_start=0.0, end=0.0)
         assert _worker_outcome(None, launch, work / "result-0.state", log, 1, 0, None) is None  # type: ignore[arg-type]
         assert launch.failure is not None and "No space left" not in launch.failure["message"]  # space left
@@ -144,3 +145,6 @@ def test_a_worker_that_died_on_a_full_disk_says_so(tmp_path: Path) -> None:
         assert launch.failure["message"].startswith(
             f"worker process exited with status 1 before writing a result (attempt 0): the disk of {work} is full "
             "(No space left on device)")
+        # A log that says why is the cause shown; the disk is named only when nothing else could be.
+        assert _worker_outcome(None, launch, work / "result-1.state", said, 1, 0, None) is None  # type: ignore[arg-type]
+        assert launch.failure["message"].endswith("(attempt 0)\nMemoryError")

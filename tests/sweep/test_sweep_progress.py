@@ -256,21 +256,26 @@ def test_a_real_sweep_interrupted_with_sigint_reports_the_running_block_as_inter
     assert on_disk and on_disk <= logged | spooled, (on_disk - logged - spooled, output[-3000:])
 
 
-def test_a_blocks_failed_arm_is_one_console_line_and_other_errors_keep_their_traceback() -> None:
+def test_a_blocks_failed_arms_are_one_console_line_and_other_errors_keep_their_traceback() -> None:
     """Tune logs a trial that raised ``ArmFailed`` with Ray's traceback around our one raise: during a sweep that
-    record is one line with the failure (why the arm failed is in its receipt); any other error keeps its
-    traceback (found when a full disk left a worker's log empty, so its failure named no disk fault)."""
+    record is one line, each failed arm's first and last line (the whole failure is in its receipt); any other
+    error keeps its traceback (found when a full disk left a worker's log empty, so its failure named no fault)."""
     import io
     import logging
 
     from ray.exceptions import RayTaskError
 
     from ablate.sweep.run import _disk_faults_in_one_line
-    from ablate.sweep.trial import ArmFailed
+    from ablate.sweep.trial import arm_failed
 
-    failure = "block b000 attempt 0: baseline arm failed: worker process exited with status 1 (attempt 0)"
+    dead = ("baseline arm failed: worker process exited with status 1 before writing a result (attempt 0)\n"
+            "Traceback (most recent call last):\n  File \"trainers/loop.py\", line 3, in run\n"
+            "torch.OutOfMemoryError: CPU out of memory\n")
+    train = ("candidate arm failed: Training failed due to worker errors:\n[Rank 0 Error Snippet]:\n"
+             "A worker health check failed.\n[Rank 1 Error Snippet]:\nRuntimeError: Connection closed by peer")
+    failure = arm_failed("b000", 0, [dead, train])
     wrapped = RayTaskError("train", f"Traceback (most recent call last):\n  ...\nablate.sweep.trial.ArmFailed: "
-                                    f"{failure}", ArmFailed(failure)).as_instanceof_cause()
+                                    f"{failure}", failure).as_instanceof_cause()
     logger = logging.getLogger("ray.tune.execution.tune_controller")
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
@@ -289,6 +294,10 @@ def test_a_blocks_failed_arm_is_one_console_line_and_other_errors_keep_their_tra
     finally:
         logger.removeHandler(handler)
     arm_line, rest = stream.getvalue().split("\n", 1)
-    assert arm_line == f"Trial task failed for trial b000: {failure}"
+    assert arm_line == ("Trial task failed for trial b000: block b000 attempt 0: baseline arm failed: worker process "
+                        "exited with status 1 before writing a result (attempt 0) ... torch.OutOfMemoryError: CPU out "
+                        "of memory; candidate arm failed: Training failed due to worker errors: ... RuntimeError: "
+                        "Connection closed by peer")
     assert rest.startswith("Trial task failed for trial b000\nTraceback") and "ValueError: a bug of ours" in rest
     assert "Trial task failed for trial b001\nTraceback" in rest
+    assert str(failure).startswith("block b000 attempt 0: " + dead)    # the whole failure stays the message
