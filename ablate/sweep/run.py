@@ -730,10 +730,8 @@ class _ArmFailureLines(logging.Filter):
             exc = record.exc_info[1] if record.exc_info else None
             if not isinstance(exc, ArmFailed):
                 return True
-            original = getattr(exc, "cause", exc)  # Ray's RayTaskError(ArmFailed) keeps the raised one there
-            brief = getattr(original, "brief", None) or " ".join(str(original.args[0] if original.args else "")
-                                                                  .split())
-            record.msg, record.args = f"{record.getMessage()}: {brief}", None
+            raised = getattr(exc, "cause", exc)  # Ray's RayTaskError(ArmFailed) keeps the raised one there
+            record.msg, record.args = f"{record.getMessage()}: {raised.brief}", None
             record.exc_info, record.exc_text, record.stack_info = None, None, None
         except Exception:  # noqa: BLE001 - a filter that raises would end Tune's failure handling: keep the record
             pass
@@ -741,7 +739,7 @@ class _ArmFailureLines(logging.Filter):
 
 
 @contextlib.contextmanager
-def _disk_faults_in_one_line() -> Iterator[None]:
+def _faults_in_one_line() -> Iterator[None]:
     quiet, arms = _DiskFaultLines(), _ArmFailureLines()
     loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
     for logger in loggers:
@@ -839,7 +837,7 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
                               + (["--storage", storage] if storage else [])
                               + (["--tracking-uri", shown(uri)] if tracking_uri else []))
     try:
-        with _disk_faults_in_one_line(), _quiet_libraries():
+        with _faults_in_one_line(), _quiet_libraries():
             return _run_locked(path, sweep, layout, plan, meta, uri, resume=resume, progress=progress,
                                inject=inject, started=started, resume_command=resume_command,
                                searcher_factory=searcher_factory, simulate_arms=simulate_arms)

@@ -265,7 +265,7 @@ def test_a_blocks_failed_arms_are_one_console_line_and_other_errors_keep_their_t
 
     from ray.exceptions import RayTaskError
 
-    from ablate.sweep.run import _disk_faults_in_one_line
+    from ablate.sweep.run import _faults_in_one_line
     from ablate.sweep.trial import arm_failed
 
     dead = ("baseline arm failed: worker process exited with status 1 before writing a result (attempt 0)\n"
@@ -281,7 +281,7 @@ def test_a_blocks_failed_arms_are_one_console_line_and_other_errors_keep_their_t
     handler = logging.StreamHandler(stream)
     logger.addHandler(handler)
     try:
-        with _disk_faults_in_one_line():
+        with _faults_in_one_line():
             for exc in (wrapped, ValueError("a bug of ours")):
                 try:
                     raise exc
