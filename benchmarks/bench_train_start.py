@@ -10,7 +10,10 @@ interleaved (before, after, before, after, ...) so host load drifts over both al
   env still sets the controller poll to 0.5 s and worker niceness 0, as in every sweep);
 - ``torch_config``: the defaults plus the trainer without the unused Ray Data callback, with Ray's ``TorchConfig``
   (what ``run_arm`` did before ``trainers.train_backend``: the controller unpickles it and imports torch);
-- ``after``: what ``run_arm`` does now (``torch_config`` with ``trainers.train_backend.ArmTorchConfig``).
+- ``after``: what ``run_arm`` does now (``torch_config`` with ``trainers.train_backend.ArmTorchConfig``; on this
+  dashboard-less runtime, without Train's placement-group cleaner);
+- ``with_cleaner``: ``after`` with the placement-group cleaner put back (what it did before it was left out where no
+  State API answers).
 
 Stages per arm (seconds; ``time.time()`` on one host): ``to_fit`` scheduled -> ``fit()`` called; ``controller``
 fit() -> the controller's first log line (actor process start, imports); ``workers_created`` controller -> Train's
@@ -48,6 +51,8 @@ from trainers import run as run_module  # noqa: E402
 from trainers.spec import ArmSpec  # noqa: E402
 
 TARGET_S = 8.0
+_ARM_TRAINER = run_module._trainer_class
+"""``run_arm``'s trainer class as this tree builds it (``one_arm`` swaps the module's attribute per variant)."""
 
 
 def _controller_lines(run_name: str) -> list[tuple[float, str]]:
@@ -80,7 +85,26 @@ def _variant(name: str) -> tuple[dict[str, str], Callable[[], type], Callable[[b
         return dict(run_module.TRAIN_ENV_DEFAULTS), run_module._trainer_class, _ray_torch_config
     if name == "after":
         return dict(run_module.TRAIN_ENV_DEFAULTS), run_module._trainer_class, run_module._backend_config
-    raise ValueError(f"unknown variant {name!r}; valid: before, torch_config, after")
+    if name == "with_cleaner":
+        return dict(run_module.TRAIN_ENV_DEFAULTS), _with_cleaner, run_module._backend_config
+    raise ValueError(f"unknown variant {name!r}; valid: before, torch_config, after, with_cleaner")
+
+
+def _with_cleaner() -> type:
+    """``after``'s trainer, but always with Train's placement-group cleaner (one more actor process per arm), even
+    where it cannot work: without a dashboard it has no State API to watch the controller with."""
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    base = _ARM_TRAINER()
+
+    class WithCleaner(base):  # type: ignore[misc, valid-type]
+        def _create_default_callbacks(self) -> list[Any]:
+            callbacks = super()._create_default_callbacks()
+            if not any(isinstance(c, PlacementGroupCleanerCallback) for c in callbacks):
+                callbacks.append(PlacementGroupCleanerCallback())
+            return callbacks
+
+    return WithCleaner
 
 
 def one_arm(lane: Any, receipts: Path, name: str, node_id: str) -> dict[str, Any]:

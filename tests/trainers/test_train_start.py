@@ -3,6 +3,7 @@ worker processes of its own. Timings live in ``benchmarks/bench_runner.py``; the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from trainers.run import TRAIN_ENV_DEFAULTS, _backend_config, _train_env, _trainer_class
+from trainers.run import TRAIN_ENV_DEFAULTS, _backend_config, _train_env, _trainer_class, state_api_served
 
 
 def test_train_env_applies_defaults_keeps_a_set_value_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -94,6 +95,10 @@ def two_arms(train_ray: Path, tmp_path_factory: pytest.TempPathFactory
             trainer.fit()
         arms[arm] = [json.loads((out / f"{arm}-{rank}.json").read_text()) for rank in range(2)]
         arms[arm + "-controller"] = [json.loads((out / f"{arm}-controller.json").read_text())]
+    from ray._private.state import actors
+
+    # Every actor the runtime has run so far (dead ones included), by class: what each arm cost in processes.
+    arms["actor_classes"] = [{"class": a["ActorClassName"]} for a in actors().values()]
     yield arms, ray
 
 
@@ -139,23 +144,62 @@ def test_workers_see_the_train_settings_the_receipt_records(two_arms: tuple[dict
         assert record["env"] == TRAIN_ENV_DEFAULTS
 
 
-def test_arm_trainer_drops_only_the_unused_datasets_callback(two_arms: tuple[dict[str, list[dict[str, Any]]], Any]
-                                                             ) -> None:
-    _, ray = two_arms
+def test_arm_trainer_drops_only_callbacks_whose_actor_would_do_nothing(
+        two_arms: tuple[dict[str, list[dict[str, Any]]], Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Ray Data callback goes when the arm passes no datasets; the placement-group cleaner when no State API
+    answers (this runtime has no dashboard, like a sweep's embedded one), and then no cleaner actor was started for
+    either arm. A State API that answers, here a real HTTP server at ``RAY_API_SERVER_ADDRESS``, keeps it."""
+    arms, ray = two_arms
     import ray.data
     import ray.train
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
     def names(trainer: Any) -> set[str]:
         return {type(callback).__name__ for callback in trainer._create_default_callbacks()}
 
     scaling = ray.train.ScalingConfig(num_workers=2, use_gpu=False)
+    assert state_api_served() is False
     plain = names(_trainer_class()(lambda: None, scaling_config=scaling))
-    assert DatasetsCallback.__name__ not in plain
-    assert {"BackendSetupCallback", "PlacementGroupCleanerCallback", "AcceleratorSetupCallback"} <= plain
+    assert {DatasetsCallback.__name__, PlacementGroupCleanerCallback.__name__}.isdisjoint(plain)
+    assert {"BackendSetupCallback", "AcceleratorSetupCallback"} <= plain
+    started = [a["class"] for a in arms["actor_classes"]]
+    assert started.count("RayTrainWorker") >= 4 and "PlacementGroupCleaner" not in started, started
     with_data = names(_trainer_class()(lambda: None, scaling_config=scaling,
                                        datasets={"train": ray.data.from_items([{"x": 1}])}))
     assert with_data == plain | {DatasetsCallback.__name__}
+
+    with _answering_server() as address:
+        monkeypatch.setenv("RAY_API_SERVER_ADDRESS", address)
+        assert state_api_served() is True
+        assert names(_trainer_class()(lambda: None, scaling_config=scaling)) == \
+            plain | {PlacementGroupCleanerCallback.__name__}
+    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", address)  # the same port, nothing listening on it any more
+    assert state_api_served() is False
+
+
+@contextlib.contextmanager
+def _answering_server() -> Iterator[str]:
+    """An HTTP server on a free loopback port that answers every GET with 401, as a dashboard that wants a token
+    does; yields its ``host:port``."""
+    import http.server
+    import threading
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the handler's name in http.server
+            self.send_error(401)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_train_v1_gets_rays_own_torch_config(monkeypatch: pytest.MonkeyPatch) -> None:
