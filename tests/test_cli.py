@@ -127,10 +127,10 @@ def test_promote_refuses_bad_receipts_by_name(tmp_path: Path) -> None:
 
 
 def test_promote_links_every_block_and_arm_into_the_mlflow_ui(tmp_path: Path) -> None:
-    from sweeps_common import smoke_round
+    from sweeps_common import fresh_mlflow_uri, smoke_round
 
     sweep_dir = smoke_round(tmp_path / "sweep")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = fresh_mlflow_uri(tmp_path)  # the migrated empty schema, copied: sync does not migrate a new store first
     synced = ablate("receipts", "sync", str(sweep_dir), "--tracking-uri", uri, timeout=300)
     assert synced.returncode == 0 and "8 receipt(s) logged" in synced.stdout, synced.stdout + synced.stderr
     out = ablate("promote", "--tracking-uri", uri, "--out", str(tmp_path / "local"), timeout=300)

@@ -244,7 +244,9 @@ def test_past_the_exclusion_cap_the_other_sweeps_are_searched(
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[str]:
-    proc, url = start_mlflow_server(tmp_path / "server.db", tmp_path / "artifacts", tmp_path / "server.log")
+    # The migrated empty schema, copied: the server then starts without running MLflow's migrations (2-3 s here).
+    backend = Path(fresh_mlflow_uri(tmp_path / "server").removeprefix("sqlite:///"))
+    proc, url = start_mlflow_server(backend, tmp_path / "artifacts", tmp_path / "server.log")
     try:
         yield url
     finally:
