@@ -332,10 +332,8 @@ def state_api_served(timeout_s: float = 2.0) -> bool:
         urllib.request.urlopen(f"{url.rstrip('/')}/api/version", timeout=timeout_s).close()
     except urllib.error.HTTPError:
         return True
-    except urllib.error.URLError as exc:
+    except urllib.error.URLError as exc:  # urlopen wraps a refused connection in one
         return not isinstance(exc.reason, ConnectionRefusedError)
-    except ConnectionRefusedError:
-        return False
     except (OSError, ValueError):  # a timeout, an address urllib cannot use: cannot tell
         return True
     return True
