@@ -11,9 +11,13 @@ interleaved (before, after, before, after, ...) so host load drifts over both al
 - ``torch_config``: the defaults plus the trainer without the unused Ray Data callback, with Ray's ``TorchConfig``
   (what ``run_arm`` did before ``trainers.train_backend``: the controller unpickles it and imports torch);
 - ``after``: what ``run_arm`` does now (``torch_config`` with ``trainers.train_backend.ArmTorchConfig``; on this
-  dashboard-less runtime, without Train's placement-group cleaner);
+  dashboard-less runtime, without Train's placement-group cleaner; each rank's arm in a process forked from the
+  node's fork server);
 - ``with_cleaner``: ``after`` with the placement-group cleaner put back (what it did before it was left out where no
-  State API answers).
+  State API answers);
+- ``arm_in_worker``: ``after`` with each rank's arm trained inside its Train worker, which imports torch and sets
+  up the gloo group (what every multi-worker arm did before CPU arms ran in processes forked from the node's fork
+  server, ``ArmTorchConfig.arm_process``).
 
 Stages per arm (seconds; ``time.time()`` on one host): ``to_fit`` scheduled -> ``fit()`` called; ``controller``
 fit() -> the controller's first log line (actor process start, imports); ``workers_created`` controller -> Train's
@@ -87,7 +91,17 @@ def _variant(name: str) -> tuple[dict[str, str], Callable[[], type], Callable[[b
         return dict(run_module.TRAIN_ENV_DEFAULTS), run_module._trainer_class, run_module._backend_config
     if name == "with_cleaner":
         return dict(run_module.TRAIN_ENV_DEFAULTS), _with_cleaner, run_module._backend_config
-    raise ValueError(f"unknown variant {name!r}; valid: before, torch_config, after, with_cleaner")
+    if name == "arm_in_worker":
+        return dict(run_module.TRAIN_ENV_DEFAULTS), run_module._trainer_class, _arm_in_worker
+    raise ValueError(f"unknown variant {name!r}; valid: before, torch_config, after, with_cleaner, arm_in_worker")
+
+
+def _arm_in_worker(use_gpu: bool) -> Any:
+    """``after``'s backend with the arm trained inside the Train worker (Ray's torch set-up there), as every
+    multi-worker arm did before CPU arms moved into processes forked from the node's fork server."""
+    from trainers.train_backend import ArmTorchConfig
+
+    return ArmTorchConfig(backend="nccl" if use_gpu else "gloo", arm_process=False)
 
 
 def _with_cleaner() -> type:
@@ -135,7 +149,7 @@ def one_arm(lane: Any, receipts: Path, name: str, node_id: str) -> dict[str, Any
          run_module._backend_config) = saved
         run_module._fit_arm = fit_arm  # type: ignore[assignment]
     row: dict[str, Any] = {"variant": name, "load_1min": round(load, 2), "failure": launch.failure,
-                           "train_env": stamps.get("env")}
+                           "train_env": stamps.get("env"), "process": launch.process}
     if result is None or result.first_step_end is None:
         return row
     run_name = next((d.name for d in (work / "ray").glob("arm-*")), "")

@@ -1,9 +1,9 @@
 """Warm, still isolated arm processes: a per-node fork server that imported torch and the arm code, and nothing
 else, forks one fresh child per arm.
 
-How to use (``trainers.run`` does this for every one-worker arm)::
+How to use (``trainers.run`` does this for every one-worker arm and every rank of a multi-worker CPU arm)::
 
-    proc = start_arm(base_env, overlay_env, argv=[spec, result, attempt], log_path=log, code="<fingerprint>")
+    proc = fork_arm(base_env, overlay_env, [spec, result, attempt], log_path, code="<fingerprint>")
     code = proc.wait(timeout=600)        # Popen-like: pid, poll(), wait(), kill(), returncode
     proc.prepared                        # what the receipt records: how this process was prepared
 

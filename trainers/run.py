@@ -10,10 +10,12 @@ fork server (``trainers.forkserver``: torch and the arm code already imported, n
 instead of 2-4 s of imports per arm), or a fresh ``python -m trainers.worker`` when no server can be had; either
 way a process that ran nothing before the arm, and the receipt says which (``identity.process``). A process that
 dies (SIGKILL, segfault) is relaunched up to ``max_failures`` times. ``workers > 1`` runs a Ray Train
-``TorchTrainer`` (gloo on CPU, NCCL on GPU) with ``ray.train.FailureConfig(max_failures)``; rank 0 attaches
-the result to the final checkpoint, because Train persists only checkpoint-attached metrics, and every rank
-reports exactly once. By default the worker group is pinned to the caller's node (label selector on
-``ray.io/node-id`` plus STRICT_PACK), so both arms of a block run on the same machine.
+``TorchTrainer`` (gloo on CPU, NCCL on GPU) with ``ray.train.FailureConfig(max_failures)``; on CPU each worker
+forks its rank's arm process from its node's fork server, which joins the gloo group itself, so no worker imports
+torch (GPU arms train in the workers); rank 0 attaches the result to the final checkpoint, because Train persists
+only checkpoint-attached metrics, and every rank reports exactly once. By default the worker group is pinned to
+the caller's node (label selector on ``ray.io/node-id`` plus STRICT_PACK), so both arms of a block run on the same
+machine.
 
 ``run_arm`` never raises for an arm that fails: the receipt says failed and why. A ``receipt_dir`` that refuses
 the receipt (full disk, read-only) sends it to a fallback directory (``ablate.receipts.store``); when no
@@ -124,11 +126,12 @@ def _full_disk(directory: Path) -> str:
     return f": the disk of {directory} is full (No space left on device)"
 
 
-def _start_worker(argv: list[str], work: Path, log: Any, launch: LaunchInfo, *, fork_server: bool = True,
-                  pass_fd: Optional[tuple[str, int]] = None, **overlay: str) -> Any:
+def _start_worker(argv: list[str], work: Path, log: Any, *, code: Optional[str], fork_server: bool = True,
+                  pass_fd: Optional[tuple[str, int]] = None, **overlay: str) -> tuple[Any, dict[str, Any]]:
     """The arm's worker process, ``python -m trainers.worker <argv>``: forked from the node's fork server (imports
     already paid, ``trainers.forkserver``) or, when none can be had, a fresh interpreter. Either way a process
-    that ran nothing before this arm; ``launch.process`` records which, for the receipt."""
+    that ran nothing before this arm. Returns it with how it was prepared (the receipt's ``identity.process``).
+    ``overlay``: this arm's own variables, kept out of the server's key so arms share the server."""
     base = _arm_env(work)
     overlay = {**_private_caches(work), **overlay}
     for name in overlay:
@@ -136,16 +139,15 @@ def _start_worker(argv: list[str], work: Path, log: Any, launch: LaunchInfo, *, 
     reason = "fork_server=False (asked for a fresh interpreter)"
     if fork_server:
         try:
-            proc = fork_arm(base, overlay, argv, Path(log.name), code=launch.code_fingerprint, pass_fd=pass_fd)
-            launch.process = proc.prepared.to_dict()
-            return proc
+            proc = fork_arm(base, overlay, argv, Path(log.name), code=code, pass_fd=pass_fd)
+            return proc, proc.prepared.to_dict()
         except ForkServerUnavailable as exc:
             reason = redact_text(str(exc))[-500:]
             print(f"warning: arm {work.name} runs in a fresh interpreter: {reason}", file=sys.stderr, flush=True)
     env = {**base, **overlay, **({pass_fd[0]: str(pass_fd[1])} if pass_fd else {})}
-    launch.process = Prepared("fresh_interpreter", fallback_reason=reason).to_dict()
-    return subprocess.Popen([sys.executable, "-m", "trainers.worker", *argv], cwd=REPO_ROOT, env=env, stdout=log,
+    proc = subprocess.Popen([sys.executable, "-m", "trainers.worker", *argv], cwd=REPO_ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT, pass_fds=(pass_fd[1],) if pass_fd else ())
+    return proc, Prepared("fresh_interpreter", fallback_reason=reason).to_dict()
 
 
 def _wait(proc: Any, timeout_s: Optional[float]) -> Optional[int]:
@@ -169,8 +171,9 @@ def _run_subprocess(spec: ArmSpec, work: Path, max_failures: int, timeout_s: Opt
         launch.attempt_start = time.time() if index else None
         launch.restarts = index
         with log_path.open("w") as log:
-            proc = _start_worker(_worker_argv(spec_path, result_path, spec.attempt + index), work, log, launch,
-                                 fork_server=fork_server, **_private_caches(work, restart=index))
+            proc, launch.process = _start_worker(_worker_argv(spec_path, result_path, spec.attempt + index), work,
+                                                 log, code=launch.code_fingerprint, fork_server=fork_server,
+                                                 **_private_caches(work, restart=index))
             code = _wait(proc, timeout_s)
         result = _worker_outcome(spec, launch, result_path, log_path, code, spec.attempt + index, timeout_s)
         if result is not None:
@@ -197,8 +200,78 @@ def _group_attempt(work: Path, rank: int) -> int:
     return int(broadcast_from_rank_zero(_claim_attempt(work) if rank == 0 else None))
 
 
+def _report(rank: int, work: Path, result: WorkerResult) -> None:
+    """Every rank reports once, after its arm ended; rank 0 attaches the arm's result to the final checkpoint
+    (Train persists only checkpoint-attached metrics). The report's own time is billed as checkpoint badput."""
+    import ray.train
+
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = None
+        if rank == 0:
+            (Path(tmp) / "result.json").write_text(result.to_json())
+            checkpoint = ray.train.Checkpoint.from_directory(tmp)
+        ray.train.report({"status": "failed" if result.error else "done", "attempt": result.attempt},
+                         checkpoint=checkpoint)
+    if rank == 0:
+        (work / f"report-{result.attempt}.state").write_text(json.dumps(time.perf_counter() - start))
+
+
+class ArmProcessDied(RuntimeError):
+    """A rank's arm process ended without a result: the arm failed on that rank (its log's end says why)."""
+
+
+def _train_loop_in_arm_process(config: dict[str, Any]) -> None:
+    """Ray Train worker function of a CPU arm (``ArmTorchConfig.arm_process``): this rank's arm runs in a process
+    forked from the node's fork server (torch and the arm code imported once, nothing run; ``trainers.forkserver``),
+    which joins the arm's gloo group itself (``trainers.worker``). This worker never imports torch: it launches that
+    process, waits for it and reports its result. The process dies with this worker (the server kills a child
+    whose requester went away), so Train's restart of a group leaves no rank of the old one behind."""
+    from trainers.hostload import reset_priority
+
+    reset_priority()
+    import ray
+    import ray.train
+
+    from trainers.result import WorkerContext
+    from trainers.train_backend import ARM_PROCESS_ENV
+
+    ctx = ray.train.get_context()
+    rank = ctx.get_world_rank()
+    work = Path(config["work_dir"])
+    restarts = _group_attempt(work, rank)
+    spec = ArmSpec.from_json(config["spec"])
+    wctx = WorkerContext(rank=rank, world_size=ctx.get_world_size(), local_rank=ctx.get_local_rank(),
+                         local_world_size=ctx.get_local_world_size(), attempt=spec.attempt + restarts,
+                         executor="ray_train", work_dir=str(work), node_id=ray.get_runtime_context().get_node_id())
+    stem = f"rank{rank}-{wctx.attempt}"
+    spec_path, rank_path = work / f"{stem}.spec.json", work / f"{stem}.rank.json"
+    result_path, log_path = work / f"{stem}.result.state", work / f"{stem}.log"
+    spec_path.write_text(config["spec"])
+    rank_path.write_text(json.dumps({"context": dataclasses.asdict(wctx), "backend": "gloo",
+                                     "timeout_s": config["timeout_s"]}))
+    # This attempt's compile caches and the variables the group forms from are the rank's own: they stay out of
+    # the fork server's key, so every rank of every arm shares the node's server.
+    overlay = {**_private_caches(work, restart=restarts),
+               **{name: os.environ[name] for name in ARM_PROCESS_ENV if name in os.environ}}
+    with log_path.open("w") as log:
+        proc, prepared = _start_worker([*_worker_argv(spec_path, result_path, wctx.attempt), str(rank_path)], work,
+                                       log, code=config["code"], **overlay)
+        if rank == 0:
+            (work / f"process-{wctx.attempt}.state").write_text(json.dumps(prepared))
+        code = _wait(proc, None)
+    if not result_path.exists():
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with status {code}"
+        raise ArmProcessDied(f"rank {rank}'s arm process (pid {proc.pid}) {how} without a result; its log ends:\n"
+                             f"{_tail(log_path, 2000)}")
+    _report(rank, work, WorkerResult.from_json(result_path.read_text()))
+
+
 def _train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train worker function: one arm on this rank; rank 0 attaches the result to the final checkpoint."""
+    if config.get("arm_process"):
+        _train_loop_in_arm_process(config)
+        return
     from trainers.hostload import reset_priority
 
     reset_priority()
@@ -228,19 +301,7 @@ def _train_loop_per_worker(config: dict[str, Any]) -> None:
                          executor="ray_train", work_dir=str(work), cuda_index=cuda_index,
                          node_id=ray.get_runtime_context().get_node_id())
 
-    def finalize(result: WorkerResult) -> None:
-        start = time.perf_counter()
-        with tempfile.TemporaryDirectory() as tmp:
-            checkpoint = None
-            if rank == 0:
-                (Path(tmp) / "result.json").write_text(result.to_json())
-                checkpoint = ray.train.Checkpoint.from_directory(tmp)
-            ray.train.report({"status": "failed" if result.error else "done", "attempt": wctx.attempt},
-                             checkpoint=checkpoint)
-        if rank == 0:
-            (work / f"report-{wctx.attempt}.state").write_text(json.dumps(time.perf_counter() - start))
-
-    run_worker(spec, wctx, finalize)
+    run_worker(spec, wctx, lambda result: _report(rank, work, result))
 
 
 TRAIN_ENV_DEFAULTS: dict[str, str] = {
@@ -379,16 +440,20 @@ def _run_ray_train(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchI
         report = work / f"report-{result.attempt}.state"
         if report.exists():
             launch.extra_checkpoint_s = float(json.loads(report.read_text()))
+        process = work / f"process-{result.attempt}.state"  # rank 0's arm process (a CPU arm's)
+        if process.exists():
+            launch.process = json.loads(process.read_text())
         if result.error is None and launch.failure is not None:
             result.error = launch.failure
     return result
 
 
 def _backend_config(use_gpu: bool) -> Any:
-    """The workers' torch process group (NCCL on GPU, gloo on CPU), set up by Ray's own torch code on the workers
-    while Train's controller stays free of torch (``trainers.train_backend``): ``TorchTrainer`` takes it in the
-    place of its ``TorchConfig``, whose ``backend`` it only reads. Under Train V1, or a Ray without V2's layout,
-    Ray's ``TorchConfig`` itself: that backend is written for V2's order of calls."""
+    """The workers' torch process group while Train's controller stays free of torch (``trainers.train_backend``):
+    on GPU NCCL, set up by Ray's own torch code on the workers; on CPU gloo, formed by each rank's arm process
+    (``arm_process``), so the workers stay free of torch too. ``TorchTrainer`` takes it in the place of its
+    ``TorchConfig``, whose ``backend`` it only reads. Under Train V1, or a Ray without V2's layout, Ray's
+    ``TorchConfig`` itself (the arm then trains in the worker): that backend is written for V2's order of calls."""
     backend = "nccl" if use_gpu else "gloo"
     try:
         from ray.train.v2._internal.constants import is_v2_enabled
@@ -397,7 +462,7 @@ def _backend_config(use_gpu: bool) -> Any:
     except ImportError:
         is_v2_enabled = None  # type: ignore[assignment]
     if is_v2_enabled is not None and is_v2_enabled():
-        return ArmTorchConfig(backend=backend)
+        return ArmTorchConfig(backend=backend, arm_process=not use_gpu)
     from ray.train.torch import TorchConfig
 
     return TorchConfig(backend=backend)
@@ -408,11 +473,14 @@ def _fit_arm(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchInfo, u
     """Build and fit the arm's trainer; the result rank 0 attached to the final checkpoint, or None."""
     import ray.train
 
+    backend = _backend_config(use_gpu)
     trainer = _trainer_class()(
         _train_loop_per_worker,
-        train_loop_config={"spec": spec.to_json(), "work_dir": str(work)},
+        train_loop_config={"spec": spec.to_json(), "work_dir": str(work), "code": launch.code_fingerprint,
+                           "arm_process": getattr(backend, "arm_process", False),
+                           "timeout_s": getattr(backend, "timeout_s", None)},
         scaling_config=ray.train.ScalingConfig(**scaling),
-        torch_config=_backend_config(use_gpu),
+        torch_config=backend,
         # A fresh run name per call: a reused name would make Train resume a stale run and hand back its checkpoint.
         run_config=ray.train.RunConfig(name=f"arm-{spec.receipt_id}-{uuid.uuid4().hex[:8]}",
                                        storage_path=storage_path or str(work / "ray"),
@@ -586,8 +654,10 @@ def _run_pair(specs: tuple[ArmSpec, ArmSpec], timeout_s: Optional[float],
             paths.append((result_path, log_path))
             cpus = {PAIR_CPUS_ENV: ",".join(str(c) for c in slot)} if slot is not None else {}
             with log_path.open("w") as log:
-                procs.append(_start_worker(_worker_argv(spec_path, result_path, spec.attempt), work, log, launch,
-                                           fork_server=fork_server, pass_fd=(TURN_FD_ENV, fd), **cpus))
+                proc, launch.process = _start_worker(_worker_argv(spec_path, result_path, spec.attempt), work, log,
+                                                     code=launch.code_fingerprint, fork_server=fork_server,
+                                                     pass_fd=(TURN_FD_ENV, fd), **cpus)
+                procs.append(proc)
         coordinator.start()
         codes: list[Optional[int]] = [None, None]
 

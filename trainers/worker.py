@@ -2,26 +2,45 @@
 
 How to run me (``trainers.run.run_arm`` does this; by hand only to debug an arm)::
 
-    python -m trainers.worker <spec.json> <result.json> [attempt]
+    python -m trainers.worker <spec.json> <result.json> [attempt [rank.json]]
 
 Reads an ``ArmSpec`` as JSON, runs it with ``trainers.loop.run_worker`` and writes the ``WorkerResult`` JSON
 atomically. Exit status 0 whenever a result was written, including a failed arm (the failure is inside the
 result); a missing result file means the process died (SIGKILL, segfault) and the caller decides on a retry.
+
+``rank.json`` (``trainers.run`` writes it for one rank of a multi-worker CPU arm, launched by its Ray Train worker):
+``{"context": <WorkerContext fields>, "backend": "gloo", "timeout_s": ...}``. The process joins the arm's process
+group from the launcher variables its worker set (``trainers.train_backend.ARM_PROCESS_ENV``) before the arm
+starts. A rank whose arm fails raises (the group's other ranks cannot go on), so it exits non-zero and leaves no
+result; rank 0 leaves its partial measurements (``partial-<attempt>.state``) first.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
 
 
+def _join_group(rank_doc: dict) -> None:
+    """The arm's gloo process group, formed as Ray's ``_setup_torch_process_group`` forms it (``env://``)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    ctx = rank_doc["context"]
+    dist.init_process_group(backend=rank_doc["backend"], init_method="env://", rank=ctx["rank"],
+                            world_size=ctx["world_size"], timeout=timedelta(seconds=rank_doc["timeout_s"]))
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) not in (2, 3):
+    if len(argv) not in (2, 3, 4):
         print(__doc__, file=sys.stderr)
         return 2
     spec_path, result_path = Path(argv[0]), Path(argv[1])
-    attempt = int(argv[2]) if len(argv) == 3 else 0
+    attempt = int(argv[2]) if len(argv) >= 3 else 0
+    rank_doc = json.loads(Path(argv[3]).read_text()) if len(argv) == 4 else None
     # Before the heavy imports: the arm's whole life runs at normal priority when the OS lets us reset it.
     from trainers.hostload import reset_priority
 
@@ -33,7 +52,11 @@ def main(argv: list[str]) -> int:
     from trainers.spec import ArmSpec
 
     spec = ArmSpec.from_json(spec_path.read_text())
-    ctx = WorkerContext(attempt=attempt, executor="subprocess", work_dir=str(result_path.parent))
+    if rank_doc is None:
+        ctx = WorkerContext(attempt=attempt, executor="subprocess", work_dir=str(result_path.parent))
+    else:
+        ctx = WorkerContext(**rank_doc["context"])
+        _join_group(rank_doc)
     result = run_worker(spec, ctx, gate=TurnGate.from_env())
     tmp = result_path.with_suffix(".tmp")
     tmp.write_text(result.to_json())

@@ -57,6 +57,23 @@ def test_two_worker_arm_runs_under_ray_train_and_validates(ray_arms: tuple[dict[
     assert {name: receipt.env.get(name) for name in TRAIN_ENV_DEFAULTS} == TRAIN_ENV_DEFAULTS
 
 
+def test_each_rank_trains_in_a_forked_process_of_its_own(ray_arms: tuple[dict[str, Receipt], str, Path]) -> None:
+    """CPU arms: every rank's arm runs in a process forked from the node's fork server (torch and the arm code
+    imported, nothing run), not in its Ray Train worker; the restarted DDP group's rank 0 got a new one."""
+    import os
+
+    arms, _, _ = ray_arms
+    processes = {engine: receipt.identity.process for engine, receipt in arms.items()}
+    assert all(p is not None and p.how == "fork_server" for p in processes.values()), processes
+    pids = {engine: receipt.identity.pid for engine, receipt in arms.items()}
+    servers = {p.server_pid for p in processes.values()}
+    assert len(set(pids.values())) == 2 and os.getpid() not in pids.values() and servers.isdisjoint(pids.values())
+    # One server for every rank of both arms (the ranks' own variables stay out of its key): the restarted DDP
+    # group's rank 0 came after the first group's two ranks, DeepSpeed's after DDP's four.
+    assert len(servers) == 1
+    assert processes["ddp"].forks_before >= 2 and processes["deepspeed"].forks_before >= 4
+
+
 def test_engines_resolve_their_buckets_and_train_the_same_model(ray_arms: tuple[dict[str, Receipt], str, Path]
                                                                ) -> None:
     arms, _, extensions = ray_arms

@@ -74,21 +74,47 @@ def _controller_probe(out: Path, arm: str) -> Any:
     return ControllerProbe()
 
 
+def _launcher_probe_factory() -> Callable[[dict[str, Any]], None]:
+    """What a worker of a CPU arm has when its train function starts (``ArmTorchConfig(arm_process=True)``):
+    the variables its rank's arm process will form the group from, and whether anything imported torch."""
+
+    def probe(config: dict[str, Any]) -> None:
+        import os
+        import sys
+
+        import ray.train
+
+        from trainers.train_backend import ARM_PROCESS_ENV
+
+        rank = ray.train.get_context().get_world_rank()
+        record = {"pid": os.getpid(), "torch": "torch" in sys.modules, "local_rank":
+                  ray.train.get_context().get_local_rank(),
+                  "torch_env": {name: os.environ.get(name) for name in ARM_PROCESS_ENV}}
+        Path(config["out"], f"{config['arm']}-{rank}.json").write_text(json.dumps(record))
+        ray.train.report({"rank": rank})
+
+    return probe
+
+
 @pytest.fixture(scope="module")
 def two_arms(train_ray: Path, tmp_path_factory: pytest.TempPathFactory
              ) -> Iterator[tuple[dict[str, list[dict[str, Any]]], Any]]:
+    """Two arms with the arm in the Train workers (the GPU path, run here on gloo as its CPU twin), then one with
+    the CPU path's backend (each rank's arm in a process of its own, ``launcher``)."""
     import ray
     import ray.train
 
+    from trainers.train_backend import ArmTorchConfig
+
     out = tmp_path_factory.mktemp("train_start")
     arms: dict[str, list[dict[str, Any]]] = {}
-    for arm in ("first", "second"):
+    for arm in ("first", "second", "launcher"):
         with _train_env() as train_env:
             trainer = _trainer_class()(
-                _probe_loop_factory(),
+                _launcher_probe_factory() if arm == "launcher" else _probe_loop_factory(),
                 train_loop_config={"arm": arm, "out": str(out), "env_names": list(TRAIN_ENV_DEFAULTS)},
                 scaling_config=ray.train.ScalingConfig(num_workers=2, use_gpu=False),
-                torch_config=_backend_config(False),
+                torch_config=ArmTorchConfig(backend="gloo", arm_process=arm == "launcher"),
                 run_config=ray.train.RunConfig(name=f"probe-{arm}", storage_path=str(out / "ray"),
                                                worker_runtime_env={"env_vars": dict(train_env)},
                                                callbacks=[_controller_probe(out, arm)]))
@@ -127,6 +153,27 @@ def test_the_process_group_is_rays_and_the_controller_never_imports_torch(
         controller = arms[arm + "-controller"][0]
         assert controller["torch"] is False, controller
         assert controller["pid"] not in {r["pid"] for r in ranks} | {os.getpid()}
+
+
+def test_a_cpu_arms_workers_never_import_torch_and_hand_their_rank_the_group(
+        two_arms: tuple[dict[str, list[dict[str, Any]]], Any]) -> None:
+    """``ArmTorchConfig(arm_process=True)``: the backend sets exactly the variables Ray's torch set-up sets (the
+    in-worker arms above saw the same ones), without importing torch into the worker; the rank's arm process
+    forms the gloo group from them (``trainers.worker``; the group itself is checked by the real two-worker arms
+    in ``test_ray_train``)."""
+    arms, _ = two_arms
+    ranks = sorted(arms["launcher"], key=lambda record: int(record["torch_env"]["RANK"]))
+    assert all(record["torch"] is False for record in ranks), ranks
+    for rank, record in enumerate(ranks):
+        env = record["torch_env"]
+        assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["NODE_RANK"]) == \
+            (str(rank), "2", str(record["local_rank"]), "2", "0")
+        assert env["MASTER_ADDR"] and env["MASTER_PORT"] == ranks[0]["torch_env"]["MASTER_PORT"]
+        assert env["ACCELERATE_TORCH_DEVICE"] == "cpu"
+        in_worker = next(r for r in arms["first"] if r["torch_env"]["RANK"] == str(rank))["torch_env"]
+        same = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK")
+        assert {name: env[name] for name in same} == {name: in_worker[name] for name in same}
+    assert arms["launcher-controller"][0]["torch"] is False
 
 
 def test_module_state_of_one_arm_is_not_seen_by_the_next(two_arms: tuple[dict[str, list[dict[str, Any]]], Any]
@@ -212,7 +259,11 @@ def test_train_v1_gets_rays_own_torch_config(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.delenv("RAY_TRAIN_V2_ENABLED", raising=False)
     v2 = _backend_config(False)
     assert isinstance(v2, ArmTorchConfig) and v2.backend == "gloo" and v2.to_dict()["backend"] == "gloo"
-    assert _backend_config(True).backend == "nccl"
+    assert v2.arm_process is True                # CPU: each rank's arm in a process of its own
+    gpu = _backend_config(True)
+    assert gpu.backend == "nccl" and gpu.arm_process is False  # GPU: Ray's set-up, the arm in the worker
+    with pytest.raises(ValueError, match="arm_process is for gloo"):
+        ArmTorchConfig(backend="nccl", arm_process=True)
     monkeypatch.setenv("RAY_TRAIN_V2_ENABLED", "0")
     v1 = _backend_config(False)
     assert type(v1) is TorchConfig and v1.backend == "gloo"
