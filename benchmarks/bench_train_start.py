@@ -129,10 +129,10 @@ def one_arm(lane: Any, receipts: Path, name: str, node_id: str) -> dict[str, Any
     stamps: dict[str, Any] = {}
     fit_arm = run_module._fit_arm
 
-    def timed_fit_arm(spec: ArmSpec, *args: Any) -> Any:
+    def timed_fit_arm(spec: ArmSpec, *args: Any, **kwargs: Any) -> Any:
         stamps["fit"] = time.time()
         stamps["env"] = {k: v for k, v in args[-2].items() if k.startswith("RAY_TRAIN_")}
-        return fit_arm(spec, *args)
+        return fit_arm(spec, *args, **kwargs)
 
     run_module._fit_arm = timed_fit_arm  # type: ignore[assignment]
     load = os.getloadavg()[0]

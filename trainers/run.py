@@ -225,8 +225,9 @@ def _train_loop_in_arm_process(config: dict[str, Any]) -> None:
     """Ray Train worker function of a CPU arm (``ArmTorchConfig.arm_process``): this rank's arm runs in a process
     forked from the node's fork server (torch and the arm code imported once, nothing run; ``trainers.forkserver``),
     which joins the arm's gloo group itself (``trainers.worker``). This worker never imports torch: it launches that
-    process, waits for it and reports its result. The process dies with this worker (the server kills a child
-    whose requester went away), so Train's restart of a group leaves no rank of the old one behind."""
+    process, waits for it and reports its result. The process dies with this worker (it watches this worker's pid,
+    ``trainers.worker._die_with_launcher``; a forked one is also killed by its server when this worker's connection
+    closes), so Train's restart of a group leaves no rank of the old one behind."""
     from trainers.hostload import reset_priority
 
     reset_priority()
@@ -236,10 +237,17 @@ def _train_loop_in_arm_process(config: dict[str, Any]) -> None:
     from trainers.result import WorkerContext
     from trainers.train_backend import ARM_PROCESS_ENV
 
+    from ray.train.collective import broadcast_from_rank_zero
+
+    from trainers.train_backend import free_port
+
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
     work = Path(config["work_dir"])
-    restarts = _group_attempt(work, rank)
+    # One broadcast carries the group's attempt and the rendezvous port, picked here rather than in the backend's
+    # on_start: rank 0's arm process binds it a fork later, not after the whole train-function start-up.
+    restarts, port = broadcast_from_rank_zero((_claim_attempt(work), free_port()) if rank == 0 else None)
+    os.environ["MASTER_PORT"] = str(port)
     spec = ArmSpec.from_json(config["spec"])
     wctx = WorkerContext(rank=rank, world_size=ctx.get_world_size(), local_rank=ctx.get_local_rank(),
                          local_world_size=ctx.get_local_world_size(), attempt=spec.attempt + restarts,
@@ -249,21 +257,21 @@ def _train_loop_in_arm_process(config: dict[str, Any]) -> None:
     result_path, log_path = work / f"{stem}.result.state", work / f"{stem}.log"
     spec_path.write_text(config["spec"])
     rank_path.write_text(json.dumps({"context": dataclasses.asdict(wctx), "backend": "gloo",
-                                     "timeout_s": config["timeout_s"]}))
+                                     "timeout_s": config["timeout_s"], "launcher_pid": os.getpid()}))
     # This attempt's compile caches and the variables the group forms from are the rank's own: they stay out of
     # the fork server's key, so every rank of every arm shares the node's server.
     overlay = {**_private_caches(work, restart=restarts),
                **{name: os.environ[name] for name in ARM_PROCESS_ENV if name in os.environ}}
     with log_path.open("w") as log:
         proc, prepared = _start_worker([*_worker_argv(spec_path, result_path, wctx.attempt), str(rank_path)], work,
-                                       log, code=config["code"], **overlay)
-        if rank == 0:
-            (work / f"process-{wctx.attempt}.state").write_text(json.dumps(prepared))
+                                       log, code=config["code"], fork_server=config.get("fork_server", True),
+                                       **overlay)
+        (work / f"process-{wctx.attempt}-rank{rank}.state").write_text(json.dumps(prepared))
         code = _wait(proc, None)
     if not result_path.exists():
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with status {code}"
-        raise ArmProcessDied(f"rank {rank}'s arm process (pid {proc.pid}) {how} without a result; its log ends:\n"
-                             f"{_tail(log_path, 2000)}")
+        raise ArmProcessDied(redact_text(f"rank {rank}'s arm process (pid {proc.pid}) {how} without a result; its log "
+                                         f"ends:\n{_tail(log_path, 2000)}"))
     _report(rank, work, WorkerResult.from_json(result_path.read_text()))
 
 
@@ -402,7 +410,7 @@ def state_api_served(timeout_s: float = 2.0) -> bool:
 
 def _run_ray_train(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchInfo, node_id: Optional[str],
                    use_gpu: Optional[bool], resources_per_worker: Optional[dict[str, float]],
-                   storage_path: Optional[str]) -> Optional[WorkerResult]:
+                   storage_path: Optional[str], fork_server: bool = True) -> Optional[WorkerResult]:
     import ray
 
     if not ray.is_initialized():
@@ -428,9 +436,13 @@ def _run_ray_train(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchI
         launch.node_id = node_id
     with _train_env() as train_env:
         env_vars.update(train_env)
-        result = _fit_arm(spec, work, max_failures, launch, use_gpu, scaling, env_vars, storage_path)
+        result = _fit_arm(spec, work, max_failures, launch, use_gpu, scaling, env_vars, storage_path,
+                          fork_server=fork_server)
     attempts = sorted(work.glob("attempt-*.state"))
     launch.restarts = max(0, len(attempts) - 1)
+    ranks_process = _ranks_process(work, result.attempt if result is not None else launch.restarts + spec.attempt)
+    if ranks_process is not None:
+        launch.process = ranks_process
     if result is None:
         # A failed multi-worker attempt leaves rank 0's partial measurements; keep the latest one.
         partials = sorted(work.glob("partial-*.state"), key=lambda p: int(p.stem.split("-")[1]))
@@ -440,12 +452,23 @@ def _run_ray_train(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchI
         report = work / f"report-{result.attempt}.state"
         if report.exists():
             launch.extra_checkpoint_s = float(json.loads(report.read_text()))
-        process = work / f"process-{result.attempt}.state"  # rank 0's arm process (a CPU arm's)
-        if process.exists():
-            launch.process = json.loads(process.read_text())
         if result.error is None and launch.failure is not None:
             result.error = launch.failure
     return result
+
+
+def _ranks_process(work: Path, attempt: int) -> Optional[dict[str, Any]]:
+    """How a CPU arm's rank processes of ``attempt`` were prepared (each rank wrote its own record), for the
+    receipt: rank 0's when every rank was forked, else the first rank that fell back to a fresh interpreter (its
+    imports ran on the whole group's clock: rank 0 waits for it to join). None when no rank was launched."""
+    records = sorted(work.glob(f"process-{attempt}-rank*.state"),
+                     key=lambda path: int(path.stem.rpartition("rank")[2]))
+    prepared = [(path.stem.rpartition("rank")[2], json.loads(path.read_text())) for path in records]
+    fallback = next(((rank, record) for rank, record in prepared if record.get("how") != "fork_server"), None)
+    if fallback is not None:
+        rank, record = fallback
+        return {**record, "fallback_reason": f"rank {rank}: {record.get('fallback_reason')}"}
+    return prepared[0][1] if prepared else None
 
 
 def _backend_config(use_gpu: bool) -> Any:
@@ -469,7 +492,8 @@ def _backend_config(use_gpu: bool) -> Any:
 
 
 def _fit_arm(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchInfo, use_gpu: bool,
-             scaling: dict[str, Any], env_vars: dict[str, str], storage_path: Optional[str]) -> Optional[WorkerResult]:
+             scaling: dict[str, Any], env_vars: dict[str, str], storage_path: Optional[str], *,
+             fork_server: bool = True) -> Optional[WorkerResult]:
     """Build and fit the arm's trainer; the result rank 0 attached to the final checkpoint, or None."""
     import ray.train
 
@@ -477,7 +501,7 @@ def _fit_arm(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchInfo, u
     trainer = _trainer_class()(
         _train_loop_per_worker,
         train_loop_config={"spec": spec.to_json(), "work_dir": str(work), "code": launch.code_fingerprint,
-                           "arm_process": getattr(backend, "arm_process", False),
+                           "arm_process": getattr(backend, "arm_process", False), "fork_server": fork_server,
                            "timeout_s": getattr(backend, "timeout_s", None)},
         scaling_config=ray.train.ScalingConfig(**scaling),
         torch_config=backend,
@@ -573,8 +597,9 @@ def run_arm(spec: ArmSpec, *, max_failures: int = 0, node_id: Optional[str] = "c
         resources_per_worker: Ray Train ``resources_per_worker`` (e.g. ``{"CPU": 2}``).
         storage_path: Ray Train storage (shared S3/GCS/NFS on multi-node); default a scratch dir per arm.
         timeout_s: wall limit of a one-worker arm's process (per attempt).
-        fork_server: fork a one-worker arm's process from the node's fork server (``trainers.forkserver``);
-            False starts a fresh interpreter (imports on the arm's clock), as a fallback does.
+        fork_server: fork a one-worker arm's process, or each rank's of a multi-worker CPU arm, from the node's
+            fork server (``trainers.forkserver``); False starts a fresh interpreter (imports on the arm's clock), as
+            a fallback does.
     """
     executor = "subprocess" if spec.lane.engine.workers == 1 else "ray_train"
     spec, work, launch = _prepare(spec, executor, time.time())
@@ -588,7 +613,7 @@ def run_arm(spec: ArmSpec, *, max_failures: int = 0, node_id: Optional[str] = "c
             if node_id == "current":
                 node_id = _caller_node_id()
             result = _run_ray_train(worker_spec, work, max_failures, launch, node_id, use_gpu,
-                                    resources_per_worker, storage_path)
+                                    resources_per_worker, storage_path, fork_server=fork_server)
     except Exception as exc:  # noqa: BLE001 - an executor bug still ends in a failed receipt
         launch.failure = {"type": type(exc).__name__, "category": "exception",
                           "message": redact_text(f"{exc}\n{traceback.format_exc(limit=6)}")[-3000:]}

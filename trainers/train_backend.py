@@ -21,7 +21,7 @@ With ``arm_process=True`` (CPU arms) the workers stay free of torch as well: eac
 arm in a process forked from the node's fork server (``trainers.run``), which imported torch and the arm code once
 per sweep, and that process sets up the gloo group itself (``trainers.worker``). Here the backend then sets only
 what the group needs to find itself (MASTER_ADDR/PORT and the torch launcher variables, the same values Ray's
-``_set_torch_distributed_env_vars`` gives): a worker skips importing ``ray.train.torch`` and torch (~2 s of CPU
+``_set_torch_distributed_env_vars`` gives; the train function picks the port again just before the fork): a worker skips importing ``ray.train.torch`` and torch (~2 s of CPU
 per worker on a 2-core host, both workers at once) and the arm skips its own imports (~2 s more). GPU arms keep
 Ray's set-up in the worker (its per-worker CUDA device handling has not run forked on a GPU here).
 
@@ -49,6 +49,11 @@ def _address_and_port() -> tuple[str, int]:
     from ray.train._internal.utils import get_address_and_port
 
     return get_address_and_port()
+
+
+def free_port() -> int:
+    """A port free on this node now (bound and released, as Ray's own set-up picks the group's)."""
+    return _address_and_port()[1]
 
 
 def _set_master(addr: str, port: int) -> None:
@@ -164,6 +169,6 @@ class ArmTorchConfig(BackendConfig):
         return TrainingFramework.TORCH
 
     def to_dict(self) -> dict[str, Any]:
-        """What Train's run state and dashboard show for the backend (``TorchConfig`` shows the same keys)."""
+        """What Train's run state and dashboard show for the backend (``TorchConfig``'s keys, and ``arm_process``)."""
         return {"backend": self.backend, "init_method": "env", "timeout_s": self.timeout_s,
                 "arm_process": self.arm_process}

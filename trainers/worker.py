@@ -9,7 +9,8 @@ atomically. Exit status 0 whenever a result was written, including a failed arm 
 result); a missing result file means the process died (SIGKILL, segfault) and the caller decides on a retry.
 
 ``rank.json`` (``trainers.run`` writes it for one rank of a multi-worker CPU arm, launched by its Ray Train worker):
-``{"context": <WorkerContext fields>, "backend": "gloo", "timeout_s": ...}``. The process joins the arm's process
+``{"context": <WorkerContext fields>, "backend": "gloo", "timeout_s": ..., "launcher_pid": ...}``. The process
+exits (status 3) as soon as its launching Train worker is gone, and joins the arm's process
 group from the launcher variables its worker set (``trainers.train_backend.ARM_PROCESS_ENV``) before the arm
 starts. A rank whose arm fails raises (the group's other ranks cannot go on), so it exits non-zero and leaves no
 result; rank 0 leaves its partial measurements (``partial-<attempt>.state``) first.
@@ -34,6 +35,42 @@ def _join_group(rank_doc: dict) -> None:
                             world_size=ctx["world_size"], timeout=timedelta(seconds=rank_doc["timeout_s"]))
 
 
+LAUNCHER_GONE_STATUS = 3
+"""Exit status of a rank whose launching Train worker went away (``_die_with_launcher``)."""
+
+
+def _die_with_launcher(pid: int) -> None:
+    """A rank's process never outlives the Train worker that launched it. Train kills a failed group's workers;
+    a rank left behind would train on (or wait in a collective) on the CPUs the next arm is measured on. A forked
+    rank is also killed by its fork server when the worker's connection closes; a fresh-interpreter rank (no
+    server could be had) has only this. The watch blocks on a pidfd: no CPU while the worker lives."""
+    import select
+    import threading
+    import time
+
+    def watch() -> None:
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # gone already, or no pidfd on this OS: poll instead
+            fd = None
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while True:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                except PermissionError:  # alive, someone else's: cannot be ours, but keep watching
+                    pass
+                time.sleep(1.0)
+        print(f"trainers.worker: the Train worker that launched this rank (pid {pid}) is gone; stopping",
+              file=sys.stderr, flush=True)
+        os._exit(LAUNCHER_GONE_STATUS)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
 def main(argv: list[str]) -> int:
     if len(argv) not in (2, 3, 4):
         print(__doc__, file=sys.stderr)
@@ -41,6 +78,8 @@ def main(argv: list[str]) -> int:
     spec_path, result_path = Path(argv[0]), Path(argv[1])
     attempt = int(argv[2]) if len(argv) >= 3 else 0
     rank_doc = json.loads(Path(argv[3]).read_text()) if len(argv) == 4 else None
+    if rank_doc is not None and rank_doc.get("launcher_pid"):
+        _die_with_launcher(int(rank_doc["launcher_pid"]))
     # Before the heavy imports: the arm's whole life runs at normal priority when the OS lets us reset it.
     from trainers.hostload import reset_priority
 

@@ -30,11 +30,34 @@ def ray_arms(train_ray: Path, tmp_path_factory: pytest.TempPathFactory
     deepspeed = tiny_lane(**LANE, engine={"name": "deepspeed", "workers": 2, "zero_stage": 2,
                                           "overlap_comm": True, "reduce_bucket_size": 20000,
                                           "allgather_bucket_size": 20000})
-    # The DDP arm's rank 0 is SIGKILLed at step 2 of its first attempt and Train restarts the whole group once
-    # (one more group start, not one more arm): its receipt is the surviving attempt's.
+    # The DDP arm's rank 0 process is SIGKILLed at step 2 of its first attempt and Train restarts the whole group
+    # once (one more group start, not one more arm): its receipt is the surviving attempt's.
     arms = {"ddp": run_arm(make_spec(ddp, receipts, inject={"kill_at_step": 2}), max_failures=1),
             "deepspeed": run_arm(make_spec(deepspeed, receipts))}
+    # The GPU path's CPU twin: the arm trained inside the Train workers, on Ray's torch set-up there.
+    import trainers.run as run_module
+    from trainers.train_backend import ArmTorchConfig
+
+    saved = run_module._backend_config
+    run_module._backend_config = lambda use_gpu: ArmTorchConfig(backend="gloo", arm_process=False)
+    try:
+        arms["ddp_in_worker"] = run_arm(make_spec(ddp, receipts))
+    finally:
+        run_module._backend_config = saved
     yield arms, node, train_ray
+
+
+def test_an_arm_trained_in_its_train_workers_matches_the_forked_one(ray_arms: tuple[dict[str, Receipt], str, Path]
+                                                                   ) -> None:
+    arms, _, _ = ray_arms
+    in_worker, forked = arms["ddp_in_worker"], arms["ddp"]
+    assert in_worker.identity.status is Status.valid, (in_worker.error, in_worker.disqualifiers)
+    assert in_worker.identity.process is not None and in_worker.identity.process.how == "ray_train_worker"
+    assert in_worker.observed.engine["backend"] == "gloo" and in_worker.observed.engine["world_size"] == 2
+    assert in_worker.time.badput_s["checkpoint"] > 0 and in_worker.identity.attempt == 0
+    # Same lane, seed and data: the same model on the same tokens, whichever process trained it.
+    assert in_worker.steps.loss_series[0] == pytest.approx(forked.steps.loss_series[0], abs=1e-5)
+    assert in_worker.steps.loss_series[-1] == pytest.approx(forked.steps.loss_series[-1], abs=1e-3)
 
 
 @pytest.mark.parametrize("engine", ["ddp", "deepspeed"])
@@ -63,6 +86,7 @@ def test_each_rank_trains_in_a_forked_process_of_its_own(ray_arms: tuple[dict[st
     import os
 
     arms, _, _ = ray_arms
+    arms = {engine: arms[engine] for engine in ("ddp", "deepspeed")}
     processes = {engine: receipt.identity.process for engine, receipt in arms.items()}
     assert all(p is not None and p.how == "fork_server" for p in processes.values()), processes
     pids = {engine: receipt.identity.pid for engine, receipt in arms.items()}

@@ -267,3 +267,60 @@ def test_train_v1_gets_rays_own_torch_config(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("RAY_TRAIN_V2_ENABLED", "0")
     v1 = _backend_config(False)
     assert type(v1) is TorchConfig and v1.backend == "gloo"
+
+
+def test_a_ranks_process_stops_when_the_worker_that_launched_it_is_gone(tmp_path: Path) -> None:
+    """A rank that lost its Train worker (killed by Train, OOM-killed, crashed) must not train on, or wait in the
+    group's rendezvous, on the CPUs the next arm is measured on: here rank 1 of a group whose rank 0 never comes,
+    launched as a fresh interpreter (no fork server to kill it), and its launcher is killed."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from sweeps_common import closed_port
+    from trainer_helpers import make_spec, tiny_lane
+    from trainers.result import WorkerContext
+    from trainers.run import _arm_env
+    from trainers.worker import LAUNCHER_GONE_STATUS
+
+    launcher = subprocess.Popen(["sleep", "120"])
+    spec = tmp_path / "spec.json"
+    spec.write_text(make_spec(tiny_lane(engine={"workers": 2}), tmp_path / "receipts").to_json())
+    context = WorkerContext(rank=1, world_size=2, local_rank=1, local_world_size=2, executor="ray_train",
+                            work_dir=str(tmp_path))
+    rank_doc = tmp_path / "rank.json"
+    rank_doc.write_text(json.dumps({"context": context.__dict__, "backend": "gloo", "timeout_s": 120,
+                                    "launcher_pid": launcher.pid}))
+    env = {**_arm_env(tmp_path), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(closed_port()), "RANK": "1",
+           "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
+    with (tmp_path / "rank.log").open("w") as log:
+        rank = subprocess.Popen([sys.executable, "-m", "trainers.worker", str(spec), str(tmp_path / "result.json"),
+                                 "0", str(rank_doc)], env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            time.sleep(1.0)
+            assert rank.poll() is None  # waiting for its group while the launcher lives
+            launcher.send_signal(signal.SIGKILL)
+            launcher.wait()
+            status = rank.wait(timeout=30)
+        finally:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
+    assert status == LAUNCHER_GONE_STATUS, (tmp_path / "rank.log").read_text()
+    assert f"launched this rank (pid {launcher.pid}) is gone" in (tmp_path / "rank.log").read_text()
+    assert not (tmp_path / "result.json").exists()
+
+
+def test_the_receipt_names_a_rank_that_fell_back_to_a_fresh_interpreter(tmp_path: Path) -> None:
+    from trainers.run import _ranks_process
+
+    assert _ranks_process(tmp_path, 0) is None
+    forked = {"how": "fork_server", "server_pid": 11, "forks_before": 3}
+    for rank in (0, 1):
+        (tmp_path / f"process-0-rank{rank}.state").write_text(json.dumps({**forked, "forks_before": rank}))
+    assert _ranks_process(tmp_path, 0) == {**forked, "forks_before": 0}  # rank 0's when every rank was forked
+    (tmp_path / "process-1-rank0.state").write_text(json.dumps(forked))
+    (tmp_path / "process-1-rank1.state").write_text(json.dumps({"how": "fresh_interpreter",
+                                                                 "fallback_reason": "no server"}))
+    assert _ranks_process(tmp_path, 1) == {"how": "fresh_interpreter", "fallback_reason": "rank 1: no server"}
