@@ -230,16 +230,13 @@ def _train_loop_in_arm_process(config: dict[str, Any]) -> None:
     closes), so Train's restart of a group leaves no rank of the old one behind."""
     from trainers.hostload import reset_priority
 
-    reset_priority()
+    reset_priority()  # the fork server this worker may start inherits its niceness
     import ray
     import ray.train
-
-    from trainers.result import WorkerContext
-    from trainers.train_backend import ARM_PROCESS_ENV
-
     from ray.train.collective import broadcast_from_rank_zero
 
-    from trainers.train_backend import free_port
+    from trainers.result import WorkerContext
+    from trainers.train_backend import ARM_PROCESS_ENV, free_port
 
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
