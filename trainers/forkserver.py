@@ -50,9 +50,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PRELOAD = ("torch", "trainers.loop", "trainers.pairing", "trainers.result", "trainers.spec", "trainers.hostload")
+PRELOAD = ("torch", "trainers.loop", "trainers.pairing", "trainers.result", "trainers.spec", "trainers.hostload",
+           "ablate.config.load")
 """Imports only: none of them runs an op or starts a thread pool at import time. ``trainers.worker`` itself is not
-preloaded: it runs as ``__main__`` in the child, as ``python -m`` would."""
+preloaded: it runs as ``__main__`` in the child, as ``python -m`` would. ``ablate.config.load`` (OmegaConf, the
+lane schema) is what ``ArmSpec.from_json`` imports first thing in every arm: 0.08-0.1 s of each arm's start
+otherwise (measured in the forked child, 2 CPUs)."""
 PRELOAD_CPU_BUILD = ("torch._dynamo",)
 """Also preloaded where torch was built without CUDA/ROCm: every arm imports dynamo before its features are read
 (``trainers.loop``'s compile watch, ~1.5-2 s on 2 CPUs). It imports ``torch._inductor.config`` and triton, whose

@@ -31,8 +31,33 @@ def _join_group(rank_doc: dict) -> None:
     import torch.distributed as dist
 
     ctx = rank_doc["context"]
+    if ctx["rank"] != 0 and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        wait_for_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), float(rank_doc["timeout_s"]))
     dist.init_process_group(backend=rank_doc["backend"], init_method="env://", rank=ctx["rank"],
                             world_size=ctx["world_size"], timeout=timedelta(seconds=rank_doc["timeout_s"]))
+
+
+STORE_POLL_S = 0.01
+
+
+def wait_for_store(host: str, port: int, timeout_s: float) -> bool:
+    """Wait until rank 0's TCPStore at ``host:port`` accepts a connection; False after ``timeout_s`` (then
+    ``init_process_group`` waits and reports as it always did). The ranks of an arm are forked within milliseconds
+    of each other, so a rank often asks before rank 0 listens: torch's store client is refused and retries after a
+    growing back-off, which let the group form 0.07-0.8 s after the store was up
+    (``benchmarks/bench_store_join.py``). A bare connect polled every 10 ms is closed by the store, harmlessly."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(STORE_POLL_S)
 
 
 LAUNCHER_GONE_STATUS = 3

@@ -7,7 +7,8 @@ import sys
 import time
 
 # Before anything of ours imports more: what the server preloaded, exactly as a forked arm starts.
-_PRELOADED = {name: name in sys.modules for name in ("torch", "trainers.loop", "torch._dynamo", "deepspeed")}
+_PRELOADED = {name: name in sys.modules for name in ("torch", "trainers.loop", "torch._dynamo", "deepspeed",
+                                                        "ablate.config.load")}
 
 import trainers.loop  # noqa: E402 - after the snapshot above
 

@@ -68,7 +68,7 @@ def test_each_fork_is_a_new_process_that_inherits_no_state_from_the_last(tmp_pat
 
     cpu_build = torch.version.cuda is None and getattr(torch.version, "hip", None) is None
     assert two["preloaded"] == {"torch": True, "trainers.loop": True, "torch._dynamo": cpu_build,
-                                "deepspeed": False}
+                                "deepspeed": False, "ablate.config.load": True}
     # Inductor and triton, preloaded or not, compile into this arm's own empty cache directories.
     assert one["caches"] == {"inductor": caches["TORCHINDUCTOR_CACHE_DIR"], "triton": caches["TRITON_CACHE_DIR"]}
     # Exactly the arm's environment, as Popen would give it, and the caller's cwd and affinity.
