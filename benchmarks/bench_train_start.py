@@ -74,7 +74,7 @@ def _controller_lines(run_name: str) -> list[tuple[float, str]]:
     return sorted(lines)
 
 
-def _ray_torch_config(use_gpu: bool) -> Any:
+def _ray_torch_config(use_gpu: bool, one_node: bool = True) -> Any:
     from ray.train.torch import TorchConfig
 
     return TorchConfig(backend="nccl" if use_gpu else "gloo")
@@ -96,7 +96,7 @@ def _variant(name: str) -> tuple[dict[str, str], Callable[[], type], Callable[[b
     raise ValueError(f"unknown variant {name!r}; valid: before, torch_config, after, with_cleaner, arm_in_worker")
 
 
-def _arm_in_worker(use_gpu: bool) -> Any:
+def _arm_in_worker(use_gpu: bool, one_node: bool = True) -> Any:
     """``after``'s backend with the arm trained inside the Train worker (Ray's torch set-up there), as every
     multi-worker arm did before CPU arms moved into processes forked from the node's fork server."""
     from trainers.train_backend import ArmTorchConfig

@@ -241,9 +241,11 @@ def _train_loop_in_arm_process(config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
     work = Path(config["work_dir"])
-    # One broadcast carries the group's attempt and the rendezvous port, picked here rather than in the backend's
-    # on_start: rank 0's arm process binds it a fork later, not after the whole train-function start-up.
-    restarts, port = broadcast_from_rank_zero((_claim_attempt(work), free_port()) if rank == 0 else None)
+    # One broadcast carries the group's attempt, the rendezvous port, picked here rather than in the backend's
+    # on_start (rank 0's arm process binds it a fork later, not after the whole train-function start-up), and the
+    # prefix of the group's keys in its store (``trainers.worker._join_group``).
+    restarts, port, group = broadcast_from_rank_zero(
+        (_claim_attempt(work), free_port(), uuid.uuid4().hex) if rank == 0 else None)
     os.environ["MASTER_PORT"] = str(port)
     spec = ArmSpec.from_json(config["spec"])
     wctx = WorkerContext(rank=rank, world_size=ctx.get_world_size(), local_rank=ctx.get_local_rank(),
@@ -253,7 +255,7 @@ def _train_loop_in_arm_process(config: dict[str, Any]) -> None:
     spec_path, rank_path = work / f"{stem}.spec.json", work / f"{stem}.rank.json"
     result_path, log_path = work / f"{stem}.result.state", work / f"{stem}.log"
     spec_path.write_text(config["spec"])
-    rank_path.write_text(json.dumps({"context": dataclasses.asdict(wctx), "backend": "gloo",
+    rank_path.write_text(json.dumps({"context": dataclasses.asdict(wctx), "backend": "gloo", "group": group,
                                      "timeout_s": config["timeout_s"], "launcher_pid": os.getpid()}))
     # This attempt's compile caches and the variables the group forms from are the rank's own: they stay out of
     # the fork server's key, so every rank of every arm shares the node's server.
@@ -434,17 +436,25 @@ def _run_ray_train(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchI
     with _train_env() as train_env:
         env_vars.update(train_env)
         result = _fit_arm(spec, work, max_failures, launch, use_gpu, scaling, env_vars, storage_path,
-                          fork_server=fork_server)
+                          fork_server=fork_server, one_node=node_id is not None)
+    return _collect_arm(work, spec, launch, result)
+
+
+def _collect_arm(work: Path, spec: ArmSpec, launch: LaunchInfo,
+                 result: Optional[WorkerResult]) -> Optional[WorkerResult]:
+    """After the fit: the result (or, when it failed, rank 0's latest partial measurements), and in ``launch``
+    the restarts, the checkpoint report's time and how the processes of the result's own attempt were prepared."""
     attempts = sorted(work.glob("attempt-*.state"))
     launch.restarts = max(0, len(attempts) - 1)
-    ranks_process = _ranks_process(work, result.attempt if result is not None else launch.restarts + spec.attempt)
-    if ranks_process is not None:
-        launch.process = ranks_process
     if result is None:
         # A failed multi-worker attempt leaves rank 0's partial measurements; keep the latest one.
         partials = sorted(work.glob("partial-*.state"), key=lambda p: int(p.stem.split("-")[1]))
         if partials:
             result = WorkerResult.from_json(partials[-1].read_text())
+    # The processes of the attempt the measurements come from (a partial may be an earlier attempt's).
+    ranks_process = _ranks_process(work, result.attempt if result is not None else launch.restarts + spec.attempt)
+    if ranks_process is not None:
+        launch.process = ranks_process
     if result is not None:
         report = work / f"report-{result.attempt}.state"
         if report.exists():
@@ -460,7 +470,12 @@ def _ranks_process(work: Path, attempt: int) -> Optional[dict[str, Any]]:
     imports ran on the whole group's clock: rank 0 waits for it to join). None when no rank was launched."""
     records = sorted(work.glob(f"process-{attempt}-rank*.state"),
                      key=lambda path: int(path.stem.rpartition("rank")[2]))
-    prepared = [(path.stem.rpartition("rank")[2], json.loads(path.read_text())) for path in records]
+    prepared = []
+    for path in records:
+        try:
+            prepared.append((path.stem.rpartition("rank")[2], json.loads(path.read_text())))
+        except (OSError, ValueError):  # cut short by a kill mid-write: that rank's record is missing, not the arm's
+            continue
     fallback = next(((rank, record) for rank, record in prepared if record.get("how") != "fork_server"), None)
     if fallback is not None:
         rank, record = fallback
@@ -468,10 +483,12 @@ def _ranks_process(work: Path, attempt: int) -> Optional[dict[str, Any]]:
     return prepared[0][1] if prepared else None
 
 
-def _backend_config(use_gpu: bool) -> Any:
+def _backend_config(use_gpu: bool, one_node: bool = True) -> Any:
     """The workers' torch process group while Train's controller stays free of torch (``trainers.train_backend``):
     on GPU NCCL, set up by Ray's own torch code on the workers; on CPU gloo, formed by each rank's arm process
-    (``arm_process``), so the workers stay free of torch too. ``TorchTrainer`` takes it in the place of its
+    (``arm_process``), so the workers stay free of torch too. That needs the arm's scratch directory on every
+    rank's node, where its rank files go: only a group pinned to one node (``one_node``; every sweep pins its
+    arms to the trial's node) has it for sure, so a group free to span nodes trains in its workers. ``TorchTrainer`` takes it in the place of its
     ``TorchConfig``, whose ``backend`` it only reads. Under Train V1, or a Ray without V2's layout, Ray's
     ``TorchConfig`` itself (the arm then trains in the worker): that backend is written for V2's order of calls."""
     backend = "nccl" if use_gpu else "gloo"
@@ -482,7 +499,7 @@ def _backend_config(use_gpu: bool) -> Any:
     except ImportError:
         is_v2_enabled = None  # type: ignore[assignment]
     if is_v2_enabled is not None and is_v2_enabled():
-        return ArmTorchConfig(backend=backend, arm_process=not use_gpu)
+        return ArmTorchConfig(backend=backend, arm_process=not use_gpu and one_node)
     from ray.train.torch import TorchConfig
 
     return TorchConfig(backend=backend)
@@ -490,11 +507,11 @@ def _backend_config(use_gpu: bool) -> Any:
 
 def _fit_arm(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchInfo, use_gpu: bool,
              scaling: dict[str, Any], env_vars: dict[str, str], storage_path: Optional[str], *,
-             fork_server: bool = True) -> Optional[WorkerResult]:
+             fork_server: bool = True, one_node: bool = True) -> Optional[WorkerResult]:
     """Build and fit the arm's trainer; the result rank 0 attached to the final checkpoint, or None."""
     import ray.train
 
-    backend = _backend_config(use_gpu)
+    backend = _backend_config(use_gpu, one_node)
     trainer = _trainer_class()(
         _train_loop_per_worker,
         train_loop_config={"spec": spec.to_json(), "work_dir": str(work), "code": launch.code_fingerprint,

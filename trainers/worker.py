@@ -9,10 +9,10 @@ atomically. Exit status 0 whenever a result was written, including a failed arm 
 result); a missing result file means the process died (SIGKILL, segfault) and the caller decides on a retry.
 
 ``rank.json`` (``trainers.run`` writes it for one rank of a multi-worker CPU arm, launched by its Ray Train worker):
-``{"context": <WorkerContext fields>, "backend": "gloo", "timeout_s": ..., "launcher_pid": ...}``. The process
-exits (status 3) as soon as its launching Train worker is gone, and joins the arm's process
-group from the launcher variables its worker set (``trainers.train_backend.ARM_PROCESS_ENV``) before the arm
-starts. A rank whose arm fails raises (the group's other ranks cannot go on), so it exits non-zero and leaves no
+``{"context": <WorkerContext fields>, "backend": "gloo", "group": <prefix of the group's store keys>, "timeout_s": ...,
+"launcher_pid": ...}``. The process exits (status 3) as soon as its launching Train worker is gone, and joins the
+arm's process group from the launcher variables its worker set (``trainers.train_backend.ARM_PROCESS_ENV``) before
+the arm starts. A rank whose arm fails raises (the group's other ranks cannot go on), so it exits non-zero and leaves no
 result; rank 0 leaves its partial measurements (``partial-<attempt>.state``) first.
 """
 
@@ -25,16 +25,31 @@ from pathlib import Path
 
 
 def _join_group(rank_doc: dict) -> None:
-    """The arm's gloo process group, formed as Ray's ``_setup_torch_process_group`` forms it (``env://``)."""
+    """The arm's gloo process group, formed from the launcher variables as Ray's ``_setup_torch_process_group``
+    forms it (``env://``: a TCPStore on rank 0), its keys under the group's own prefix (``rank_doc["group"]``, a
+    nonce rank 0 broadcast with the port). The port is free when rank 0 picks it, not reserved: should another arm
+    on the node take it first, this arm's ranks reach that arm's store, where the prefix keeps them out of its
+    rendezvous (they time out, and this arm fails) instead of joining another arm's group."""
+    import time
     from datetime import timedelta
 
     import torch.distributed as dist
 
     ctx = rank_doc["context"]
-    if ctx["rank"] != 0 and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-        wait_for_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), float(rank_doc["timeout_s"]))
-    dist.init_process_group(backend=rank_doc["backend"], init_method="env://", rank=ctx["rank"],
-                            world_size=ctx["world_size"], timeout=timedelta(seconds=rank_doc["timeout_s"]))
+    rank, world_size, timeout_s = ctx["rank"], ctx["world_size"], float(rank_doc["timeout_s"])
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not (host and port and rank_doc.get("group")):  # launched by hand: the variables as they are
+        dist.init_process_group(backend=rank_doc["backend"], init_method="env://", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        return
+    deadline = time.monotonic() + timeout_s
+    if rank != 0:
+        wait_for_store(host, int(port), timeout_s)
+    # One timeout for the whole join: the wait and the rendezvous share it.
+    left = timedelta(seconds=max(1.0, deadline - time.monotonic()))
+    store = dist.TCPStore(host, int(port), world_size, rank == 0, timeout=left, multi_tenant=True)
+    dist.init_process_group(backend=rank_doc["backend"], store=dist.PrefixStore(str(rank_doc["group"]), store),
+                            rank=rank, world_size=world_size, timeout=left)
 
 
 STORE_POLL_S = 0.01
@@ -76,11 +91,13 @@ def _die_with_launcher(pid: int) -> None:
     def watch() -> None:
         try:
             fd = os.pidfd_open(pid)
-        except (AttributeError, OSError):  # gone already, or no pidfd on this OS: poll instead
-            fd = None
-        if fd is not None:
-            select.select([fd], [], [])
-        else:
+            try:
+                poller = select.poll()  # not select(): a descriptor numbered past 1023 would raise there
+                poller.register(fd, select.POLLIN)
+                poller.poll()
+            finally:
+                os.close(fd)
+        except Exception:  # noqa: BLE001 - gone already, no pidfd on this OS, any fault: the watch goes on by polling
             while True:
                 try:
                     os.kill(pid, 0)
@@ -129,7 +146,17 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    status = main(sys.argv[1:])
+    # A failed rank raises (its group cannot go on); it still leaves through os._exit: an interpreter shutdown
+    # with a live gloo group can hang, and the launcher watch (a daemon thread) cannot run during it.
+    try:
+        status = main(sys.argv[1:])
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - printed as the interpreter would, then the same exit status
+        import traceback
+
+        traceback.print_exc()
+        status = 1
     sys.stdout.flush()
     sys.stderr.flush()
     # The result is on disk; interpreter teardown after torch + dynamo imports costs ~2 s of module finalizers

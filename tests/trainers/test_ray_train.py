@@ -39,7 +39,7 @@ def ray_arms(train_ray: Path, tmp_path_factory: pytest.TempPathFactory
     from trainers.train_backend import ArmTorchConfig
 
     saved = run_module._backend_config
-    run_module._backend_config = lambda use_gpu: ArmTorchConfig(backend="gloo", arm_process=False)
+    run_module._backend_config = lambda use_gpu, one_node=True: ArmTorchConfig(backend="gloo", arm_process=False)
     try:
         arms["ddp_in_worker"] = run_arm(make_spec(ddp, receipts))
     finally:

@@ -54,13 +54,19 @@ def test_the_wait_gives_up_after_its_timeout_when_nothing_listens() -> None:
     assert time.monotonic() - start >= 0.2
 
 
-def _rank(rank: int, port: int, delay: float, out: Any) -> None:
+def _rank(rank: int, port: int, delay: float, out: Any, group: str = "arm-a", value: float = 0.0,
+          timeout_s: float = 60) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     time.sleep(delay)
-    _join_group({"context": {"rank": rank, "world_size": 2}, "backend": "gloo", "timeout_s": 60})
-    total = torch.tensor([float(rank + 1)])
+    try:
+        _join_group({"context": {"rank": rank, "world_size": 2}, "backend": "gloo", "group": group,
+                     "timeout_s": timeout_s})
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out.put((group, rank, type(exc).__name__))
+        return
+    total = torch.tensor([value or float(rank + 1)])
     dist.all_reduce(total)
-    out.put((rank, float(total.item())))
+    out.put((group, rank, float(total.item())))
     dist.destroy_process_group()
 
 
@@ -71,8 +77,27 @@ def test_a_group_forms_when_rank_one_asks_before_rank_zero_listens() -> None:
     ranks = [ctx.Process(target=_rank, args=(0, port, 0.5, out)), ctx.Process(target=_rank, args=(1, port, 0.0, out))]
     for proc in ranks:
         proc.start()
-    got = dict(out.get(timeout=60) for _ in ranks)
+    got = {rank: value for _, rank, value in (out.get(timeout=60) for _ in ranks)}
     for proc in ranks:
         proc.join(timeout=30)
     assert got == {0: 3.0, 1: 3.0}
     assert [proc.exitcode for proc in ranks] == [0, 0]
+
+
+def test_a_rank_that_reaches_another_arms_store_stays_out_of_that_arms_group() -> None:
+    """The port rank 0 picked is free, not reserved: here arm B's rank 0 holds it, and arm A's rank 1 reaches
+    B's store. B's group must form of B's two ranks alone (their sum, 1 + 2; A's rank would add 100), and A's rank
+    must fail its join rather than wait in, or take a place in, B's rendezvous."""
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    port = _free_port()
+    ranks = [ctx.Process(target=_rank, args=(1, port, 0.0, out, "arm-a", 100.0, 5)),
+             ctx.Process(target=_rank, args=(0, port, 0.2, out, "arm-b", 1.0)),
+             ctx.Process(target=_rank, args=(1, port, 0.6, out, "arm-b", 2.0))]
+    for proc in ranks:
+        proc.start()
+    got = {(group, rank): value for group, rank, value in (out.get(timeout=90) for _ in ranks)}
+    for proc in ranks:
+        proc.join(timeout=30)
+    assert got[("arm-b", 0)] == got[("arm-b", 1)] == 3.0
+    assert isinstance(got[("arm-a", 1)], str)  # the name of the error its join raised: it never joined

@@ -260,6 +260,8 @@ def test_train_v1_gets_rays_own_torch_config(monkeypatch: pytest.MonkeyPatch) ->
     v2 = _backend_config(False)
     assert isinstance(v2, ArmTorchConfig) and v2.backend == "gloo" and v2.to_dict()["backend"] == "gloo"
     assert v2.arm_process is True                # CPU: each rank's arm in a process of its own
+    spanning = _backend_config(False, one_node=False)  # the rank files need the arm's dir on every node
+    assert spanning.backend == "gloo" and spanning.arm_process is False
     gpu = _backend_config(True)
     assert gpu.backend == "nccl" and gpu.arm_process is False  # GPU: Ray's set-up, the arm in the worker
     with pytest.raises(ValueError, match="arm_process is for gloo"):
@@ -324,3 +326,35 @@ def test_the_receipt_names_a_rank_that_fell_back_to_a_fresh_interpreter(tmp_path
     (tmp_path / "process-1-rank1.state").write_text(json.dumps({"how": "fresh_interpreter",
                                                                  "fallback_reason": "no server"}))
     assert _ranks_process(tmp_path, 1) == {"how": "fresh_interpreter", "fallback_reason": "rank 1: no server"}
+
+
+def test_a_failed_arm_is_described_by_the_processes_of_the_attempt_its_measurements_come_from(
+        tmp_path: Path) -> None:
+    """Attempt 0's rank 0 failed and left partial measurements; attempt 1 died without any (a rank killed before
+    it raised), after one of its ranks had fallen back to a fresh interpreter. The receipt's measurements are
+    attempt 0's, so its process record must be too; a record cut short by a kill reads as missing."""
+    from trainer_helpers import make_spec, tiny_lane
+    from trainers.receipt import LaunchInfo
+    from trainers.result import WorkerResult
+    from trainers.run import _collect_arm
+
+    for attempt in (0, 1):
+        (tmp_path / f"attempt-{attempt}.state").touch()
+    partial = WorkerResult(rank=0, world_size=2, attempt=0, executor="ray_train", pid=4321, host="h", node_id=None,
+                           fn_start=1.0, error={"type": "RuntimeError", "message": "out of memory"})
+    (tmp_path / "partial-0.state").write_text(partial.to_json())
+    forked = {"how": "fork_server", "server_pid": 11, "forks_before": 0}
+    for rank in (0, 1):
+        (tmp_path / f"process-0-rank{rank}.state").write_text(json.dumps({**forked, "forks_before": rank}))
+    (tmp_path / "process-1-rank0.state").write_text(json.dumps(forked))
+    (tmp_path / "process-1-rank1.state").write_text(json.dumps({"how": "fresh_interpreter",
+                                                                 "fallback_reason": "no server"}))
+    launch = LaunchInfo(executor="ray_train", run_start=0.0, end=2.0)
+    result = _collect_arm(tmp_path, make_spec(tiny_lane(), tmp_path), launch, None)
+    assert result is not None and result.attempt == 0 and result.pid == 4321
+    assert launch.restarts == 1
+    assert launch.process == forked  # attempt 0's processes, not attempt 1's fallback
+    (tmp_path / "process-0-rank0.state").write_text('{"how": "fork_ser')  # killed mid-write
+    launch = LaunchInfo(executor="ray_train", run_start=0.0, end=2.0)
+    assert _collect_arm(tmp_path, make_spec(tiny_lane(), tmp_path), launch, None).pid == 4321
+    assert launch.process == {**forked, "forks_before": 1}  # the record that could be read
