@@ -310,3 +310,28 @@ def test_pinning_a_pair_moves_every_thread_of_the_arm_into_its_slot() -> None:
     slot, masks = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(masks) >= 2, "the child must have run more than one thread for this to test anything"
     assert all(mask == slot for mask in masks.values()), masks
+
+
+def test_the_prefixed_distributions_are_those_every_metadata_names(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Path) -> None:
+    """Only candidates by their dist-info name get their metadata parsed: the result must be what parsing every
+    distribution's metadata gives, for prefixes written with '-', '_' or '.', and for a distribution whose
+    directory name differs from its metadata name only in case and separators."""
+    import importlib.metadata
+
+    import trainers.provenance as provenance
+
+    dist = tmp_path / "Nvidia.Odd_Name-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: nvidia-odd-name\nVersion: 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for prefixes in (("nvidia-",), ("py", "ray", "nvidia_"), ("torch", "typing-extensions", "ml.flow"), ("",)):
+        monkeypatch.setattr(provenance, "SOFTWARE_PREFIXES", prefixes)
+        reference: dict = {}
+        for each in importlib.metadata.distributions():
+            name = (each.metadata["Name"] or "").lower()
+            if name.startswith(prefixes):
+                reference[name] = each.version
+        assert provenance._prefixed_distributions() == reference, prefixes
+    monkeypatch.setattr(provenance, "SOFTWARE_PREFIXES", ("nvidia-",))
+    assert provenance._prefixed_distributions()["nvidia-odd-name"] == "1.0"
