@@ -433,10 +433,12 @@ def _run_ray_train(spec: ArmSpec, work: Path, max_failures: int, launch: LaunchI
         scaling["placement_strategy"] = "STRICT_PACK"
     if node_id is not None:
         launch.node_id = node_id
+    # A group not pinned to a node can still span only one when the cluster has one (a local runtime).
+    one_node = node_id is not None or sum(1 for node in ray.nodes() if node.get("Alive")) <= 1
     with _train_env() as train_env:
         env_vars.update(train_env)
         result = _fit_arm(spec, work, max_failures, launch, use_gpu, scaling, env_vars, storage_path,
-                          fork_server=fork_server, one_node=node_id is not None)
+                          fork_server=fork_server, one_node=one_node)
     return _collect_arm(work, spec, launch, result)
 
 

@@ -32,8 +32,10 @@ def ray_arms(train_ray: Path, tmp_path_factory: pytest.TempPathFactory
                                           "allgather_bucket_size": 20000})
     # The DDP arm's rank 0 process is SIGKILLed at step 2 of its first attempt and Train restarts the whole group
     # once (one more group start, not one more arm): its receipt is the surviving attempt's.
+    # The DeepSpeed arm is not pinned to a node (node_id=None): on this one-node runtime its group cannot span
+    # nodes, so its ranks are still forked (test_each_rank_trains_in_a_forked_process_of_its_own).
     arms = {"ddp": run_arm(make_spec(ddp, receipts, inject={"kill_at_step": 2}), max_failures=1),
-            "deepspeed": run_arm(make_spec(deepspeed, receipts))}
+            "deepspeed": run_arm(make_spec(deepspeed, receipts), node_id=None)}
     # The GPU path's CPU twin: the arm trained inside the Train workers, on Ray's torch set-up there.
     import trainers.run as run_module
     from trainers.train_backend import ArmTorchConfig
@@ -68,7 +70,7 @@ def test_two_worker_arm_runs_under_ray_train_and_validates(ray_arms: tuple[dict[
     assert receipt.identity.status is Status.valid, (receipt.error, receipt.disqualifiers)
     validate_receipt(json.loads(receipt.model_dump_json()))
     assert receipt.identity.executor == "ray_train" and receipt.identity.attempt == (1 if engine == "ddp" else 0)
-    assert receipt.identity.node_id == node                 # pinned to the caller's node
+    assert receipt.identity.node_id == node                 # the caller's node (pinned, or the only one)
     assert receipt.requested.world_size == 2 and receipt.requested.tokens_per_step == 2 * 32 * 2 * 2
     assert receipt.observed.tokens_per_step == receipt.requested.tokens_per_step
     assert receipt.throughput.tokens == 4 * receipt.requested.tokens_per_step
