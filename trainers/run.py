@@ -489,10 +489,11 @@ def _backend_config(use_gpu: bool, one_node: bool = True) -> Any:
     """The workers' torch process group while Train's controller stays free of torch (``trainers.train_backend``):
     on GPU NCCL, set up by Ray's own torch code on the workers; on CPU gloo, formed by each rank's arm process
     (``arm_process``), so the workers stay free of torch too. That needs the arm's scratch directory on every
-    rank's node, where its rank files go: only a group pinned to one node (``one_node``; every sweep pins its
-    arms to the trial's node) has it for sure, so a group free to span nodes trains in its workers. ``TorchTrainer`` takes it in the place of its
-    ``TorchConfig``, whose ``backend`` it only reads. Under Train V1, or a Ray without V2's layout, Ray's
-    ``TorchConfig`` itself (the arm then trains in the worker): that backend is written for V2's order of calls."""
+    rank's node, where its rank files go: only a group on one node (``one_node``; every sweep pins its arms to the
+    trial's node) has it for sure, so a group free to span nodes trains in its workers. ``TorchTrainer`` takes it
+    in the place of its ``TorchConfig``, whose ``backend`` it only reads. Under Train V1, or a Ray without V2's
+    layout, Ray's ``TorchConfig`` itself (the arm then trains in the worker): that backend is written for V2's
+    order of calls."""
     backend = "nccl" if use_gpu else "gloo"
     try:
         from ray.train.v2._internal.constants import is_v2_enabled

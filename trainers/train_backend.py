@@ -21,9 +21,10 @@ With ``arm_process=True`` (CPU arms) the workers stay free of torch as well: eac
 arm in a process forked from the node's fork server (``trainers.run``), which imported torch and the arm code once
 per sweep, and that process sets up the gloo group itself (``trainers.worker``). Here the backend then sets only
 what the group needs to find itself (MASTER_ADDR/PORT and the torch launcher variables, the same values Ray's
-``_set_torch_distributed_env_vars`` gives; the train function picks the port again just before the fork): a worker skips importing ``ray.train.torch`` and torch (~2 s of CPU
-per worker on a 2-core host, both workers at once) and the arm skips its own imports (~2 s more). GPU arms keep
-Ray's set-up in the worker (its per-worker CUDA device handling has not run forked on a GPU here).
+``_set_torch_distributed_env_vars`` gives; the train function picks the port again just before the fork): a
+worker skips importing ``ray.train.torch`` and torch (~2 s of CPU per worker on a 2-core host, both workers at
+once) and the arm skips its own imports (~2 s more). GPU arms keep Ray's set-up in the worker (its per-worker
+CUDA device handling has not run forked on a GPU here).
 
 Train V2 only: V1 sets the torch variables in ``on_training_start``, once its session exists, which this backend
 does not do, so ``trainers.run._backend_config`` hands V1 (``RAY_TRAIN_V2_ENABLED=0``) Ray's ``TorchConfig``.
