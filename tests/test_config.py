@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import re
 
 from pathlib import Path
@@ -9,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from ablate.config import load
-from ablate.config.load import load_sweep, structured, with_feature
+from ablate.config.features import FEATURES
+from ablate.config.load import default_lane_with, load_sweep, structured, with_feature
 from ablate.config.schema import ConfigError, LaneConfig, MoEDispatch, SweepConfig
 
 
@@ -112,6 +114,31 @@ def test_with_feature_rejects_bad_value_naming_the_feature() -> None:
         with_feature(LaneConfig(), "mamba_scan", "quantum")
     assert str(info.value).startswith("features.mamba_scan: got 'quantum'")
     assert "sequential, chunked" in str(info.value)
+
+
+ODD_VALUES = ["quantum", "\x00", "", None, True, False, 0, 1, -3, 25, 2.5, "25", "true", "on", "off", "jagged",
+              "MoEDispatch.jagged", [1, 2], {"a": 1}]
+
+
+@pytest.mark.parametrize("name", sorted(FEATURES))
+def test_the_default_lane_with_one_feature_is_with_feature_on_the_default_lane(name: str) -> None:
+    """``default_lane_with`` (one field merged onto the schema) gives what ``with_feature(LaneConfig(), ...)`` gives
+    (a whole lane merged): the same lane for every value the field takes, the same error, word for word, for the
+    rest; the feature's own registered values included."""
+    node: object = LaneConfig()
+    for part in FEATURES[name].path.split("."):
+        node = getattr(node, part)
+    registered = [m.value for m in type(node)] if isinstance(node, enum.Enum) else [node]
+    for value in ODD_VALUES + registered:
+        try:
+            want: object = with_feature(LaneConfig(), name, value)
+        except ConfigError as exc:
+            want = ("error", exc.key, repr(exc.value), exc.allowed, str(exc))
+        try:
+            got: object = default_lane_with(name, value)
+        except ConfigError as exc:
+            got = ("error", exc.key, repr(exc.value), exc.allowed, str(exc))
+        assert got == want, (name, value)
 
 
 def test_tax_cannot_default_on(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ from ablate.promote.evidence import Calibration, TestEvidence, shape_key
 from ablate.promote.match import Block, Refusal, feature_gates, winner
 from ablate.promote.policy import Policy
 from ablate.promote.stats import (bootstrap_clusters, bootstrap_hl, cluster_codes, fisher_more_failures,
-                                  hl_with_bootstrap, hodges_lehmann, pvalue_at_most, quantile, quantiles)
+                                  hl_curve_with_bootstrap, hodges_lehmann, pvalue_at_most, quantile, quantiles)
 
 PROMOTE, HOLD, REJECT, TAX_REPORTED = "PROMOTE", "HOLD", "REJECT", "TAX-REPORTED"
 CURVE_POINTS = 25
@@ -355,13 +355,12 @@ def _curve(rows: list[tuple[Block, float]], horizon: int, policy: Policy, cluste
     grid = sorted({int(round(h)) for h in np.geomspace(1, 10 * horizon, CURVE_POINTS)} | {horizon})
     ratios = log_ratios_at([b for b, _ in rows], policy.failures.failed_log_ratio, grid)
     cluster = cluster_codes(clusters, len(rows))
+    kept = [(float(h), d) for h, d in zip(grid, ratios) if np.all(np.isfinite(d))]
     out = []
-    for h, d in zip(grid, ratios):
-        if not np.all(np.isfinite(d)):
-            continue
-        point, theta = hl_with_bootstrap(d, cluster, CURVE_RESAMPLES, rng)
+    for (h, _), (point, theta) in zip(kept, hl_curve_with_bootstrap([d for _, d in kept], cluster, CURVE_RESAMPLES,
+                                                                     rng)):
         lo, hi = quantiles(theta, (0.05, 0.95))
-        out.append({"horizon": float(h), "speedup": math.exp(point), "lo": math.exp(lo), "hi": math.exp(hi)})
+        out.append({"horizon": h, "speedup": math.exp(point), "lo": math.exp(lo), "hi": math.exp(hi)})
     return out
 
 

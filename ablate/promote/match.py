@@ -32,8 +32,8 @@ from typing import Any, Iterable, Optional
 
 from ablate.config.backends import fell_back
 from ablate.config.features import BUNDLE, FEATURES
-from ablate.config.load import with_feature
-from ablate.config.schema import ConfigError, LaneConfig
+from ablate.config.load import default_lane_with
+from ablate.config.schema import ConfigError
 from ablate.promote.policy import Policy
 from ablate.receipts.derive import project_time
 from ablate.receipts.schema import SIMULATED_EXECUTOR, WARN_CODES, Receipt, utc_moment
@@ -439,13 +439,13 @@ def _unregistered(name: str, encoded: str) -> Optional[str]:
     """
     value = json.loads(encoded)
     try:
-        got = FEATURES[name].get(with_feature(LaneConfig(), name, value))
+        got = FEATURES[name].get(default_lane_with(name, value))
     except ConfigError as exc:
         return exc.allowed
     if isinstance(got, bool) != isinstance(value, bool) or type(value) not in (str, int, float, bool) or \
             got != value:
         try:  # what the field allows, as the loader words it: provoke its error with a value nothing accepts
-            with_feature(LaneConfig(), name, "\x00")
+            default_lane_with(name, "\x00")
         except ConfigError as exc:
             return f"{exc.allowed}, spelled exactly so; this value only coerces to {got!r}"
         return f"values spelled exactly as the lane field holds them; this one only coerces to {got!r}"

@@ -274,6 +274,77 @@ def hl_with_bootstrap(x: np.ndarray, cluster: np.ndarray, resamples: int, rng: n
     return float(np.median(pairs.values)), _bootstrap_pairs(pairs, resamples, rng)
 
 
+def hl_curve_with_bootstrap(points: Sequence[np.ndarray], cluster: np.ndarray, resamples: int,
+                            rng: np.random.Generator) -> list[tuple[float, np.ndarray]]:
+    """``[hl_with_bootstrap(x, cluster, resamples, rng) for x in points]`` (points of equal length): the same numbers,
+    from the same draws (one ``multinomial`` call draws what one call per point draws, in order). Every point shares
+    the clusters, so with few of them the distinct resamples are found once and the medians of every point are
+    bisected together: over 10,000 receipts the curves' 26 points each, one small bisection per point, were a third
+    of the analysis."""
+    if not points:
+        return []
+    x = np.stack([np.asarray(p, dtype=float) for p in points])
+    k = int(cluster.max()) + 1
+    counts = rng.multinomial(k, np.full(k, 1.0 / k), size=resamples * len(x)).reshape(len(x), resamples, k)
+    codes = counts.astype(np.int64) @ ((k + 1) ** np.arange(k, dtype=np.int64))
+    _, first, inverse = np.unique(codes.ravel(), return_index=True, return_inverse=True)
+    distinct = counts.reshape(-1, k)[first]
+    size = x.shape[1] * (x.shape[1] + 1) // 2
+    num_categories = 2 * k + k * (k - 1) // 2
+    if (distinct.shape[0] >= resamples // 2 or num_categories * 2 * (math.log2(max(size, 2)) + 1) >= 6 * size
+            or num_categories * size > _CATEGORY_MAX_ELEMENTS):
+        return [hl_with_bootstrap(row, cluster, resamples, _Drawn(c)) for row, c in zip(x, counts)]
+    i, j = np.triu_indices(x.shape[1])
+    values = (x[:, i] + x[:, j]) * 0.5  # walsh_averages of every point
+    order = np.argsort(values, axis=1, kind="stable")
+    values = np.take_along_axis(values, order, axis=1)
+    lo_c, hi_c = np.minimum(cluster[i], cluster[j]), np.maximum(cluster[i], cluster[j])
+    pair_codes = ((lo_c * k + hi_c) * 2 + (i == j))[order]  # each sorted pair's category code, per point
+    hl = np.empty((len(x), distinct.shape[0]))
+    per_group = max(1, _CATEGORY_MAX_ELEMENTS // (num_categories * size))
+    for start in range(0, len(x), per_group):
+        part = slice(start, start + per_group)
+        hl[part] = _categories_together(values[part], pair_codes[part], k, distinct)
+    inverse = inverse.reshape(len(x), resamples)
+    return [(float(np.median(v)), hl[p][inverse[p]]) for p, v in enumerate(values)]
+
+
+class _Drawn:
+    """A generator stand-in that hands back counts already drawn (the fallback of ``hl_curve_with_bootstrap``)."""
+
+    def __init__(self, counts: np.ndarray) -> None:
+        self._counts = counts
+
+    def multinomial(self, *_args: object, **_kwargs: object) -> np.ndarray:
+        return self._counts
+
+
+def _categories_together(values: np.ndarray, codes: np.ndarray, k: int, counts: np.ndarray) -> np.ndarray:
+    """``_hl_by_categories`` of the resamples ``counts`` at each point (rows of ``values``: its sorted Walsh averages,
+    of ``codes``: their pairs' categories), the points' bisections run together. Weights, counts and cumulative
+    weights are integers, so each median selects the Walsh average ``_hl_by_categories`` selects."""
+    points, size = values.shape
+    categories = np.unique(codes[0])  # the same pairs in another order: the same categories at every point
+    cat_lo, cat_hi, cat_diag = (categories // 2) // k, (categories // 2) % k, (categories % 2).astype(bool)
+    cum = np.zeros((points, categories.size, size), dtype=np.int32)
+    cum[np.arange(points)[:, None], np.searchsorted(categories, codes), np.arange(size)[None, :]] = 1
+    np.cumsum(cum, axis=2, out=cum)
+    ca, cb = counts[:, cat_lo].astype(np.int64), counts[:, cat_hi].astype(np.int64)
+    weights = np.where(cat_diag, ca * (ca + 1) // 2, ca * cb)  # (resamples, categories)
+    rows = np.arange(points)[:, None]
+    out = np.zeros((points, counts.shape[0]))
+    for rank in _median_positions(weights @ cum[0, :, -1].astype(np.int64)):
+        lo = np.zeros((points, counts.shape[0]), dtype=np.int64)
+        hi = np.full((points, counts.shape[0]), size - 1, dtype=np.int64)
+        for _ in range(int(math.ceil(math.log2(max(size, 2)))) + 1):
+            mid = (lo + hi) // 2
+            above = (cum[rows, :, mid] * weights).sum(axis=2) > rank  # cum[rows, :, mid]: (points, resamples, cats)
+            hi = np.where(above, mid, hi)
+            lo = np.where(above, lo, np.minimum(mid + 1, hi))
+        out += values[rows, hi] * 0.5
+    return out
+
+
 def _bootstrap_pairs(pairs: _SortedPairs, resamples: int, rng: np.random.Generator) -> np.ndarray:
     k = pairs.num_clusters
     counts = rng.multinomial(k, np.full(k, 1.0 / k), size=resamples)

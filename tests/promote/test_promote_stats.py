@@ -162,3 +162,52 @@ def test_many_hosts_never_build_the_category_table(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(stats, "_CATEGORY_MAX_ELEMENTS", 1000)
     monkeypatch.setattr(stats, "_hl_by_categories", refused)
     np.testing.assert_allclose(hl_from_counts(x, cluster, counts), want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 8), st.integers(1, 12), st.integers(0, 2**31), st.booleans())
+def test_a_curves_points_at_once_are_each_points_bootstrap(blocks: int, hosts: int, points: int, seed: int,
+                                                          small_groups: bool) -> None:
+    """``hl_curve_with_bootstrap`` gives, point for point and to the bit, what ``hl_with_bootstrap`` gives called
+    once per point on one generator: the same HL, the same draws, the same resample medians; with few clusters
+    (points bisected together, also in groups a small table cap forces), with many (the point-by-point fallback),
+    with ties between Walsh averages, and per block (a cluster each)."""
+    from ablate.promote import stats
+
+    rng = np.random.default_rng(seed)
+    base = np.round(rng.normal(0.03, 0.02, blocks), 3)  # rounded: ties between Walsh averages
+    curve = [np.round(base + rng.normal(0, 0.01, blocks) * i, 3) for i in range(points)]
+    cluster = stats.cluster_codes(rng.integers(0, hosts, size=blocks) if hosts > 1 else None, blocks)
+    resamples = int(rng.integers(20, 400))
+    draws = np.random.default_rng(seed + 1)
+    want = [stats.hl_with_bootstrap(x, cluster, resamples, draws) for x in curve]
+    cap = stats._CATEGORY_MAX_ELEMENTS
+    try:
+        if small_groups:  # room for about one point's table at a time
+            stats._CATEGORY_MAX_ELEMENTS = max(1, (2 * 8 + 28) * blocks * (blocks + 1) // 2)
+        got = stats.hl_curve_with_bootstrap(curve, cluster, resamples, np.random.default_rng(seed + 1))
+    finally:
+        stats._CATEGORY_MAX_ELEMENTS = cap
+    assert len(got) == len(want)
+    for (hl, theta), (hl_want, theta_want) in zip(got, want):
+        assert hl == hl_want and np.array_equal(theta, theta_want)
+
+
+def test_a_curve_with_few_hosts_bisects_its_points_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four hosts, 26 points of 72 blocks (the 10,000-receipt campaign's curves): one bisection for all of them,
+    never one per point, and still each point's own numbers."""
+    from ablate.promote import stats
+
+    rng = np.random.default_rng(3)
+    base = rng.normal(0.03, 0.02, 72)
+    curve = [base + rng.normal(0, 0.005, 72) * i for i in range(26)]
+    cluster = np.repeat(np.arange(4), 18)
+    draws = np.random.default_rng(8)
+    want = [stats.hl_with_bootstrap(x, cluster, 400, draws) for x in curve]
+    calls: list[int] = []
+    together = stats._categories_together
+    monkeypatch.setattr(stats, "_categories_together", lambda v, *a: calls.append(len(v)) or together(v, *a))
+    monkeypatch.setattr(stats, "hl_with_bootstrap", None)  # the point-by-point fallback must not run
+    got = stats.hl_curve_with_bootstrap(curve, cluster, 400, np.random.default_rng(8))
+    assert calls == [26]
+    assert all(a[0] == b[0] and np.array_equal(a[1], b[1]) for a, b in zip(got, want))
