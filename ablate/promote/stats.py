@@ -293,7 +293,8 @@ def hl_curve_with_bootstrap(points: Sequence[np.ndarray], cluster: np.ndarray, r
     num_categories = 2 * k + k * (k - 1) // 2
     if (distinct.shape[0] >= resamples // 2 or num_categories * 2 * (math.log2(max(size, 2)) + 1) >= 6 * size
             or num_categories * size > _CATEGORY_MAX_ELEMENTS):
-        return [hl_with_bootstrap(row, cluster, resamples, _Drawn(c)) for row, c in zip(x, counts)]
+        pairs = [_SortedPairs(row, cluster) for row in x]  # what hl_with_bootstrap does once it has drawn
+        return [(float(np.median(p.values)), _hl_chunks(p, c)) for p, c in zip(pairs, counts)]
     i, j = np.triu_indices(x.shape[1])
     values = (x[:, i] + x[:, j]) * 0.5  # walsh_averages of every point
     order = np.argsort(values, axis=1, kind="stable")
@@ -307,16 +308,6 @@ def hl_curve_with_bootstrap(points: Sequence[np.ndarray], cluster: np.ndarray, r
         hl[part] = _categories_together(values[part], pair_codes[part], k, distinct)
     inverse = inverse.reshape(len(x), resamples)
     return [(float(np.median(v)), hl[p][inverse[p]]) for p, v in enumerate(values)]
-
-
-class _Drawn:
-    """A generator stand-in that hands back counts already drawn (the fallback of ``hl_curve_with_bootstrap``)."""
-
-    def __init__(self, counts: np.ndarray) -> None:
-        self._counts = counts
-
-    def multinomial(self, *_args: object, **_kwargs: object) -> np.ndarray:
-        return self._counts
 
 
 def _categories_together(values: np.ndarray, codes: np.ndarray, k: int, counts: np.ndarray) -> np.ndarray:

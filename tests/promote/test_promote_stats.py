@@ -207,7 +207,7 @@ def test_a_curve_with_few_hosts_bisects_its_points_together(monkeypatch: pytest.
     calls: list[int] = []
     together = stats._categories_together
     monkeypatch.setattr(stats, "_categories_together", lambda v, *a: calls.append(len(v)) or together(v, *a))
-    monkeypatch.setattr(stats, "hl_with_bootstrap", None)  # the point-by-point fallback must not run
+    monkeypatch.setattr(stats, "_hl_chunks", None)  # the point-by-point fallback must not run
     got = stats.hl_curve_with_bootstrap(curve, cluster, 400, np.random.default_rng(8))
     assert calls == [26]
     assert all(a[0] == b[0] and np.array_equal(a[1], b[1]) for a, b in zip(got, want))
