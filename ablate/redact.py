@@ -27,13 +27,15 @@ REDACTED = "<redacted>"
 ENV_ALLOWLIST: tuple[str, ...] = (
     "CUDA_*", "NCCL_*", "NVIDIA_*", "CUBLAS_*", "CUDNN_*", "PYTORCH_*", "TORCH_*", "TORCHINDUCTOR_*",
     "TORCHDYNAMO_*", "TRITON_*", "OMP_*", "GOMP_*", "MKL_*", "OPENBLAS_*", "ONEDNN_*", "DNNL_*", "MALLOC_*",
-    "PYTHONMALLOC", "KMP_*", "GLOO_*", "DS_*", "DEEPSPEED_*", "RAY_TRAIN_*", "MLFLOW_TRACKING_URI", "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE", "MASTER_PORT", "ABLATE_*",
+    "PYTHONMALLOC", "LD_PRELOAD", "KMP_*", "GLOO_*", "DS_*", "DEEPSPEED_*", "RAY_TRAIN_*", "MLFLOW_TRACKING_URI",
+    "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT", "ABLATE_*",
 )
 """Glob patterns of variable names that describe the runtime. Anything else never reaches a receipt. The thread
 pools', BLAS/oneDNN and allocator families are all here, not only their thread counts: every arm inherits them
 (``PROCESS_ENV_BASE``) and they change speed (``DNNL_DEFAULT_FPMATH_MODE=BF16`` runs fp32 matmuls in bf16,
-``OMP_WAIT_POLICY`` and ``MALLOC_ARENA_MAX`` move step times), so a receipt must show what its arm ran with."""
+``OMP_WAIT_POLICY`` and ``MALLOC_ARENA_MAX`` move step times), so a receipt must show what its arm ran with.
+``LD_PRELOAD`` too: a cluster that preloads jemalloc or tcmalloc for its raylet trains with that allocator, and an
+arm started without it (a forked rank, a one-worker arm) measured glibc's instead, with nothing in its receipt."""
 
 PROCESS_ENV_BASE: tuple[str, ...] = (
     "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_*", "TZ", "TERM", "HOSTNAME",

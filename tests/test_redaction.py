@@ -169,7 +169,8 @@ def test_receipts_record_every_speed_setting_an_arm_inherits() -> None:
     # two nodes' blocks differ.
     speed = {"DNNL_DEFAULT_FPMATH_MODE": "BF16", "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_WAIT_POLICY": "PASSIVE",
              "GOMP_SPINCOUNT": "0", "MALLOC_ARENA_MAX": "2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-             "OPENBLAS_CORETYPE": "Haswell", "PYTHONMALLOC": "malloc"}
+             "OPENBLAS_CORETYPE": "Haswell", "PYTHONMALLOC": "malloc",
+             "LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}
     assert process_env({**speed, **RUNTIME}).items() >= speed.items()
     env = capture_env({**speed, **RUNTIME, "LANG": "C.UTF-8"})
     assert env.items() >= speed.items()

@@ -16,7 +16,8 @@ seen = getattr(trainers.loop, "_probe_mark", None)
 trainers.loop._probe_mark = os.getpid()  # type: ignore[attr-defined]
 out = {"pid": os.getpid(), "ppid": os.getppid(), "seen_mark": seen, "preloaded": _PRELOADED,
        "env": dict(os.environ), "cwd": os.getcwd(), "affinity": sorted(os.sched_getaffinity(0)),
-       "argv": sys.argv[1:]}
+       "argv": sys.argv[1:], "mapped": sorted({line.split()[-1] for line in open("/proc/self/maps")
+                                                if line.split()[-1].startswith("/")})}
 if "TORCHINDUCTOR_CACHE_DIR" in os.environ:  # where this arm would compile into: its own directories
     from torch._inductor.runtime.cache_dir_utils import cache_dir
     from triton import knobs

@@ -77,6 +77,27 @@ def test_each_fork_is_a_new_process_that_inherits_no_state_from_the_last(tmp_pat
     assert "probe wrote" in (tmp_path / "first.log").read_text()
 
 
+def test_a_preloaded_library_reaches_the_forked_arm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster's ``LD_PRELOAD`` (jemalloc, tcmalloc) is what its arms must train with, and their receipts name it:
+    the arm's environment keeps it, the server it forks from is started with it (the loader reads it at exec, not at
+    fork), so the arm's process has the library mapped; a server of another preload is another server."""
+    import ctypes.util
+
+    lib = ctypes.util.find_library("anl")  # glibc's libanl: installed with glibc, loaded by nothing of ours
+    assert lib, "glibc's libanl.so.1 is missing"
+    own = {Path(line.split()[-1]).name for line in Path("/proc/self/maps").read_text().splitlines()}
+    assert not any(name.startswith("libanl") for name in own)
+    monkeypatch.setenv("LD_PRELOAD", lib)
+    base = _base_env(tmp_path, ABLATE_PROBE_KEY=str(time.time()))
+    assert base["LD_PRELOAD"] == lib
+    assert server_key(base, "test") != server_key({k: v for k, v in base.items() if k != "LD_PRELOAD"}, "test")
+    proc, out = _probe(tmp_path, "preload", base)
+    assert proc.wait(timeout=120) == 0
+    probe = json.loads(out.read_text())
+    assert probe["env"]["LD_PRELOAD"] == lib
+    assert any(Path(path).name.startswith("libanl") for path in probe["mapped"])
+
+
 def test_exit_status_timeout_kill_and_a_vanished_caller(tmp_path: Path) -> None:
     base = _base_env(tmp_path, ABLATE_PROBE_KEY=SHARED)
     failing, _ = _probe(tmp_path, "fails", base, "0", "7")
