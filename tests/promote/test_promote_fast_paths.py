@@ -247,3 +247,26 @@ def test_log_ratios_at_answers_as_log_ratio_for_every_kind_of_arm() -> None:
             else:
                 assert value == want, (h, variant.baseline, variant.candidate)
     assert np.isnan(got).any() and (got == failed).any() and np.isfinite(got).sum() > len(horizons)
+
+
+def test_a_measurement_key_is_its_four_series_exactly() -> None:
+    """``match._measurement_key`` (digest of the series' float bytes, after their lengths): equal for a receipt filed
+    again under another id, different when one step differs by one ulp or a value moves from one series to the
+    next (the lengths keep the series apart); None below two positive steps."""
+    receipt = _receipts()[0]
+    steps = receipt.steps
+
+    def with_steps(**series: list[float]) -> Any:
+        return receipt.model_copy(update={"steps": steps.model_copy(update=series)})
+
+    key = match._measurement_key(receipt)
+    assert key is not None
+    refiled = receipt.model_copy(update={"identity": receipt.identity.model_copy(update={"receipt_id": "copy"})})
+    assert match._measurement_key(refiled) == key
+    nudged = list(steps.step_s)
+    nudged[1] = math.nextafter(nudged[1], math.inf)
+    assert match._measurement_key(with_steps(step_s=nudged)) != key
+    joined = with_steps(step_s=list(steps.step_s) + [1.0], cadence_s=[], data_s=[], phase_s=[])
+    moved = with_steps(step_s=list(steps.step_s), cadence_s=[1.0], data_s=[], phase_s=[])
+    assert match._measurement_key(joined) != match._measurement_key(moved)
+    assert match._measurement_key(with_steps(step_s=[0.5, 0.0, 0.0])) is None
