@@ -231,12 +231,9 @@ def _hl_chunks(pairs: _SortedPairs, counts: np.ndarray) -> np.ndarray:
         _, first, inverse = np.unique(codes, return_index=True, return_inverse=True)
         if first.size < counts.shape[0]:
             return _hl_chunks(pairs, counts[first])[inverse.ravel()]
-    num_categories = 2 * k + k * (k - 1) // 2
+    if _categories_pay(k, pairs.size):
+        return _in_chunks(_hl_by_categories, pairs, counts, max(1, _CATEGORY_CHUNK_ELEMENTS // _num_categories(k)))
     steps = math.log2(max(pairs.size, 2)) + 1
-    bisection_cost = num_categories * 2 * steps
-    # The category method holds a (categories x pairs) table: ~100 hosts and 700 blocks would be 10 GB of it.
-    if bisection_cost < 6 * pairs.size and num_categories * pairs.size <= _CATEGORY_MAX_ELEMENTS:
-        return _in_chunks(_hl_by_categories, pairs, counts, max(1, _CATEGORY_CHUNK_ELEMENTS // num_categories))
     blocks = int(pairs.cluster_sizes.sum())
     # Per resample: the cumulative sum touches every pair, the ladder ~2 gathers per block and bisection step
     # (measured ~2x a summed element each); building the ladder costs about one summed element per (distinct
@@ -245,6 +242,17 @@ def _hl_chunks(pairs: _SortedPairs, counts: np.ndarray) -> np.ndarray:
     if ladder_cost < counts.shape[0] * pairs.size and _Ladder.fits(pairs):
         return _hl_by_ladder(pairs, counts)
     return _in_chunks(_hl_by_cumsum, pairs, counts, max(1, _CUMSUM_CHUNK_ELEMENTS // pairs.size))
+
+
+def _num_categories(k: int) -> int:
+    return 2 * k + k * (k - 1) // 2
+
+
+def _categories_pay(k: int, size: int) -> bool:
+    """Whether the category bisection is the cheaper exact method for ``k`` clusters over ``size`` pairs, and its
+    (categories x pairs) table fits: ~100 hosts and 700 blocks would be 10 GB of it."""
+    return (_num_categories(k) * 2 * (math.log2(max(size, 2)) + 1) < 6 * size
+            and _num_categories(k) * size <= _CATEGORY_MAX_ELEMENTS)
 
 
 def _in_chunks(method: Callable[[_SortedPairs, np.ndarray], np.ndarray], pairs: _SortedPairs, counts: np.ndarray,
@@ -290,15 +298,14 @@ def hl_curve_with_bootstrap(points: Sequence[np.ndarray], cluster: np.ndarray, r
     x = np.stack([np.asarray(p, dtype=float) for p in points])
     k = int(cluster.max()) + 1
     counts = rng.multinomial(k, np.full(k, 1.0 / k), size=resamples * len(x)).reshape(len(x), resamples, k)
-    codes = counts.astype(np.int64) @ ((k + 1) ** np.arange(k, dtype=np.int64))
-    _, first, inverse = np.unique(codes.ravel(), return_index=True, return_inverse=True)
-    distinct = counts.reshape(-1, k)[first]
     size = x.shape[1] * (x.shape[1] + 1) // 2
-    num_categories = 2 * k + k * (k - 1) // 2
-    if (distinct.shape[0] >= resamples // 2 or num_categories * 2 * (math.log2(max(size, 2)) + 1) >= 6 * size
-            or num_categories * size > _CATEGORY_MAX_ELEMENTS):
+    # The cases where _hl_chunks would find each point's distinct resamples and bisect them by category.
+    if math.comb(2 * k - 1, k) >= resamples // 2 or not _categories_pay(k, size):
         pairs = [_SortedPairs(row, cluster) for row in x]  # what hl_with_bootstrap does once it has drawn
         return [(float(np.median(p.values)), _hl_chunks(p, c)) for p, c in zip(pairs, counts)]
+    codes = counts.astype(np.int64) @ ((k + 1) ** np.arange(k, dtype=np.int64))  # few clusters: no overflow
+    _, first, inverse = np.unique(codes.ravel(), return_index=True, return_inverse=True)
+    distinct = counts.reshape(-1, k)[first]
     i, j = np.triu_indices(x.shape[1])
     values = (x[:, i] + x[:, j]) * 0.5  # walsh_averages of every point
     order = np.argsort(values, axis=1, kind="stable")
@@ -306,7 +313,7 @@ def hl_curve_with_bootstrap(points: Sequence[np.ndarray], cluster: np.ndarray, r
     lo_c, hi_c = np.minimum(cluster[i], cluster[j]), np.maximum(cluster[i], cluster[j])
     pair_codes = ((lo_c * k + hi_c) * 2 + (i == j))[order]  # each sorted pair's category code, per point
     hl = np.empty((len(x), distinct.shape[0]))
-    per_group = max(1, _CATEGORY_MAX_ELEMENTS // (num_categories * size))
+    per_group = max(1, _CATEGORY_MAX_ELEMENTS // (_num_categories(k) * size))
     for start in range(0, len(x), per_group):
         part = slice(start, start + per_group)
         hl[part] = _categories_together(values[part], pair_codes[part], k, distinct)

@@ -211,3 +211,19 @@ def test_a_curve_with_few_hosts_bisects_its_points_together(monkeypatch: pytest.
     got = stats.hl_curve_with_bootstrap(curve, cluster, 400, np.random.default_rng(8))
     assert calls == [26]
     assert all(a[0] == b[0] and np.array_equal(a[1], b[1]) for a, b in zip(got, want))
+
+
+def test_a_curve_over_many_hosts_takes_each_points_own_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Twenty hosts: C(39, 20) distinct resamples, far more than are drawn, so nothing repeats to share; each point
+    goes through ``_hl_chunks`` as ``hl_with_bootstrap`` would, never the bisection together, with the same
+    numbers."""
+    from ablate.promote import stats
+
+    rng = np.random.default_rng(11)
+    curve = [np.round(rng.normal(0.03, 0.02, 60), 3) for _ in range(5)]
+    cluster = np.arange(60) % 20
+    draws = np.random.default_rng(2)
+    want = [stats.hl_with_bootstrap(x, cluster, 400, draws) for x in curve]
+    monkeypatch.setattr(stats, "_categories_together", None)
+    got = stats.hl_curve_with_bootstrap(curve, cluster, 400, np.random.default_rng(2))
+    assert all(a[0] == b[0] and np.array_equal(a[1], b[1]) for a, b in zip(got, want))
