@@ -311,6 +311,7 @@ def test_a_file_that_is_not_utf8_is_a_config_error(tmp_path: Path, kind: str) ->
     ("order.max_effect_in_thresholds", 0, "positive"),
     ("failures.max_candidate_rate", 2, "[0, 1]"),
     ("evidence.min_round_gap_s", -60, ">= 0"),
+    ("evidence.min_hosts_per_round", 0, "an integer >= 1"),
     ("version", 0, ">= 1"),
 ])
 def test_a_policy_value_out_of_range_or_misspelled_is_refused(key: str, value: object, allowed: str) -> None:

@@ -70,6 +70,9 @@ class RoundRow:
     """Why several sweeps count as this one round (they ran at the same time or too close together)."""
     members: tuple[str, ...] = ()
     """The sweep ids this round is made of (``RoundInfo.members``)."""
+    hosts: int = 0
+    """Hosts its blocks ran on (``RoundInfo.num_hosts``): a round on fewer than ``evidence.min_hosts_per_round`` is
+    not counted."""
 
 
 @dataclass
@@ -537,7 +540,7 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
         verdict.rounds.append(RoundRow(round_id=r.round_id, blocks=int(inside.sum()),
                                        speedup=_ratio(hodges_lehmann(d[inside])) if inside.any() else None,
                                        first_at=r.first_at, counted=r.counted, note=r.note,
-                                       members=tuple(r.members or (r.round_id,))))
+                                       members=tuple(r.members or (r.round_id,)), hosts=r.num_hosts))
     loss_rows = [(b.host, b.loss_delta()) for b in usable if not b.candidate.failed and not b.baseline.failed]
     loss_rows = [(h, x) for h, x in loss_rows if x is not None]
     loss = np.asarray([x for _, x in loss_rows], dtype=float)

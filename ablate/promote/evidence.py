@@ -51,11 +51,13 @@ class RoundInfo:
     first_at: str
     last_at: str
     counted: bool
-    """False when the round has fewer blocks than ``evidence.min_blocks_per_round``."""
+    """False when the round has fewer blocks than ``evidence.min_blocks_per_round``, or its blocks ran on fewer hosts
+    than ``evidence.min_hosts_per_round``."""
     members: tuple[str, ...] = ()
     """The sweep ids (``Block.round_id``) this round is made of."""
     note: str = ""
     """Why several sweeps count as this one round (empty for a round of one sweep)."""
+    num_hosts: int = 0
 
 
 @dataclass(frozen=True)
@@ -245,10 +247,10 @@ def _rounds(blocks: list[Block], policy: Policy, windows: Optional[dict[str, Swe
     for sweeps, note in merge_sweeps(list(by_round), windows, policy):
         members = [b for sweep in sweeps for b in by_round[sweep]]
         stamps = sorted(b.created_at for b in members)
+        hosts = len({b.host for b in members})
         rounds.append(RoundInfo(round_id=" + ".join(sweeps), num_blocks=len(members), first_at=stamps[0],
-                                last_at=stamps[-1],
-                                counted=len(members) >= policy.evidence.min_blocks_per_round,
-                                members=tuple(sweeps), note=note))
+                                last_at=stamps[-1], counted=policy.evidence.round_counts(len(members), hosts),
+                                members=tuple(sweeps), note=note, num_hosts=hosts))
     return rounds
 
 

@@ -51,8 +51,22 @@ class EvidencePolicy:
     min_rounds: int
     """Rounds are sweeps (sweep_id) under one software fingerprint; a fingerprint change restarts the count."""
     min_blocks_per_round: int
+    min_hosts_per_round: int
+    """A round with its blocks on fewer hosts does not count towards ``min_rounds`` (promotion-rule.md §5.3: "Round:
+    >=4 blocks over >=2 hosts"): a confirmation in time that one machine gave is that machine's. 1 in the
+    single-node profile."""
     min_round_gap_s: float
     """Sweeps starting closer than this (or overlapping in time) are one round: a round is a separate run in time."""
+
+    def round_counts(self, blocks: int, hosts: int) -> bool:
+        """Whether a round of ``blocks`` blocks over ``hosts`` hosts counts towards ``min_rounds``."""
+        return blocks >= self.min_blocks_per_round and hosts >= self.min_hosts_per_round
+
+    @property
+    def round_needs(self) -> str:
+        """What a round needs to count, in words."""
+        return f"{self.min_blocks_per_round}+ blocks" + (
+            f" over {self.min_hosts_per_round}+ hosts" if self.min_hosts_per_round > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -286,6 +300,7 @@ _RANGES: dict[str, tuple[float, bool, float, bool, str]] = {
     "evidence.min_seeds": (1, True, math.inf, False, "an integer >= 1"),
     "evidence.min_rounds": (1, True, math.inf, False, "an integer >= 1"),
     "evidence.min_blocks_per_round": (1, True, math.inf, False, "an integer >= 1"),
+    "evidence.min_hosts_per_round": (1, True, math.inf, False, "an integer >= 1"),
     "evidence.min_round_gap_s": (0.0, True, math.inf, False, "a number of seconds >= 0"),
     "consistency.min_win_fraction": (0.0, False, 1.0, True, "a fraction in (0, 1]"),
     "order.max_effect_in_thresholds": (0.0, False, math.inf, False, "a positive multiple of the threshold"),
@@ -365,6 +380,10 @@ def _check(policy: Policy) -> None:
     if policy.profile == "multi_host" and policy.evidence.min_hosts < 2:
         raise _error("evidence.min_hosts", policy.evidence.min_hosts,
                      ">= 2: a multi_host profile needs >= 2 hosts; use profile single_node for one")
+    if policy.profile == "multi_host" and policy.evidence.min_hosts_per_round < 2:
+        raise _error("evidence.min_hosts_per_round", policy.evidence.min_hosts_per_round,
+                     ">= 2: a multi_host profile confirms a win in time on >= 2 hosts (promotion-rule.md §5.3); use "
+                     "profile single_node for one")
     if not policy.name.strip():
         raise _error("name", policy.name, "a non-empty name (reports quote name@version)")
     _names("gates.severities", policy.gates.severities, SEVERITIES, "disqualifier severities")

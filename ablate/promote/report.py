@@ -671,8 +671,8 @@ def _lane_detail(result: PromotionResult, lane: LaneSummary) -> list[str]:
                                    [[_t(h.host), h.blocks, _x(h.median_speedup), h.candidate_failures]
                                     for h in v.hosts])
         if v.rounds:
-            lines += [""] + _table(["round", "started", "blocks", "HL speedup", "counted"],
-                                   [[_t(r.round_id), _t(r.first_at[:19]), r.blocks, _x(r.speedup),
+            lines += [""] + _table(["round", "started", "blocks", "hosts", "HL speedup", "counted"],
+                                   [[_t(r.round_id), _t(r.first_at[:19]), r.blocks, r.hosts, _x(r.speedup),
                                      ("yes" if r.counted else "no") + (f" (one round: {_t(r.note)})" if r.note else "")]
                                     for r in v.rounds])
         if v.clauses:

@@ -180,7 +180,8 @@ def sequential_state(log_ratios: Sequence[float], hosts: Sequence[Any], rounds: 
     """Where the SPRT stands on these blocks, given in time order (pure: same input, same state).
 
     ``rounds`` labels each block's round (counted rounds: a label reaches ``evidence.min_blocks_per_round``
-    blocks); ``failed`` marks blocks whose candidate arm failed (left out of the LLR, counted towards the cap);
+    blocks over ``evidence.min_hosts_per_round`` hosts); ``failed`` marks blocks whose candidate arm failed (left out
+    of the LLR, counted towards the cap);
     ``seeds`` labels each block's seed. Neither bound counts before the blocks looked at span
     ``evidence.min_hosts`` hosts and ``evidence.min_seeds`` seeds: the test is judged on those blocks alone, and
     a decision on fewer would hold for good (found in review: a rejection on two hosts under a three-host policy
@@ -208,10 +209,12 @@ def sequential_state(log_ratios: Sequence[float], hosts: Sequence[Any], rounds: 
                             blocks_seen=int(d_all.size), rounds=0)
     s_all = list(seeds) if seeds is not None else [None] * d_all.size
     per_round: dict[Any, int] = {}
+    round_hosts: dict[Any, set[Any]] = {}
     waited_at: Optional[int] = None
     spread: Optional[str] = None
     for look, i in enumerate(keep, start=1):
         per_round[r_all[i]] = per_round.get(r_all[i], 0) + 1
+        round_hosts.setdefault(r_all[i], set()).add(h_all[i])
         state.blocks, state.rounds, state.last_looked = look, len(per_round), i
         use = [j for j in keep[:look] if not bad[j]]
         state.excluded_failed = look - len(use)
@@ -252,7 +255,7 @@ def sequential_state(log_ratios: Sequence[float], hosts: Sequence[Any], rounds: 
                                  f"bound {math.expm1(low_bounds.bias):.2%}{low_when}, so a slot bias cannot reject a "
                                  f"real win)")
             return state
-        counted = sum(1 for n in per_round.values() if n >= ev.min_blocks_per_round)
+        counted = sum(1 for r, n in per_round.items() if ev.round_counts(n, len(round_hosts[r])))
         if value >= bounds.upper:
             if counted >= ev.min_rounds:
                 state.decision = UPPER
@@ -280,7 +283,7 @@ def sequential_state(log_ratios: Sequence[float], hosts: Sequence[Any], rounds: 
         state.stop_reason = spread
     elif waited_at is not None and state.llr is not None and state.llr >= bounds.upper:
         state.stop_reason = (f"upper bound crossed at block {waited_at} but only {state.rounds} round(s) "
-                             f"({ev.min_blocks_per_round}+ blocks each count; need {ev.min_rounds}): run another "
+                             f"({ev.round_needs} each count; need {ev.min_rounds}): run another "
                              f"round")
     else:
         state.stop_reason = f"undecided: {state.blocks} blocks, {where}"

@@ -13,7 +13,7 @@ from ablate.promote import load_policy, with_overrides
 
 def test_shipped_policies_load_and_differ_only_where_documented() -> None:
     default, single = load_policy(DEFAULT_POLICY), load_policy(SINGLE_NODE_POLICY)
-    assert default.ref == "default@4" and single.ref == "single_node@3"
+    assert default.ref == "default@5" and single.ref == "single_node@4"
     assert (default.evidence.min_blocks, default.evidence.min_hosts, default.evidence.min_rounds) == (8, 3, 2)
     assert default.threshold.min_effect == 0.01 and default.consistency.min_win_fraction == 0.8
     assert default.threshold.min_aa_blocks == 4 and default.quality.metric == "lm_loss_final"
@@ -22,6 +22,7 @@ def test_shipped_policies_load_and_differ_only_where_documented() -> None:
     same = {f.name for f in dataclasses.fields(default)
             if getattr(default, f.name) == getattr(single, f.name)}
     # default@4 added the host-level t-test, which single_node (one host) does not have: its version stayed.
+    # default@5 / single_node@4 added evidence.min_hosts_per_round (2 / 1): a round on one host confirms nothing.
     assert {f.name for f in dataclasses.fields(default)} - same == {"name", "version", "profile", "description",
                                                                    "evidence", "consistency", "path"}
 
@@ -42,6 +43,9 @@ def test_nonsense_values_are_refused() -> None:
     policy = load_policy(DEFAULT_POLICY)
     with pytest.raises(ValueError, match="multi_host profile needs >= 2 hosts"):
         with_overrides(policy, {"evidence.min_hosts": 1})
+    with pytest.raises(ValueError, match=r"policy evidence.min_hosts_per_round: got 1; allowed: >= 2: a multi_host "
+                                         r"profile confirms a win in time on >= 2 hosts"):
+        with_overrides(policy, {"evidence.min_hosts_per_round": 1})
     with pytest.raises(ValueError, match="family_alpha"):
         with_overrides(policy, {"family_alpha": 5})
     with pytest.raises(ValueError, match=r"policy evidence.min_blocks: got 7.5; allowed: an integer"):

@@ -31,7 +31,7 @@ def test_markdown_has_header_diff_rows_taxes_and_links(result: PromotionResult) 
     assert md.startswith(f"## ablate promotion report `{result.report_id}`")
     assert "**Campaign:** sim" in md and "`sim-r1`" in md and "`sim-r2`" in md
     assert "**Git SHAs:** baseline `abc1234` · candidate `abc1234`" in md
-    assert "**Policy:** `default@4` (multi_host)" in md and "Holm over 2 feature × lane test(s)" in md
+    assert "**Policy:** `default@5` (multi_host)" in md and "Holm over 2 feature × lane test(s)" in md
     assert "| `moe_dispatch` | `padded` | `jagged` | global |" in md
     assert "Rollback: set `features.moe_dispatch.value: padded`" in md
     row = next(line for line in md.splitlines() if line.startswith("| `moe_dispatch`→`jagged`"))
@@ -46,7 +46,7 @@ def test_markdown_has_header_diff_rows_taxes_and_links(result: PromotionResult) 
 
 def test_json_has_the_same_content(result: PromotionResult) -> None:
     data = json.loads(result.to_json())
-    assert data["report_id"] == result.report_id and data["policy"]["ref"] == "default@4"
+    assert data["report_id"] == result.report_id and data["policy"]["ref"] == "default@5"
     assert [(v["feature"], v["verdict"]) for v in data["verdicts"]] == [
         (v.feature, v.verdict) for v in result.speed_verdicts]
     moe_json = next(v for v in data["verdicts"] if v["feature"] == "moe_dispatch")

@@ -438,6 +438,25 @@ def test_a_suspicious_win_needs_a_confirming_round(policy: Policy) -> None:
     assert v.verdict == HOLD and v.suspicious and "whole-step win" in v.reason
 
 
+def test_a_suspicious_win_whose_confirming_round_failed_is_not_confirmed_by_a_later_one(policy: Policy) -> None:
+    # A 1.9x MoE win (above Amdahl's 1.667x) needs a confirming round. Round 3 measures 1.01x: no confirmation.
+    # Round 4 at 1.9x confirmed it when only the latest round was read; retrying a failed confirmation until one
+    # passes is what the confirmation guards against, so it holds, naming round 3 (review helper 8).
+    for seed in range(2):
+        def campaign(third: float) -> list[Receipt]:
+            strong = simulate(Sim(features=[moe(1.9)], rounds=4, **QUIET), seed)
+            other = simulate(Sim(features=[moe(third)], rounds=4, block_prefix="r3-", **QUIET), seed + 50)
+            return ([r for r in strong if r.identity.sweep_id != "sim-r3"] +
+                    [r for r in other if r.identity.sweep_id == "sim-r3"])
+
+        v = verdict_of(run(campaign(1.01), policy))
+        assert [r.counted for r in v.rounds] == [True] * 4 and 1.0 < v.rounds[2].speedup <= 1.0 + v.delta
+        assert v.verdict == HOLD and failing(v) == ["not_suspicious"], v.reason
+        assert "round(s) sim-r3 did not confirm it" in v.reason, v.reason
+        confirmed = verdict_of(run(campaign(1.9), policy))
+        assert confirmed.verdict == PROMOTE and confirmed.suspicious, confirmed.reason
+
+
 def test_the_better_of_two_promoted_values_wins(policy: Policy) -> None:
     features = [moe(1.08), FeatureTruth("moe_dispatch", "grouped_mm", "padded", 1.05)]
     result = run(simulate(Sim(features=features, **QUIET), 0), policy)
@@ -538,6 +557,34 @@ def test_a_round_is_counted_on_blocks_that_give_a_ratio_only(single_node_policy:
     (v,) = [v for v in run(receipts, single_node_policy).verdicts if v.feature == "moe_dispatch"]
     assert v.verdict == HOLD and v.n_rounds == 1 and "1 counted round(s) < 2" in v.reason
     assert [(r.round_id, r.blocks, r.counted) for r in v.rounds] == [("sim-r1", 4, True), ("sim-r2", 1, False)]
+
+
+@pytest.mark.parametrize("policy_file", ["default.yaml", "default_sequential.yaml"])
+def test_a_round_on_one_host_is_not_a_confirming_round_on_a_multi_host_lane(policy_file: str) -> None:
+    # promotion-rule.md §5.3: "Round: >=4 blocks over >=2 hosts". Round 1 wins on three hosts; round 2 has its
+    # four blocks on one of them. Counted, that one machine confirmed the win in time for all three, and both the
+    # fixed and the sequential policy promoted (found by review helper 8). Over two hosts it counts.
+    from conftest import FAST, REPO
+
+    from ablate.promote import load_policy
+
+    policy = load_policy(REPO / "search_spaces" / "policies" / policy_file, overrides=FAST)
+    assert policy.evidence.min_hosts_per_round == 2
+
+    def campaign(second_round_hosts: tuple[str, ...]) -> FeatureVerdict:
+        receipts = simulate(Sim(features=[moe(1.06)], hosts=3, blocks_per_host=4, noise=0.005), 0)
+        kept = [r for r in receipts if r.identity.sweep_id != "sim-r2" or r.identity.host in second_round_hosts]
+        (v,) = [v for v in run(kept, policy).verdicts if v.feature == "moe_dispatch"]
+        return v
+
+    one = campaign(("node-0",))
+    assert [(r.round_id, r.blocks, r.hosts, r.counted) for r in one.rounds] == [("sim-r1", 12, 3, True),
+                                                                              ("sim-r2", 4, 1, False)]
+    assert one.verdict == HOLD and one.n_rounds == 1, one.reason
+    assert "a round counts with 4+ blocks over 2+ hosts (sim-r2: 4 block(s) on 1 host(s))" in one.reason, one.reason
+    two = campaign(("node-0", "node-1"))
+    assert [(r.round_id, r.hosts, r.counted) for r in two.rounds] == [("sim-r1", 3, True), ("sim-r2", 2, True)]
+    assert two.verdict == PROMOTE, two.reason
 
 
 def test_a_family_too_large_for_the_blocks_best_case_holds(single_node_policy: Policy) -> None:

@@ -470,6 +470,27 @@ def test_a_sweep_that_ran_with_a_looked_at_round_never_confirms_a_suspicious_win
     assert result.changes == [] or all(c.new is None for c in result.changes)
 
 
+def test_a_whole_round_after_the_stop_that_loses_holds_the_promotion(seq_policy: Policy) -> None:
+    """Two rounds on three hosts stop the sequential test at a +5% win; a third counted round on the same hosts finds
+    the feature 6% slower. Judged as it stopped, the test promoted where the fixed rule held (review helper 8, both
+    seeds). The later round's loss holds it, by name; a later round that wins does not."""
+    def campaign(late_ratio: float, seed: int) -> list[Any]:
+        first = simulate(Sim(features=[moe(1.05)], hosts=3, rounds=2, noise=0.005), seed)
+        late = simulate(Sim(features=[moe(late_ratio)], hosts=3, rounds=3, noise=0.005, block_prefix="late-"),
+                        seed + 100)
+        return first + [r for r in late if r.identity.sweep_id == "sim-r3"]
+
+    for seed in range(2):
+        (losing,) = promote(campaign(0.94, seed), policy_path=seq_policy, defaults_path=DEFAULTS,
+                            curves=False).verdicts
+        assert losing.not_looked_at and losing.later_losing_hosts == [], losing.reason
+        assert [(r.round_id, r.counted) for r in losing.rounds_after_stop] == [("sim-r3", True)]
+        assert losing.verdict == HOLD and "sim-r3 (after the sequential stop)" in losing.reason, losing.reason
+        (winning,) = promote(campaign(1.05, seed), policy_path=seq_policy, defaults_path=DEFAULTS,
+                             curves=False).verdicts
+        assert winning.not_looked_at and winning.verdict == PROMOTE, winning.reason
+
+
 def test_a_host_first_seen_after_the_stop_that_loses_holds_the_promotion(seq_policy: Policy) -> None:
     """Two rounds on three hosts stop the sequential test at a +5% win; a third round adds a host where the feature
     is 6% slower. Judged as it stopped, the test promoted (review helper 2: 20 of 20 seeds, where the fixed rule
