@@ -223,6 +223,15 @@ class Defaults:
                 effective[name] = by_shape[shape].value
         return effective
 
+    def lane_default(self, name: str, shape: str) -> Any:
+        """What a lane of ``shape`` runs for feature ``name`` when its campaign pins nothing: its override, else the
+        file's global value, else the registry's reference (the typed lane field's default; None for a name the
+        registry does not know)."""
+        effective = self.for_shape(shape)
+        if name in effective:
+            return effective[name]
+        return FEATURES[name].get(LaneConfig()) if name in FEATURES else None
+
     def effective(self, flat_lane: Mapping[str, Any]) -> dict[str, Any]:
         """Feature -> value for this lane (``flatten(lane_to_dict(lane))`` form, as receipts record it)."""
         return self.for_shape(lane_shape(flat_lane))

@@ -257,10 +257,13 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
 
     def current_baseline() -> Clause:
         # The lane's own default: a lane override (keyed by lane shape) beats the global value, or a lane that
-        # already runs its promoted override would be told it measured against the wrong baseline. A plain
-        # mapping (older callers) holds global values only.
-        lane_defaults = defaults.for_shape(v.lane_shape) if hasattr(defaults, "for_shape") else defaults
-        default = lane_defaults.get(v.feature)
+        # already runs its promoted override would be told it measured against the wrong baseline; a feature the
+        # file does not list runs the registry's reference. Without it, a campaign that pinned bucket_cap_mb 50
+        # and won with 100 was written as moving every lane from the reference 25 to 100, and a demotion then
+        # "restored" 50, a value no lane ran (found by review helper 9). A plain mapping (older callers) holds
+        # global values only.
+        default = (defaults.lane_default(v.feature, v.lane_shape) if hasattr(defaults, "lane_default")
+                   else defaults.get(v.feature))
         ok = default is None or str(default) == str(v.baseline_value)
         return Clause("baseline_is_default", ok,
                       f"measured against {v.baseline_value!r}, the default is {default!r}" if not ok else

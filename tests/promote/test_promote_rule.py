@@ -473,6 +473,30 @@ def test_a_baseline_that_is_no_longer_the_default_holds(policy: Policy) -> None:
     assert v.verdict == HOLD and failing(v) == ["baseline_is_default"]
 
 
+def test_a_feature_the_defaults_file_does_not_list_is_measured_against_the_registry_reference(
+        policy: Policy, tmp_path: Path) -> None:
+    # Six engine features have no entry in defaults.yaml: every lane runs their registry reference. A campaign that
+    # pinned another baseline passed "measured against the current default" (there was none to compare), and the
+    # writer then recorded a move from the reference to the winner that nothing measured (review helper 9). Here
+    # mamba_scan is left out of the file: its reference is sequential.
+    import yaml
+
+    data = yaml.safe_load(DEFAULTS.read_text())
+    del data["features"]["mamba_scan"]
+    unlisted = tmp_path / "defaults.yaml"
+    unlisted.write_text(yaml.safe_dump(data))
+    pinned = FeatureTruth("mamba_scan", "mamba_ssm", "chunked", 1.05)
+    lane = base_lane(**{"features.mamba_scan": "chunked"})
+    v = verdict_of(promote(simulate(Sim(features=[pinned], lane=lane, **QUIET), 0), policy_path=policy,
+                           defaults_path=unlisted), "mamba_scan")
+    assert v.verdict == HOLD and failing(v) == ["baseline_is_default"], v.reason
+    assert "measured against 'chunked', the default is 'sequential'" in v.reason, v.reason
+    reference = FeatureTruth("mamba_scan", "chunked", "sequential", 1.05)
+    against_reference = verdict_of(promote(simulate(Sim(features=[reference], **QUIET), 0), policy_path=policy,
+                                           defaults_path=unlisted), "mamba_scan")
+    assert against_reference.verdict == PROMOTE, against_reference.reason
+
+
 def test_single_node_profile_allows_one_host_and_says_block_bootstrap(policy: Policy,
                                                                       single_node_policy: Policy) -> None:
     receipts = simulate(Sim(features=[moe(1.05)], hosts=1, blocks_per_host=6, aa_per_host=4, noise=0.007), 0)
