@@ -266,14 +266,22 @@ ALL_LANES = "every lane"
 """The lanes a global flip lands on: all of them, whatever their shape."""
 
 
-def unmeasured_together(changes: list["DefaultsChange"], checks: Iterable[BundleCheck],
-                        policy: Policy) -> dict[str, str]:
+def unmeasured_together(changes: list["DefaultsChange"], checks: Iterable[BundleCheck], policy: Policy,
+                        standing: Optional[dict[str, dict[str, tuple[str, Optional[str]]]]] = None,
+                        measured_shapes: Optional[dict[str, set[str]]] = None) -> dict[str, str]:
     """Feature -> why its change must be held: with it, two or more new values would become effective together on
     some lane (global flips land on every lane, an override on its shape) and no passed bundle check measured that
     set. ``check_bundles`` only sees features promoted in one lane; two features each promoted in its own lane
     and both written would make every lane run them together, never measured so. Applied until nothing more is
     held: holding one value changes the set another lane would run. Empty unless ``bundle.required``. ``checks``:
-    ``check_bundles``' results; a set counts as measured only when a check of exactly those values passed."""
+    ``check_bundles``' results; a set counts as measured only when a check of exactly those values passed.
+
+    ``standing``: lane shape -> feature -> (value, report) of the overrides defaults.yaml already has, which an
+    earlier ``--write`` made; ``measured_shapes``: feature -> shapes of the lanes that promoted this run's value. A
+    global flip lands on those overrides' lanes too: unless one of its promoting lanes has that shape (its baseline
+    ran the override), the flip and the override were never measured together, and the flip is held (found by
+    review helper 9: a CPU lane's mamba_scan override written by one --write, a CUDA lane's moe_dispatch flipped
+    globally by the next, and the CPU lanes ran both; the same two verdicts in one run were held)."""
     if not policy.bundle.required:
         return {}
     passed = [{feature: str(value) for feature, value in check.values.items()} for check in checks
@@ -298,6 +306,19 @@ def unmeasured_together(changes: list["DefaultsChange"], checks: Iterable[Bundle
                     f"bundle not measured: {shown} would run together on {lanes}, and no bundle check measured "
                     f"them together (each was promoted on its own lane); the value is held from --write: "
                     + _campaign_hint(values, policy, "a lane where they all act")))
+        rewritten = {(shape, c.feature) for c in changes if c.feature not in reasons for shape in c.overrides}
+        for shape, overridden in sorted((standing or {}).items()):
+            for feature, value in sorted(flips.items()):
+                # An override beats the global value, so one of a feature flipping now still runs on its shape.
+                others = {f: v for f, v in overridden.items() if f != feature and (shape, f) not in rewritten}
+                if not others or feature in fresh or shape in (measured_shapes or {}).get(feature, set()):
+                    continue
+                shown = ", ".join(f"{f}={v} (report {r or 'unknown'})" for f, (v, r) in sorted(others.items()))
+                together = {feature: value, **{f: v for f, (v, _) in others.items()}}
+                fresh[feature] = (f"bundle not measured: the global flip {feature}={value} would run on lanes of "
+                                  f"{shape} together with their lane override {shown}, and no lane of that shape "
+                                  f"measured them together; the value is held from --write: "
+                                  + _campaign_hint(together, policy, f"a lane of {shape}"))
         if not fresh:
             return reasons
         reasons.update(fresh)

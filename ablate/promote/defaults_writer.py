@@ -322,7 +322,13 @@ def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mappin
                                       scope=scope, replaced=old) for v in promoted],
             overrides=overrides, not_global=not_global))
     # Held: no value, no override, no evidence record is written; the reason goes into the report.
-    held_together = unmeasured_together(changes, bundles, policy)
+    standing: dict[str, dict[str, tuple[str, Optional[str]]]] = defaultdict(dict)
+    for name, by_shape in (defaults.overrides if isinstance(defaults, Defaults) else {}).items():
+        for shape, override in by_shape.items():
+            standing[shape][name] = (str(override.value), override.report)
+    measured_shapes = {feature: {v.lane_shape for v in tests if v.verdict == PROMOTE and v.test_key not in held}
+                       for feature, tests in by_feature.items()}
+    held_together = unmeasured_together(changes, bundles, policy, standing, measured_shapes)
     return [_held(c, why) if (why := held_together.get(c.feature)) and not c.held else c for c in changes]
 
 

@@ -238,6 +238,46 @@ def test_wins_from_different_lanes_that_would_run_together_are_held_until_measur
     assert {f: load_defaults(defaults_file).values[f] for f in NEW} == NEW
 
 
+def test_a_global_flip_onto_a_lane_override_an_earlier_write_made_is_held_until_measured_there(
+        policy: Policy, defaults_file: Path) -> None:
+    # One --write: a CPU lane's mamba_scan win becomes an override on its shape (CPU evidence never flips a global
+    # value). The next: a CUDA lane's moe_dispatch win flips globally, and lanes of that shape would run both, a
+    # pair nothing measured (the same two verdicts in one run were held already). Found by review helper 9.
+    from promote_sim import base_lane
+
+    from ablate.config.lane_shape import lane_shape
+    from ablate.config.load import load_defaults
+
+    quiet = {"noise": 0.007, "aa_per_host": 2}
+    cpu_lane = base_lane(**{"batch.seq_len": 128})
+    mamba = FeatureTruth("mamba_scan", "chunked", "sequential", 1.05)
+    first = promote(simulate(Sim(features=[mamba], lane=cpu_lane, device="cpu", block_prefix="B-", **quiet), 0),
+                    policy_path=policy, defaults_path=defaults_file)
+    write_defaults(first, defaults_file)
+    shape = lane_shape(cpu_lane)
+    assert load_defaults(defaults_file).for_shape(shape)["mamba_scan"] == "chunked"
+    assert load_defaults(defaults_file).values["mamba_scan"] == "sequential"
+
+    second = promote(simulate(Sim(features=[moe(1.05)], lane=base_lane(), block_prefix="A-", **quiet), 1),
+                     policy_path=policy, defaults_path=defaults_file)
+    (change,) = second.changes
+    assert second.verdicts[0].verdict == PROMOTE and (change.feature, change.new, change.evidence) == (
+        "moe_dispatch", None, [])
+    assert change.held.startswith(f"bundle not measured: the global flip moe_dispatch=jagged would run on lanes of "
+                                  f"{shape} together with their lane override mamba_scan=chunked (report "
+                                  f"{first.report_id})"), change.held
+    before = defaults_file.read_text()
+    assert write_defaults(second, defaults_file) == [] and defaults_file.read_text() == before
+    # The control: the same win, measured on a lane of that shape too (its baseline runs the override), flips.
+    cpu_lane_now = {**cpu_lane, "features.mamba_scan": "chunked"}
+    measured = (simulate(Sim(features=[moe(1.05)], lane=base_lane(), block_prefix="A-", **quiet), 1)
+                + simulate(Sim(features=[moe(1.05)], lane=cpu_lane_now, device="cpu", block_prefix="B2-", **quiet),
+                           2))
+    third = promote(measured, policy_path=policy, defaults_path=defaults_file)
+    assert sorted(v.verdict for v in third.verdicts) == [PROMOTE, PROMOTE]
+    assert [(c.feature, c.new, c.held) for c in third.changes] == [("moe_dispatch", "jagged", "")]
+
+
 def test_bundle_sweeps_that_ran_at_the_same_time_are_one_round(singles: list[Receipt], policy: Policy,
                                                                 defaults_file: Path) -> None:
     """A sweep's span in time is over all of its blocks, as for the single tests: the second bundle sweep started
