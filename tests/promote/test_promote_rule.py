@@ -8,10 +8,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import DEFAULTS
+from conftest import DEFAULTS, FAST, REPO
 from promote_sim import FeatureTruth, Sim, base_lane, moe, simulate
 
-from ablate.promote import HOLD, PROMOTE, REJECT, TAX_REPORTED, Policy, PromotionResult, promote, with_overrides
+from ablate.promote import (HOLD, PROMOTE, REJECT, TAX_REPORTED, Policy, PromotionResult, load_policy, promote,
+                            with_overrides)
 from ablate.promote import analysis
 from ablate.promote.analysis import FeatureVerdict
 from ablate.receipts.schema import Code, Disqualifier, Receipt, Severity, Status
@@ -588,10 +589,8 @@ def test_a_round_on_one_host_is_not_a_confirming_round_on_a_multi_host_lane(poli
     # promotion-rule.md §5.3: "Round: >=4 blocks over >=2 hosts". Round 1 wins on three hosts; round 2 has its
     # four blocks on one of them. Counted, that one machine confirmed the win in time for all three, and both the
     # fixed and the sequential policy promoted (found by review helper 8). Over two hosts it counts.
-    from conftest import FAST, REPO
-
-    from ablate.promote import load_policy
-
+    # conftest's names come from the module-level import: inside a test, the name conftest is whichever directory's
+    # conftest pytest imported last (the whole suite collects several).
     policy = load_policy(REPO / "search_spaces" / "policies" / policy_file, overrides=FAST)
     assert policy.evidence.min_hosts_per_round == 2
 
