@@ -325,7 +325,8 @@ def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mappin
     standing: dict[str, dict[str, tuple[str, Optional[str]]]] = defaultdict(dict)
     for name, by_shape in (defaults.overrides if isinstance(defaults, Defaults) else {}).items():
         for shape, override in by_shape.items():
-            standing[shape][name] = (str(override.value), override.report)
+            if str(override.value) != str(_global_value(name, globals_)):  # else its lanes run what every lane runs
+                standing[shape][name] = (str(override.value), override.report)
     measured_shapes = {feature: {v.lane_shape for v in tests if v.verdict == PROMOTE and v.test_key not in held}
                        for feature, tests in by_feature.items()}
     held_together = unmeasured_together(changes, bundles, policy, standing, measured_shapes)
