@@ -192,6 +192,13 @@ def _lookup(data: Any, dotted: str) -> Any:
 _SHAPE = re.compile(r"^shape-[0-9a-f]{12}$")
 
 
+def reference_value(name: str) -> Any:
+    """The registry's reference for feature ``name``: its typed lane field's default, what a lane runs when neither
+    defaults.yaml nor its campaign sets it (None for a name the registry does not know)."""
+    spec = FEATURES.get(name)
+    return None if spec is None else spec.get(LaneConfig())
+
+
 @dataclass(frozen=True)
 class LaneOverride:
     """A value promoted for one lane shape only: that lane's baseline runs it instead of the global value."""
@@ -230,7 +237,7 @@ class Defaults:
         effective = self.for_shape(shape)
         if name in effective:
             return effective[name]
-        return FEATURES[name].get(LaneConfig()) if name in FEATURES else None
+        return reference_value(name)
 
     def effective(self, flat_lane: Mapping[str, Any]) -> dict[str, Any]:
         """Feature -> value for this lane (``flatten(lane_to_dict(lane))`` form, as receipts record it)."""
@@ -255,7 +262,7 @@ class Defaults:
                    if isinstance(r, Mapping) and str(r.get("value")) == str(value) and r.get("scope") == "global"]
         if reports:
             return f"global default since report {reports[-1]}"
-        reference = FEATURES[name].get(LaneConfig())
+        reference = reference_value(name)
         if str(reference) != str(value):
             return f"global default in {self.path or 'defaults.yaml'} (the reference is {reference!r})"
         return None

@@ -39,8 +39,8 @@ from ruamel.yaml.scalarstring import SingleQuotedScalarString
 from ruamel.yaml.tokens import CommentToken
 
 from ablate.config.features import FEATURES
-from ablate.config.load import Defaults
-from ablate.config.schema import ConfigError, LaneConfig
+from ablate.config.load import Defaults, reference_value
+from ablate.config.schema import ConfigError
 from ablate.promote.analysis import PROMOTE, REJECT, FeatureVerdict
 from ablate.promote.bundle import BundleCheck, unmeasured_together
 from ablate.promote.evidence import LaneState, epoch_s
@@ -159,10 +159,7 @@ def _global_value(feature: str, globals_: Mapping[str, Any]) -> Any:
     """The value every lane without an override runs: the file's entry, else the registry's reference (the typed
     lane field's default). Never a measured lane's baseline: that may be a value the campaign pinned, and a new
     entry written with it would move every other lane off the reference."""
-    if feature in globals_:
-        return globals_[feature]
-    spec = FEATURES.get(feature)
-    return None if spec is None else spec.get(LaneConfig())
+    return globals_[feature] if feature in globals_ else reference_value(feature)
 
 
 def _shape_overrides(tests: list[FeatureVerdict], promoted: list[FeatureVerdict],
