@@ -29,6 +29,27 @@ def test_structured_types_the_whole_tree() -> None:
     assert sweep.lane.batch.seq_len == 32
 
 
+def test_a_lane_mapping_read_again_is_not_merged_again_and_each_read_is_an_object_of_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    merges: list[type] = []
+    real = load.structured
+    monkeypatch.setattr(load, "structured", lambda schema, data, prefix="": merges.append(schema) or
+                        real(schema, data, prefix))
+    load._lane_of_json.cache_clear()
+    data = {"features": {"moe_dispatch": "jagged"}, "batch": {"seq_len": 48}, "model": {"pattern": "AMEE"}}
+    first = load.load_lane(data)
+    second = load.load_lane({"model": {"pattern": "AMEE"}, "batch": {"seq_len": 48},  # other key order
+                             "features": {"moe_dispatch": "jagged"}})
+    assert merges == [LaneConfig] and first == second and first is not second
+    second.batch.seq_len = 64  # what a caller changes stays its own
+    assert load.load_lane(data).batch.seq_len == 48 and first.batch.seq_len == 48
+    assert load.load_lane({**data, "batch": {"seq_len": 64}}).batch.seq_len == 64 and len(merges) == 2
+    for _ in range(2):  # a refused mapping is refused again, never remembered as a lane
+        with pytest.raises(ConfigError, match="lane.batch.seq_len"):
+            load.load_lane({"batch": {"seq_len": "long"}})
+    assert len(merges) == 4
+
+
 @pytest.mark.parametrize(
     ("data", "key", "value", "allowed"),
     [

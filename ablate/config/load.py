@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import functools
 import glob
+import json
 import re
 import typing
 from dataclasses import dataclass, field
@@ -514,4 +515,17 @@ def validate_features(sweep: SweepConfig, defaults: Optional[Defaults] = None,
 
 
 def load_lane(data: dict[str, Any]) -> LaneConfig:
-    return structured(LaneConfig, data, prefix="lane.")
+    """The typed lane of ``data`` (a fresh object the caller may change). A mapping already read in this process
+    is not merged again: every block of a campaign carries one of a few lane mappings, and a Tune trial process
+    reads two per block (~18-26 ms each on 2 CPUs, ~0.2 ms as a copy of the one read before)."""
+    try:
+        key = json.dumps(data, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError):  # not plain JSON (a Path, an enum, NaN): merged as given, never memoized
+        return structured(LaneConfig, data, prefix="lane.")
+    return copy.deepcopy(_lane_of_json(key))
+
+
+@functools.lru_cache(maxsize=64)
+def _lane_of_json(key: str) -> LaneConfig:
+    # Only lanes that loaded are kept: a ConfigError is raised again for the same mapping the next time.
+    return structured(LaneConfig, json.loads(key), prefix="lane.")

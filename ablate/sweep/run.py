@@ -934,7 +934,8 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         display = SweepProgress(expected, title=sweep_id, live=None if progress else False)
         _LIVE[sweep_id] = [recorder] + ([display] if progress else [])
         context = {"sweep_id": sweep_id, "campaign": sweep.name, "receipt_dir": layout.trial_receipt_dir(),
-                   "blocks": {b.block_id: b.to_dict() for b in plan.blocks}, "inject": dict(inject or {}),
+                   "blocks": ray.put({b.block_id: b.to_dict() for b in plan.blocks}),  # read: trial.plan_blocks
+                   "inject": dict(inject or {}),
                    "completed": completed, "next_attempt": next_attempt, "hashes": _file_hashes(path, sweep),
                    "block_mode": sweep.block_mode.value, "node_check_path": sweep.node_check.path,
                    "schedule": params["schedule"],

@@ -145,6 +145,27 @@ def make_arm_spec(block: Block, position: int, arm: ArmPlan, *, sweep_id: str, c
                    **({"node_check_path": node_check_path} if node_check_path else {}))
 
 
+_PLAN_BLOCKS: dict[str, dict[str, Any]] = {}
+"""The plan's blocks this trial process read last, by the hex of their object ref (one entry)."""
+
+
+def plan_blocks(context: dict[str, Any]) -> dict[str, Any]:
+    """Block id -> block mapping of the sweep's plan. ``run_sweep`` puts them in the object store once and passes the
+    ref inside the trial context: ``tune.with_parameters`` deserializes the whole context at every trial start, and
+    with the blocks in it that grew with the campaign (~50 ms per trial at 1,000 blocks on 2 CPUs). Read once per
+    trial process (Tune reuses it for the next block); a plain mapping (a test calling ``run_block``) as given."""
+    blocks = context["blocks"]
+    if isinstance(blocks, dict):
+        return blocks
+    import ray
+
+    key = blocks.hex()
+    if key not in _PLAN_BLOCKS:
+        _PLAN_BLOCKS.clear()  # another sweep's plan in this process (a worker Ray kept between sweeps)
+        _PLAN_BLOCKS[key] = ray.get(blocks)
+    return _PLAN_BLOCKS[key]
+
+
 def run_block(config: dict[str, Any], context: Optional[dict[str, Any]] = None) -> None:
     """Tune function trainable: one block = its two arms, back to back on this node, in the recorded order."""
     import ray
@@ -157,7 +178,7 @@ def run_block(config: dict[str, Any], context: Optional[dict[str, Any]] = None) 
     # Each block saves its attempt marker as a checkpoint; Ray logs every save at INFO and forwards it to the
     # driver's console. Warnings and errors still go through.
     logging.getLogger("ray.train").setLevel(logging.WARNING)
-    block = Block.from_dict(context["blocks"][config["block_id"]])
+    block = Block.from_dict(plan_blocks(context)[config["block_id"]])
     node_id, host = ray.get_runtime_context().get_node_id(), socket.gethostname()
     if block.block_id in context.get("completed", ()):
         # Resumed sweep whose driver died before Tune recorded this block as finished: its receipts exist.

@@ -181,3 +181,17 @@ def test_an_until_decided_round_interrupted_before_tune_started_resumes_with_its
                 for p in (Path(summary.sweep_dir) / "receipts").glob("*.json")}
     assert features == {"mamba_scan", None}, "the decided test's blocks are left out"
     assert (summary.blocks_total, summary.exit_code) == (3, 0)
+
+
+def test_a_trial_process_reads_the_plans_blocks_once_from_the_object_store(ray_address: str) -> None:
+    import ray
+
+    from ablate.sweep import trial
+
+    blocks = {"b0": {"block_id": "b0"}, "b1": {"block_id": "b1"}}
+    ref = ray.put(blocks)
+    first = trial.plan_blocks({"blocks": ref})
+    assert first == blocks and trial.plan_blocks({"blocks": ref}) is first  # the next block: not read again
+    other = ray.put({"c0": {"block_id": "c0"}})  # another sweep's plan in the same process
+    assert list(trial.plan_blocks({"blocks": other})) == ["c0"] and len(trial._PLAN_BLOCKS) == 1
+    assert trial.plan_blocks({"blocks": blocks}) is blocks  # a plain mapping, as a test hands run_block
