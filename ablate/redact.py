@@ -16,10 +16,11 @@ Three rules:
 from __future__ import annotations
 
 import fnmatch
+import functools
 import os
 import re
 from contextlib import contextmanager
-from typing import Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 from urllib.parse import quote
 
 REDACTED = "<redacted>"
@@ -93,8 +94,16 @@ _SECRET_QUERY = re.compile(
 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:
-    return any(fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name.upper(), pattern)
-               for pattern in patterns)
+    matcher = _any_of(patterns)
+    return matcher(name) is not None or matcher(name.upper()) is not None
+
+
+@functools.lru_cache(maxsize=16)
+def _any_of(patterns: tuple[str, ...]) -> Callable[[str], Any]:
+    # One regex for the whole list (``fnmatchcase`` is a full match of ``fnmatch.translate``): the environment is
+    # classified for every arm, ~60 names against ~40 patterns, twice each, and one fnmatch call per pair was
+    # ~7% of a trial process's CPU in the 1,000-block benchmark.
+    return re.compile("|".join(f"(?:{fnmatch.translate(pattern)})" for pattern in patterns) or "(?!)").match
 
 
 def is_secret_name(name: str) -> bool:

@@ -175,3 +175,21 @@ def test_receipts_record_every_speed_setting_an_arm_inherits() -> None:
     env = capture_env({**speed, **RUNTIME, "LANG": "C.UTF-8"})
     assert env.items() >= speed.items()
     assert "PATH" not in env and "LANG" not in env and "HOME" not in env
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.sampled_from(sorted({*os.environ, "OMP_NUM_THREADS", "omp_num_threads", "AWS_PROFILE",
+                                         "CUDA_VISIBLE_DEVICES", "MLFLOW_TRACKING_URI", "RAY_ADDRESS", "a*b", "[x]"})),
+                 st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZ_abcxyz019*?[]!.-", max_size=24)))
+def test_a_name_matches_a_pattern_list_exactly_as_fnmatch_matches_one_of_its_patterns(name: str) -> None:
+    # _matches runs every pattern of a list as one regex; its reference twin is fnmatchcase pattern by pattern, on
+    # the name and its upper case (how environment names are compared).
+    import fnmatch
+
+    from ablate import redact
+
+    for patterns in (redact.ENV_ALLOWLIST, redact.CREDENTIAL_REFERENCES, redact.PROCESS_ENV_BASE + redact.ENV_ALLOWLIST,
+                     ("A[!B]*", "*?_X", "[]]", "")):
+        expected = any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name.upper(), p) for p in patterns)
+        assert redact._matches(name, patterns) is expected, (name, patterns)
+    assert redact._matches(name, ()) is False
