@@ -99,10 +99,19 @@ def campaign(directory: Path, num_blocks: int) -> Path:
     return _write(directory, data)
 
 
-def _rss_mb() -> float:
-    import psutil
+_PAGE_MB = os.sysconf("SC_PAGE_SIZE") / 2 ** 20 if hasattr(os, "sysconf") else 0.0
 
-    return psutil.Process().memory_info().rss / 2 ** 20
+
+def _rss_mb() -> float:
+    # Twice around every timed call (each arm's MLflow write, each Tune hook): one read of /proc/self/statm instead
+    # of a psutil.Process (which parses /proc/self/stat to build itself), whose cost showed in the driver's profile.
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * _PAGE_MB
+    except (OSError, IndexError, ValueError):
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2 ** 20
 
 
 class _Timed:
