@@ -129,6 +129,9 @@ class RevalidationOutcome(Revalidation):
     """What is appended to the mark's ``retests`` list: report, date, sweeps, verdict, speed-up, fingerprint."""
     evidence: Optional[dict[str, Any]] = None
     """Confirmed: the fresh evidence record (under the new fingerprint) appended to the feature's evidence."""
+    still_supported_by: tuple[str, ...] = ()
+    """Demoted global value that other lanes' records still support (lane keys): only this lane's shape goes back to
+    ``previous``, as a lane override; the global value stays and those records are marked for a re-test."""
 
 
 def _round(x: Optional[float], digits: int = 4) -> Optional[float]:
@@ -547,6 +550,8 @@ def _demote(entry: CommentedMap, o: RevalidationOutcome, report_id: str, date: s
     """Put the value the promotion replaced back: the global value, or the lane's override (dropped when the
     lane would then run the global value anyway, so the file keeps one way of saying it)."""
     where = f"features.{o.feature}"
+    if o.scope == "global" and o.still_supported_by:
+        return _demote_on_lane_only(entry, o, report_id, date)
     if o.scope == "global":
         if str(entry.get("value")) != str(o.value) or o.replaced is None:
             return []  # something else has been promoted since, or nothing says what to restore (outcome_of)
@@ -588,6 +593,38 @@ def _demote(entry: CommentedMap, o: RevalidationOutcome, report_id: str, date: s
     override.update({"value": _node(o.previous), "previous": _node(o.value), "report": report_id, "date": date})
     override.pop("revalidate", None)
     return [Edit(f"{where}.lane_overrides[{o.lane_shape}]: {o.value!r} -> {o.previous!r} (demoted)", "demote")]
+
+
+def _demote_on_lane_only(entry: CommentedMap, o: RevalidationOutcome, report_id: str, date: str) -> list[str]:
+    """A global value whose win is gone on one re-tested lane while other lanes' records still support it: that
+    lane's shape goes back to ``previous`` (what its re-test measured against), the global value stays, and the
+    supporting records are marked for a re-test under the re-test's software. Restoring the global value for every
+    lane on one lane's evidence would take away wins no one re-measured (from a CPU lane, on GPU lanes too)."""
+    where = f"features.{o.feature}"
+    if str(entry.get("value")) != str(o.value) or o.lane_shape is None:
+        return []
+    override = _overrides_by_shape(entry).get(str(o.lane_shape))
+    if override is not None and str(override.get("value")) != str(o.value):
+        return []  # the lane runs another value since: this record no longer says what it runs
+    fields = {"value": _node(o.previous), "previous": _node(o.value), "report": report_id, "date": date}
+    if override is None:
+        _block_seq(entry, "lane_overrides").append(_node({"lane_shape": o.lane_shape, **fields}))
+    else:
+        override.update(fields)
+        override.pop("revalidate", None)
+    edits = [Edit(f"{where}.lane_overrides[{o.lane_shape}]: {o.previous!r} (demoted on this lane; the global "
+                  f"{o.value!r} stays for lane(s) {', '.join(k[:12] for k in o.still_supported_by)})", "demote")]
+    fingerprint = o.retest.get("software_fingerprint") or o.current_fingerprint
+    for record in entry.get("evidence") or []:
+        if (isinstance(record, Mapping) and record.get("lane_key") in o.still_supported_by
+                and str(record.get("value")) == str(o.value) and "revalidate" not in record):
+            record["revalidate"] = _node({
+                "required": True, "current_fingerprint": fingerprint, "noted_by": report_id, "date": date,
+                "reason": f"the win of {o.value!r} is gone on lane {o.lane_key[:12]} under {fingerprint} (report "
+                          f"{report_id}); this lane's record still holds the global value up"})
+            edits.append(Edit(f"{where}.evidence[{record.get('lane_key')}]: revalidation required (the win is gone "
+                              f"on lane {o.lane_key[:12]})", "revalidate"))
+    return edits
 
 
 def apply_outcome(features: CommentedMap, o: RevalidationOutcome, report_id: str, date: str) -> list[str]:

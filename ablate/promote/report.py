@@ -567,9 +567,9 @@ def _revalidations(result: PromotionResult) -> list[str]:
     demoted = [o for o in outcomes if o.outcome == DEMOTED]
     if demoted:
         # A global demotion restores the global value the promotion replaced, not the lane's baseline.
-        rows = [[_c(o.feature), f"{_c(o.value)} → {_c(o.replaced if o.scope == 'global' else o.previous)}"
-                 if o.scope != "global" or str(o.replaced) != str(o.value) else
-                 f"{_c(o.value)} → {_c(o.previous)} (the lane's override; the global value stays)",
+        rows = [[_c(o.feature), f"{_c(o.value)} → {_c(o.previous)} (this lane's override; the global value stays)"
+                 if o.scope == "global" and (o.still_supported_by or str(o.replaced) == str(o.value)) else
+                 f"{_c(o.value)} → {_c(o.replaced if o.scope == 'global' else o.previous)}",
                  _t(o.scope), _c(_short(o.lane_key)),
                  *retested(o)] for o in demoted]
         lines += (["", "### Demoted (the win is gone on re-test)", ""] +

@@ -134,8 +134,12 @@ def find_targets(defaults_path: str | Path, repeat: bool = False) -> tuple[list[
                                            f"{feature} is not re-tested (add `previous:` by hand from report "
                                            f"{target.report}, or re-promote it)"))
                 continue
-            running = (overrides.get(str(target.lane_shape), {}).get("value") if target.scope == "lane"
-                       else entry.get("value"))
+            # What the record's lane runs: its shape's override, else the global value. A global record whose lane
+            # has an override of another value since is about a value that lane no longer runs: re-testing it there
+            # would decide the global value on a lane it does not reach (found in review).
+            shape_override = overrides.get(str(target.lane_shape))
+            running = (shape_override or {}).get("value") if target.scope == "lane" else (
+                shape_override.get("value") if shape_override is not None else entry.get("value"))
             if str(running) != str(target.value):
                 notes.append(f"{target.where}: {target.value!r} is no longer what the lane runs ({running!r}); "
                              f"not re-tested")
@@ -545,6 +549,57 @@ def settle_conflicts(outcomes: list[RevalidationOutcome]) -> list[RevalidationOu
     return settled
 
 
+def _supporting(entry: Mapping[str, Any], value: Any, leaving: set[str]) -> list[str]:
+    """Lane keys of the global records that still hold ``value`` up: not resolved by a re-test (history), not among
+    ``leaving`` (this report demotes them), and on a lane that runs the global value (no override of another)."""
+    overrides = {str(o.get("lane_shape")): o.get("value") for o in entry.get("lane_overrides") or []
+                 if isinstance(o, Mapping)}
+    keys = []
+    for record in entry.get("evidence") or []:
+        if not isinstance(record, Mapping) or str(record.get("scope") or "global") != "global":
+            continue
+        mark = record.get("revalidate")
+        if str(record.get("value")) != str(value) or (isinstance(mark, Mapping) and mark.get("required") is False):
+            continue
+        key, shape = str(record.get("lane_key")), str(record.get("lane_shape"))
+        if key in leaving or (shape in overrides and str(overrides[shape]) != str(value)):
+            continue
+        keys.append(key)
+    return sorted(set(keys))
+
+
+def limit_global_demotions(defaults_path: Path, outcomes: list[RevalidationOutcome]) -> list[RevalidationOutcome]:
+    """A global value is demoted for every lane only when every lane whose record holds it up lost its win on
+    re-test. While other lanes' records still support it, a lane that lost the win gets its own override back to
+    the value its re-test measured against, and those lanes are marked for a re-test (found in review: one CPU
+    lane's re-test restored the old value on every lane, GPU lanes that measured the win and were never re-tested
+    included, and which value ended global depended on how the re-tests were batched)."""
+    features = _yaml().load(defaults_path.read_text()).get("features") or {}
+    leaving: dict[tuple[str, str], set[str]] = {}
+    for o in outcomes:
+        if o.outcome == DEMOTED and o.scope == "global":
+            leaving.setdefault((o.feature, str(o.value)), set()).add(o.lane_key)
+    limited = []
+    for o in outcomes:
+        entry = features.get(o.feature)
+        others = (_supporting(entry, o.value, leaving[(o.feature, str(o.value))])
+                  if o.outcome == DEMOTED and o.scope == "global" and isinstance(entry, Mapping) else [])
+        if others and o.lane_shape is None:
+            reason = (f"{o.reason}; lane(s) {', '.join(k[:12] for k in others)} still hold the global value up and "
+                      f"the record does not name its lane shape, so the demotion cannot be limited to this lane: "
+                      f"the value stays, still marked")
+            o = dataclasses.replace(o, outcome=UNCONFIRMED, reason=reason,
+                                    retest={**o.retest, "outcome": UNCONFIRMED, "reason": reason})
+        elif others:
+            reason = (f"{o.reason}; this lane goes back to {o.previous!r} (a lane override), the global {o.value!r} "
+                      f"stays: lane(s) {', '.join(k[:12] for k in others)} measured its win and were not re-tested "
+                      f"(now marked for a re-test)")
+            o = dataclasses.replace(o, reason=reason, still_supported_by=tuple(others),
+                                    retest={**o.retest, "reason": reason})
+        limited.append(o)
+    return limited
+
+
 def _verdict_for(target: Target, verdicts: list[FeatureVerdict]) -> Optional[FeatureVerdict]:
     return next((v for v in verdicts if v.feature == target.feature and str(v.value) == str(target.value)
                  and v.lane_key == target.lane_key and str(v.baseline_value) == str(target.previous)), None)
@@ -568,7 +623,8 @@ def judge(targets: list[Target], receipts: list[Receipt], policy: Policy, defaul
         outcomes.append(outcome_of(target, _verdict_for(target, result.verdicts), policy,
                                    report_id=result.report_id, campaign=result.campaign, date=result.date,
                                    sweeps=sweeps))
-    outcomes = _nothing_to_put_back(defaults_path, settle_conflicts(outcomes), result.report_id, result.date)
+    outcomes = _nothing_to_put_back(defaults_path, limit_global_demotions(defaults_path, settle_conflicts(outcomes)),
+                                    result.report_id, result.date)
     # What this report changes is the outcomes, not the promotions the rule would plan against the old defaults.
     result.changes = demotion_changes(defaults_path, outcomes, result.report_id, result.date)
     result.revalidations = list(outcomes)

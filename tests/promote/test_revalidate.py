@@ -514,9 +514,9 @@ def test_a_retest_under_the_software_it_was_promoted_on_decides_nothing(policy: 
         assert load_defaults(m.defaults).values["moe_dispatch"] == "jagged"
 
 
-def two_marked_lanes(tmp_path: Path, policy: Policy) -> tuple[Path, dict[str, str], dict[str, dict]]:
-    """moe_dispatch=jagged promoted globally from two lanes in one report (sw-1), both lanes measured again under
-    sw-2: two marked records of one global value."""
+def two_marked_lanes(tmp_path: Path, policy: Policy, again: str = "AB") -> tuple[Path, dict[str, str], dict[str, dict]]:
+    """moe_dispatch=jagged promoted globally from two lanes in one report (sw-1), the lanes in ``again`` measured
+    again under sw-2: their records of the one global value are marked."""
     campaigns = {"A": tiny_smoke(tmp_path / "a", name="tiny"),
                  "B": tiny_smoke(tmp_path / "b", name="tinyb", lane={"batch": {"seq_len": 128}})}
     defaults = campaigns["A"].parent / "defaults.yaml"
@@ -530,7 +530,7 @@ def two_marked_lanes(tmp_path: Path, policy: Policy) -> tuple[Path, dict[str, st
                     defaults_path=defaults)
     assert [(c.scope, c.new) for c in first.changes] == [("global", "jagged")]
     write_defaults(first, defaults)
-    for i, k in enumerate("AB"):
+    for i, k in enumerate(again):
         later_campaign(defaults, lanes[k], policy, software="sw-2", seed=20 + i)
     return defaults, keys, flats
 
@@ -709,3 +709,62 @@ def test_two_lanes_that_both_find_the_win_gone_both_demote(policy: Policy, tmp_p
 
 def failing_names(v: object) -> list[str]:
     return [c.name for c in v.clauses if not c.passed]
+
+
+def test_one_lanes_lost_win_puts_back_that_lane_only_while_another_lane_still_holds_the_global_value_up(
+        policy: Policy, tmp_path: Path) -> None:
+    """jagged went global on lanes A and B; only B was measured again (sw-2) and its re-test finds the win gone.
+    B's evidence restored padded for every lane, A included, whose win nobody re-measured; from a CPU lane that
+    reached GPU lanes too (found in review). Now B's shape goes back to padded, the global value stays, and A is
+    marked for a re-test; once A's win is gone too, the global value goes back."""
+    defaults, keys, flats = two_marked_lanes(tmp_path, policy, again="B")
+    shapes = {k: shape_key(flats[k], policy) for k in "AB"}
+
+    def retest_lane(k: str, seed: int) -> object:
+        targets, refused, _ = find_targets(defaults)
+        assert refused == [] and [t.lane_key for t in targets] == [keys[k]]
+        sim = Sim(features=[moe(0.95)], lane=flats[k], horizon=flats[k]["budget.horizon_steps"],
+                  fingerprints=["sw-2"] * 2, campaign="reval-sw-2", block_prefix=f"R{k}-", **QUIET)
+        result = judge(targets, keyed(simulate(sim, seed), keys[k]), policy, defaults, workdir=tmp_path / k)
+        write_defaults(result, defaults)
+        return result
+
+    first = retest_lane("B", 7)
+    after = load_defaults(defaults)
+    assert after.values["moe_dispatch"] == "jagged"
+    assert [after.lane_default("moe_dispatch", shapes[k]) for k in "AB"] == ["jagged", "padded"]
+    [o] = first.revalidations
+    assert (o.outcome, o.scope, o.still_supported_by) == (DEMOTED, "global", (keys["A"],))
+    assert "the global 'jagged' stays" in o.reason and keys["A"][:12] in o.reason
+    [change] = first.changes
+    assert (change.scope, change.new, change.override_edits) == ("lane", None, {shapes["B"]: (None, "padded")})
+    assert "`jagged` → `padded` (this lane's override; the global value stays)" in first.markdown
+    # A's record is marked for a re-test under the software B's re-test ran
+    mark = next(r for r in after.raw["features"]["moe_dispatch"]["evidence"] if r["lane_key"] == keys["A"])["revalidate"]
+    assert (mark["required"], mark["current_fingerprint"]) == (True, "sw-2") and keys["B"][:12] in mark["reason"]
+
+    second = retest_lane("A", 8)  # control: no lane holds it up any more, so the global value goes back
+    assert [(o.outcome, o.still_supported_by) for o in second.revalidations] == [(DEMOTED, ())]
+    final = load_defaults(defaults)
+    assert final.values["moe_dispatch"] == "padded"
+    assert [final.lane_default("moe_dispatch", shapes[k]) for k in "AB"] == ["padded", "padded"]
+    assert find_targets(defaults, repeat=True)[0] == []
+
+
+def test_a_global_record_whose_lane_runs_another_value_since_is_not_retested(policy: Policy, tmp_path: Path) -> None:
+    """The lane that measured the global jagged runs a grouped_mm override since: re-testing jagged there decided the
+    global value on a lane it no longer reaches (found in review). An override holding jagged itself (the promotion
+    carried it along) still makes the record a target (test_a_global_demotion_diff_shows_...)."""
+    m = mark_jagged(tmp_path, policy)
+    yaml = YAML()
+    doc = yaml.load(m.defaults.read_text())
+    entry = doc["features"]["moe_dispatch"]
+    rec = entry["evidence"][0]
+    entry["lane_overrides"] = [{"lane_shape": rec["lane_shape"], "value": "grouped_mm", "previous": "jagged",
+                                "report": "promote-later", "date": rec["date"]}]
+    with m.defaults.open("w") as handle:
+        yaml.dump(doc, handle)
+    targets, refused, notes = find_targets(m.defaults)
+    assert targets == [] and refused == []
+    assert notes == [f"features.moe_dispatch.evidence[{m.lane_key}]: 'jagged' is no longer what the lane runs "
+                     f"('grouped_mm'); not re-tested"]
