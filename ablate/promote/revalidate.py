@@ -24,7 +24,10 @@ How an outcome is decided: the promotion rule, unchanged, on the re-test's recei
 as they were before the promotion (so "measured against the current default" holds). PROMOTE confirms (the mark
 is resolved, the re-test becomes a fresh evidence record under the new fingerprint); REJECT means the win is gone
 (no meaningful win with a calibrated lane and enough blocks, a gated disqualifier, flakiness or worse quality):
-the value is demoted to ``previous``, except: a global value whose re-test found the toggle inert on the lane
+the value is demoted to ``previous``; a global value that other lanes' records still hold up (they measured its win
+and were not re-tested, or it held on their re-test) is demoted on the re-tested lane's shape only, as a lane
+override, and those records are marked for a re-test (``limit_global_demotions``): it goes back for every lane once
+every lane that held it up lost its win. Except: a global value whose re-test found the toggle inert on the lane
 (inert here says nothing about the lanes where it acts); a REJECT by a gate too thin to demote on, unless a later
 clause shows the win gone (``_why_a_reject_keeps``); a re-test under the software the value was promoted on;
 re-tests of one value that disagree (``settle_conflicts``); a demotion that would put nothing back
