@@ -565,6 +565,14 @@ def _demote(entry: CommentedMap, o: RevalidationOutcome, report_id: str, date: s
             edits.append(Edit(f"{where}.value: {o.value!r} -> {o.replaced!r} (demoted)", "demote"))
         # Overrides the global promotion moved onto the value go back to what they held before it.
         for override in list(entry.get("lane_overrides") or []):
+            if (str(override.get("value")) == str(o.replaced) and str(override.get("previous")) == str(o.value)
+                    and str(o.replaced) != str(o.value)):
+                # A lane that lost the win earlier, while other lanes held the value up (``_demote_on_lane_only``):
+                # the global value says it now, and a later global promotion must not find this lane pinned.
+                entry["lane_overrides"].remove(override)
+                edits.append(Edit(f"{where}.lane_overrides[{override.get('lane_shape')}]: removed with the "
+                                  f"demotion (the lane runs the global {o.replaced!r} again)", "demote"))
+                continue
             if override.get("report") == o.report and str(override.get("value")) == str(o.value):
                 back = override.get("previous")
                 if back is None or str(back) == str(o.replaced):
@@ -616,8 +624,11 @@ def _demote_on_lane_only(entry: CommentedMap, o: RevalidationOutcome, report_id:
                   f"{o.value!r} stays for lane(s) {', '.join(k[:12] for k in o.still_supported_by)})", "demote")]
     fingerprint = o.retest.get("software_fingerprint") or o.current_fingerprint
     for record in entry.get("evidence") or []:
+        # A record measured under the re-test's software already answers for it (a mark would ask it again, and
+        # its sticky "still unconfirmed" would then block the re-test a later software needs: found in review).
         if (isinstance(record, Mapping) and record.get("lane_key") in o.still_supported_by
-                and str(record.get("value")) == str(o.value) and "revalidate" not in record):
+                and str(record.get("scope") or "global") == "global" and str(record.get("value")) == str(o.value)
+                and record.get("software_fingerprint") != fingerprint and "revalidate" not in record):
             record["revalidate"] = _node({
                 "required": True, "current_fingerprint": fingerprint, "noted_by": report_id, "date": date,
                 "reason": f"the win of {o.value!r} is gone on lane {o.lane_key[:12]} under {fingerprint} (report "

@@ -552,9 +552,11 @@ def settle_conflicts(outcomes: list[RevalidationOutcome]) -> list[RevalidationOu
     return settled
 
 
-def _supporting(entry: Mapping[str, Any], value: Any, leaving: set[str]) -> list[str]:
+def _supporting(entry: Mapping[str, Any], value: Any, leaving: set[str], leaving_shapes: set[str]) -> list[str]:
     """Lane keys of the global records that still hold ``value`` up: not resolved by a re-test (history), not among
-    ``leaving`` (this report demotes them), and on a lane that runs the global value (no override of another)."""
+    ``leaving`` (this report demotes them), not on a shape this report demotes (its lane gets the same override:
+    a record there would keep the global value up with no lane left to re-test it on, found in review), and on a
+    lane that runs the global value (no override of another)."""
     overrides = {str(o.get("lane_shape")): o.get("value") for o in entry.get("lane_overrides") or []
                  if isinstance(o, Mapping)}
     keys = []
@@ -565,7 +567,7 @@ def _supporting(entry: Mapping[str, Any], value: Any, leaving: set[str]) -> list
         if str(record.get("value")) != str(value) or (isinstance(mark, Mapping) and mark.get("required") is False):
             continue
         key, shape = str(record.get("lane_key")), str(record.get("lane_shape"))
-        if key in leaving or (shape in overrides and str(overrides[shape]) != str(value)):
+        if key in leaving or shape in leaving_shapes or (shape in overrides and str(overrides[shape]) != str(value)):
             continue
         keys.append(key)
     return sorted(set(keys))
@@ -579,13 +581,16 @@ def limit_global_demotions(defaults_path: Path, outcomes: list[RevalidationOutco
     included, and which value ended global depended on how the re-tests were batched)."""
     features = _yaml().load(defaults_path.read_text()).get("features") or {}
     leaving: dict[tuple[str, str], set[str]] = {}
+    shapes: dict[tuple[str, str], set[str]] = {}
     for o in outcomes:
         if o.outcome == DEMOTED and o.scope == "global":
             leaving.setdefault((o.feature, str(o.value)), set()).add(o.lane_key)
+            shapes.setdefault((o.feature, str(o.value)), set()).add(str(o.lane_shape))
     limited = []
     for o in outcomes:
         entry = features.get(o.feature)
-        others = (_supporting(entry, o.value, leaving[(o.feature, str(o.value))])
+        place = (o.feature, str(o.value))
+        others = (_supporting(entry, o.value, leaving[place], shapes[place])
                   if o.outcome == DEMOTED and o.scope == "global" and isinstance(entry, Mapping) else [])
         if others and o.lane_shape is None:
             reason = (f"{o.reason}; lane(s) {', '.join(k[:12] for k in others)} still hold the global value up and "
@@ -595,8 +600,8 @@ def limit_global_demotions(defaults_path: Path, outcomes: list[RevalidationOutco
                                     retest={**o.retest, "outcome": UNCONFIRMED, "reason": reason})
         elif others:
             reason = (f"{o.reason}; this lane goes back to {o.previous!r} (a lane override), the global {o.value!r} "
-                      f"stays: lane(s) {', '.join(k[:12] for k in others)} measured its win and were not re-tested "
-                      f"(now marked for a re-test)")
+                      f"stays: lane(s) {', '.join(k[:12] for k in others)} still hold it up (a record not measured "
+                      f"under this re-test's software is marked for a re-test)")
             o = dataclasses.replace(o, reason=reason, still_supported_by=tuple(others),
                                     retest={**o.retest, "reason": reason})
         limited.append(o)

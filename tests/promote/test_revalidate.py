@@ -748,7 +748,61 @@ def test_one_lanes_lost_win_puts_back_that_lane_only_while_another_lane_still_ho
     final = load_defaults(defaults)
     assert final.values["moe_dispatch"] == "padded"
     assert [final.lane_default("moe_dispatch", shapes[k]) for k in "AB"] == ["padded", "padded"]
+    # B's override goes with it: the global value says it now, and a later global flip must not find B pinned
+    assert "lane_overrides" not in final.raw["features"]["moe_dispatch"]
     assert find_targets(defaults, repeat=True)[0] == []
+
+
+def test_a_lane_that_confirmed_under_the_retests_software_holds_the_value_up_without_a_new_mark(
+        policy: Policy, tmp_path: Path) -> None:
+    """A confirmed jagged under sw-2 (a fresh sw-2 record); then B's sw-2 re-test finds the win gone. A's fresh
+    record holds the global value up, and is not marked for a sw-2 re-test: that re-test could only end "still
+    unconfirmed", which is sticky and would block the re-test a later software needs (found in review)."""
+    defaults, keys, flats = two_marked_lanes(tmp_path, policy)
+    shapes = {k: shape_key(flats[k], policy) for k in "AB"}
+    for seed, (k, effect, outcome) in enumerate((("A", 1.05, CONFIRMED), ("B", 0.95, DEMOTED)), start=7):
+        targets = [t for t in find_targets(defaults)[0] if t.lane_key == keys[k]]
+        sim = Sim(features=[moe(effect)], lane=flats[k], horizon=flats[k]["budget.horizon_steps"],
+                  fingerprints=["sw-2"] * 2, campaign=f"reval-{k}", block_prefix=f"R{k}-", **QUIET)
+        result = judge(targets, keyed(simulate(sim, seed), keys[k]), policy, defaults, workdir=tmp_path / k)
+        assert [o.outcome for o in result.revalidations] == [outcome]
+        write_defaults(result, defaults)
+    after = load_defaults(defaults)
+    assert after.values["moe_dispatch"] == "jagged"
+    assert [after.lane_default("moe_dispatch", shapes[k]) for k in "AB"] == ["jagged", "padded"]
+    fresh = [r for r in after.raw["features"]["moe_dispatch"]["evidence"] if r["software_fingerprint"] == "sw-2"]
+    assert [(r["lane_key"], "revalidate" in r) for r in fresh] == [(keys["A"], False)]
+    assert find_targets(defaults, repeat=True)[0] == []
+
+
+def test_a_record_on_the_demoted_lanes_shape_does_not_hold_the_global_value_up(policy: Policy,
+                                                                                tmp_path: Path) -> None:
+    """Lanes A and A2 share a shape (they differ in another feature's value). A's re-test finds the win gone and A2's
+    gives no verdict: an override on that shape would take A2 off the value too, leaving a global value no lane
+    left to re-test holds up (found in review). The global value goes back."""
+    campaigns = {"A": tiny_smoke(tmp_path / "a", name="tiny"),
+                 "A2": tiny_smoke(tmp_path / "a2", name="tinyc", lane={"features": {"mla_ingress": "fused"}})}
+    defaults = campaigns["A"].parent / "defaults.yaml"
+    lanes = {k: load_sweep(c)[0].lane for k, c in campaigns.items()}
+    flats, keys = {k: flat_lane(lane) for k, lane in lanes.items()}, {k: lane_key(lane) for k, lane in lanes.items()}
+    assert shape_key(flats["A"], policy) == shape_key(flats["A2"], policy) and keys["A"] != keys["A2"]
+    receipts = []
+    for i, k in enumerate(("A", "A2")):
+        receipts += keyed(simulate(Sim(features=[moe(1.05)], lane=flats[k], horizon=flats[k]["budget.horizon_steps"],
+                                       campaign="tiny", block_prefix=f"P{k}-", **QUIET), i), keys[k])
+    first = promote(receipts, policy_path=with_overrides(policy, {"scope.global_device_classes": []}),
+                    defaults_path=defaults)
+    write_defaults(first, defaults)
+    later_campaign(defaults, lanes["A"], policy, software="sw-2", seed=20)
+    targets, _, _ = find_targets(defaults)
+    assert sorted(t.lane_key for t in targets) == sorted(keys.values())
+    sim = Sim(features=[moe(0.95)], lane=flats["A"], horizon=flats["A"]["budget.horizon_steps"],
+              fingerprints=["sw-2"] * 2, campaign="reval-sw-2", block_prefix="RA-", **QUIET)
+    result = judge(targets, keyed(simulate(sim, 7), keys["A"]), policy, defaults, workdir=tmp_path / "work")
+    assert {o.lane_key: (o.outcome, o.still_supported_by) for o in result.revalidations} == {
+        keys["A"]: (DEMOTED, ()), keys["A2"]: (UNCONFIRMED, ())}
+    write_defaults(result, defaults)
+    assert load_defaults(defaults).values["moe_dispatch"] == "padded"
 
 
 def test_a_global_record_whose_lane_runs_another_value_since_is_not_retested(policy: Policy, tmp_path: Path) -> None:
