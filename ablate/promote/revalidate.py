@@ -585,7 +585,7 @@ def limit_global_demotions(defaults_path: Path, outcomes: list[RevalidationOutco
     for o in outcomes:
         if o.outcome == DEMOTED and o.scope == "global":
             leaving.setdefault((o.feature, str(o.value)), set()).add(o.lane_key)
-            shapes.setdefault((o.feature, str(o.value)), set()).add(str(o.lane_shape))
+            shapes.setdefault((o.feature, str(o.value)), set()).update([str(o.lane_shape)] if o.lane_shape else [])
     limited = []
     for o in outcomes:
         entry = features.get(o.feature)
