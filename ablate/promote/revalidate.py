@@ -141,8 +141,10 @@ def find_targets(defaults_path: str | Path, repeat: bool = False) -> tuple[list[
             # has an override of another value since is about a value that lane no longer runs: re-testing it there
             # would decide the global value on a lane it does not reach (found in review).
             shape_override = overrides.get(str(target.lane_shape))
-            running = (shape_override or {}).get("value") if target.scope == "lane" else (
-                shape_override.get("value") if shape_override is not None else entry.get("value"))
+            if shape_override is not None:
+                running = shape_override.get("value")
+            else:
+                running = None if target.scope == "lane" else entry.get("value")
             if str(running) != str(target.value):
                 notes.append(f"{target.where}: {target.value!r} is no longer what the lane runs ({running!r}); "
                              f"not re-tested")
