@@ -19,7 +19,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Accepted receipt payloads are remembered per machine (ablate.receipts.accepted): never in the user's cache.
+# What ablate remembers per user (accepted receipt payloads, the empty MLflow store: ablate.user_cache): never in
+# the user's own cache.
 if "ABLATE_CACHE_DIR" not in os.environ:
     os.environ["ABLATE_CACHE_DIR"] = tempfile.mkdtemp(prefix="ablate-test-cache-")
     atexit.register(shutil.rmtree, os.environ["ABLATE_CACHE_DIR"], ignore_errors=True)

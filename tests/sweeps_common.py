@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -88,28 +91,22 @@ def closed_port() -> int:
         return sock.getsockname()[1]
 
 
-_TEMPLATE: dict[str, Path] = {}
+_TEMPLATES = Path(tempfile.mkdtemp(prefix="ablate-test-store-template-"))
+"""Where this test process keeps its store template, whatever cache a test points ablate at (or turns off)."""
+atexit.register(shutil.rmtree, _TEMPLATES, True)
 
 
 def fresh_mlflow_uri(directory: Path) -> str:
-    """A new, empty MLflow SQLite store in ``directory``. Creating the schema (alembic migrations) costs ~3-10 s
-    on 2 cores, so it is done once per test process and copied."""
-    import atexit
-    import shutil
-    import tempfile
+    """A new, empty MLflow SQLite store in ``directory``, made as a sweep makes one: copied from this test process's
+    template (``ablate.tracking.store_template``), so MLflow's migrations run once per process, not per store."""
+    from ablate.tracking.store_template import seed_sqlite_store
 
-    if "db" not in _TEMPLATE:
-        from mlflow import MlflowClient
-
-        home = tempfile.mkdtemp(prefix="ablate-mlflow-template-")
-        atexit.register(shutil.rmtree, home, True)
-        template = Path(home) / "mlflow.db"
-        MlflowClient(tracking_uri=f"sqlite:///{template}").search_experiments()
-        _TEMPLATE["db"] = template
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / "mlflow.db"
-    shutil.copyfile(_TEMPLATE["db"], target)
-    return f"sqlite:///{target}"
+    target.unlink(missing_ok=True)
+    uri = f"sqlite:///{target}"
+    assert seed_sqlite_store(uri, _TEMPLATES), f"no store template could be kept in {_TEMPLATES}"
+    return uri
 
 
 def log_campaign(uri: str, receipts: list[Any]) -> tuple[Any, dict[str, str]]:

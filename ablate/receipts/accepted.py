@@ -12,8 +12,7 @@ pydantic versions): other bytes or other code never hit. Only payloads that are 
 are kept (``bulk_read._check_result``), so the reader rebuilds the very model that was checked, and the clock's
 check (``schema.in_the_future``) is repeated on every hit. A hit is also checked against its run's tags.
 
-The file lives in ``$ABLATE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/ablate``, else ``~/.cache/ablate``); ``off``
-turns it off. Whoever can write the file decides which payloads skip the checks, so a file (or directory) owned by
+The file lives in the user cache (``ablate.user_cache``: ``$ABLATE_CACHE_DIR``, ``off`` turns it off). Whoever can write the file decides which payloads skip the checks, so a file (or directory) owned by
 another user, or writable by group or others, is ignored; so is a damaged one. A cache that cannot be opened or
 written only costs time. New entries are appended, in one write each. Only reads of many runs use the cache
 (``bulk_read.CACHE_MIN_RUNS``): opening it reads all of it.
@@ -23,14 +22,15 @@ from __future__ import annotations
 
 import hashlib
 import os
-import stat
 import sys
 import tempfile
 from pathlib import Path
 from typing import Iterable, Optional
 
-CACHE_ENV = "ABLATE_CACHE_DIR"
-OFF = "off"
+from ablate.user_cache import CACHE_ENV, OFF, cache_dir  # noqa: F401 - CACHE_ENV, OFF: part of this module's API
+from ablate.user_cache import private as _private
+from ablate.user_cache import trusted as _trusted
+
 _MAGIC = b"ablate-accepted-receipts 1\n"
 _DIGEST_BYTES = 32
 _CHECKING_CODE = ("ablate/receipts/schema.py", "ablate/receipts/derive.py", "ablate/receipts/store.py",
@@ -38,16 +38,6 @@ _CHECKING_CODE = ("ablate/receipts/schema.py", "ablate/receipts/derive.py", "abl
 """What decides whether a payload is accepted: the validator, the derivations it re-computes, the digest check,
 the payload decoder and the parse in the reader."""
 _ROOT = Path(__file__).resolve().parents[2]
-
-
-def cache_dir() -> Optional[Path]:
-    configured = os.environ.get(CACHE_ENV, "").strip()
-    if configured.lower() == OFF:
-        return None
-    if configured:
-        return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME", "").strip()
-    return (Path(base) if base else Path.home() / ".cache") / "ablate"
 
 
 def checking_fingerprint(root: Path = _ROOT) -> str:
@@ -138,17 +128,6 @@ def _prune(current: Path) -> None:
                     key=lambda p: p.stat().st_mtime, reverse=True)
     for stale in others[KEEP_OTHER_FILES:]:
         stale.unlink(missing_ok=True)
-
-
-def _private(item: Path) -> bool:
-    """Owned by this user and not writable by group or others."""
-    info = item.stat()
-    return info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-
-
-def _trusted(path: Path) -> bool:
-    """Only this user can have written it: the file and its directory are private."""
-    return _private(path) and _private(path.parent)
 
 
 def _read(path: Path) -> tuple[set[bytes], bool]:

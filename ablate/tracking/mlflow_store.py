@@ -173,6 +173,9 @@ class TrackingClient:
     def __init__(self, tracking_uri: str, experiment: str) -> None:
         from mlflow import MlflowClient
 
+        from ablate.tracking.store_template import seed_sqlite_store
+
+        seed_sqlite_store(tracking_uri)  # a missing embedded store: copied from MLflow's empty one, not migrated
         self.tracking_uri = tracking_uri
         self.client = MlflowClient(tracking_uri=tracking_uri)
         self.experiment_id = self._experiment(experiment)
