@@ -84,7 +84,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: Optional[pytest.Item]) 
 def _idle(ray: Any, wait_s: float = 10.0) -> bool:
     """Every scheduling resource free again and no placement group left, not even a pending one (the last module's
     trials, actors and tasks are gone), within ``wait_s``: Ray releases a finished trial's resources
-    asynchronously. Actors without resources (a sweep's clock) do not count: nothing waits for them."""
+    asynchronously. Actors without resources do not count: nothing waits for them."""
     from ray.util import placement_group_table
 
     deadline = time.monotonic() + wait_s

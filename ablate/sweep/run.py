@@ -225,7 +225,10 @@ class _Recorder(Callback):
         entry.setdefault("trial_started_at", now)
         if self.clock is not None:
             # The block's first arm is billed queue wait from here (the driver handing the block to Ray).
-            self.clock.stamp.remote(trial.config["block_id"], now)
+            try:
+                self.clock.stamp(trial.config["block_id"], now)
+            except Exception as exc:  # noqa: BLE001 - the trial then starts the arm's clock itself, and says so
+                log.warning("block %s: scheduling stamp not stored (%s)", trial.config["block_id"], exc)
 
     def on_trial_result(self, trial: Any, result: dict[str, Any], **info: Any) -> None:
         entry = self.timeline.setdefault(result.get("block_id", trial.config["block_id"]), {"arms": []})
@@ -965,6 +968,8 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
             _LIVE.pop(sweep_id, None)
             display.close()
             recorder.flush()
+            if recorder.clock is not None:
+                recorder.clock.close()
         # After SIGINT, Tune ends the trials it stopped TERMINATED without an error, like finished ones (and never
         # calls on_trial_complete for them). A block is done only when its receipts show a complete attempt (both
         # arms, none failed) and its trial, if it ran in this session, completed (as SweepProgress counts).

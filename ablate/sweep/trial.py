@@ -32,55 +32,69 @@ from ablate.sweep.plan import ArmPlan, Block
 if TYPE_CHECKING:
     from trainers.spec import ArmSpec
 
+log = logging.getLogger(__name__)
 _RECEIPT_NS = uuid.UUID("7f1d9c2e-58a4-4c53-9d1e-2b7c0c6a4e11")
 _ATTEMPT_FILE = "attempt.json"
 CLOCK_WAIT_S = 5.0
 """How long a trial waits for the driver's scheduling stamp before falling back to its own (and saying so)."""
 
 
-def clock_name(sweep_id: str) -> str:
-    return f"ablate-clock-{sweep_id}"
+CLOCK_NAMESPACE = "ablate-clock"
+"""The namespace of the scheduling stamps in Ray's key-value store (its GCS): one key per sweep and block."""
+
+
+def _clock_key(sweep_id: str, block_id: str) -> str:
+    return f"{sweep_id}/{block_id}"
 
 
 class SchedulingClock:
-    """Driver -> trial hand-off of "when the driver handed this block to Ray" (a zero-CPU Ray actor).
+    """Driver -> trial hand-off of "when the driver handed this block to Ray", kept in Ray's own key-value store.
 
     The first arm's wall clock, and so its queue wait, starts at the driver's stamp rather than inside the trial,
-    where it would be ~0 by construction. The second arm is scheduled by the trial when the first one ends.
+    where it would be ~0 by construction. The second arm is scheduled by the trial when the first one ends. Not an
+    actor: one cost a Ray worker process of its own (~2 s of CPU on 2 cores) and one of the node's worker start-up
+    slots at the moment the first trials' processes were starting.
     """
 
-    def __init__(self) -> None:
-        self.stamps: dict[str, float] = {}
+    def __init__(self, sweep_id: str) -> None:
+        self.sweep_id = sweep_id
 
     def stamp(self, block_id: str, at: float) -> None:
-        self.stamps[block_id] = at
+        from ray.experimental.internal_kv import _internal_kv_put
 
-    def get(self, block_id: str) -> Optional[float]:
-        return self.stamps.get(block_id)
+        _internal_kv_put(_clock_key(self.sweep_id, block_id), repr(at), overwrite=True, namespace=CLOCK_NAMESPACE)
+
+    def close(self) -> None:
+        """Forget this sweep's stamps (a long-lived cluster runs many sweeps). Never raises."""
+        try:
+            from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_initialized
+
+            if _internal_kv_initialized():
+                _internal_kv_del(_clock_key(self.sweep_id, ""), del_by_prefix=True, namespace=CLOCK_NAMESPACE)
+        except Exception as exc:  # noqa: BLE001 - a cluster already gone keeps nothing to forget
+            log.debug("scheduling stamps of %s not removed: %s", self.sweep_id, exc)
 
 
-def start_clock(sweep_id: str) -> Any:
-    import ray
-
-    actor = ray.remote(num_cpus=0)(SchedulingClock)
-    return actor.options(name=clock_name(sweep_id), get_if_exists=True).remote()
+def start_clock(sweep_id: str) -> SchedulingClock:
+    return SchedulingClock(sweep_id)
 
 
 def driver_stamp(sweep_id: str, block_id: str, wait_s: float = CLOCK_WAIT_S) -> Optional[float]:
-    """The driver's scheduling stamp of ``block_id``; None when there is no clock (``run_block`` called bare)."""
-    import ray
+    """The driver's scheduling stamp of ``block_id``; None when there is none within ``wait_s`` (``run_block``
+    called bare, outside a sweep's driver)."""
+    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_initialized
 
-    try:
-        clock = ray.get_actor(clock_name(sweep_id))
-    except ValueError:
+    if not _internal_kv_initialized():
         return None
     deadline = time.monotonic() + wait_s
     while True:
         # Tune calls the driver's on_trial_start before it submits the trial's work, but the two reach the
-        # clock from different processes: a short poll covers the race.
-        at = ray.get(clock.get.remote(block_id))
-        if at is not None or time.monotonic() > deadline:
-            return at
+        # store from different processes: a short poll covers the race.
+        value = _internal_kv_get(_clock_key(sweep_id, block_id), namespace=CLOCK_NAMESPACE)
+        if value is not None:
+            return float(value)
+        if time.monotonic() > deadline:
+            return None
         time.sleep(0.02)
 
 

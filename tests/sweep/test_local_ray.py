@@ -1,0 +1,81 @@
+"""The local Ray runtime a sweep starts, and what its driver hands its trials through Ray: no idle worker processes
+started for nothing, and the scheduling stamp kept in Ray's key-value store (no actor process of its own)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from ablate.sweep.trial import SchedulingClock, driver_stamp
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_a_sweeps_local_ray_starts_no_idle_worker_that_no_trial_could_use(tmp_path) -> None:
+    # Ray's default starts one idle worker per CPU for the first driver, outside any trial's runtime environment.
+    driver = textwrap.dedent("""
+        import time
+        import psutil
+        import ray
+        from ablate.sweep.run import ensure_ray
+
+        assert ensure_ray()
+        raylet = next(p for p in psutil.process_iter(["cmdline"])
+                      if (p.info["cmdline"] or [""])[0].endswith("/raylet") and
+                      ray.get_runtime_context().get_node_id() in " ".join(p.info["cmdline"]))
+
+        def idle_workers():
+            return [c for c in raylet.children() if " ".join(c.cmdline()).startswith("ray::IDLE")]
+
+        seen = 0
+        deadline = time.monotonic() + 5  # Ray's prestart comes within ~1-2 s of the driver on 2 CPUs
+        while time.monotonic() < deadline:
+            seen = max(seen, len(idle_workers()))
+            time.sleep(0.1)
+        print("idle before any work", seen, flush=True)
+
+        @ray.remote(num_cpus=0)
+        def nothing():
+            return None
+
+        ray.get(nothing.remote())  # its worker goes back to the pool idle: the count above can see one
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not idle_workers():
+            time.sleep(0.1)
+        print("idle after a task", len(idle_workers()), flush=True)
+        ray.shutdown()
+    """)
+    out = subprocess.run([sys.executable, "-c", driver], cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "PYTHONPATH": REPO})
+    assert out.returncode == 0, out.stderr[-3000:]
+    counts = dict(line.rsplit(" ", 1) for line in out.stdout.splitlines() if line.startswith("idle "))
+    assert counts["idle before any work"] == "0", out.stdout
+    assert int(counts["idle after a task"]) >= 1, out.stdout  # the detector does see Ray's idle workers
+
+
+def test_the_drivers_scheduling_stamp_reaches_another_process_and_is_forgotten_at_the_end(ray_address) -> None:
+    import ray
+
+    clock, other = SchedulingClock("sweep-a"), SchedulingClock("sweep-b")
+    clock.stamp("b000", 1795953112.25)
+    other.stamp("b000", 1.0)
+
+    @ray.remote(num_cpus=0)
+    def read(sweep_id: str, block_id: str) -> object:
+        return driver_stamp(sweep_id, block_id, wait_s=0.2)
+
+    assert ray.get(read.remote("sweep-a", "b000")) == 1795953112.25  # exact: the float's repr round-trips
+    assert ray.get(read.remote("sweep-a", "b001")) is None  # never stamped: the trial's own clock, after wait_s
+    clock.close()
+    assert ray.get(read.remote("sweep-a", "b000")) is None
+    assert ray.get(read.remote("sweep-b", "b000")) == 1.0  # another sweep's stamps stay
+
+
+def test_a_bare_trial_outside_ray_has_no_driver_stamp() -> None:
+    code = ("from ablate.sweep.trial import SchedulingClock, driver_stamp; "
+            "print(driver_stamp('sweep-a', 'b000', wait_s=0.0)); SchedulingClock('sweep-a').close()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": REPO})
+    assert (out.returncode, out.stdout) == (0, "None\n"), out.stderr[-2000:]
