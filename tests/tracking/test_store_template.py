@@ -5,6 +5,7 @@ never over an existing file, and MLflow's own creation whenever the template can
 from __future__ import annotations
 
 import os
+import shutil
 import sqlite3
 from pathlib import Path
 
@@ -17,11 +18,28 @@ from ablate.tracking.mlflow_store import TrackingClient
 from ablate.user_cache import CACHE_ENV
 
 
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One template, built once for the module (each build runs MLflow's migrations: seconds on 2 CPUs)."""
+    template = store_template.current_template(tmp_path_factory.mktemp("built") / "cache")
+    assert template is not None
+    return template
+
+
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty user cache of this test's own."""
     directory = tmp_path / "cache"
     monkeypatch.setenv(CACHE_ENV, str(directory))
     return directory
+
+
+@pytest.fixture
+def primed(cache: Path, built: Path) -> Path:
+    """This test's user cache, holding a copy of the module's template (private, as a build leaves it)."""
+    cache.mkdir(mode=0o700)
+    shutil.copy2(built, cache / built.name)
+    return cache / built.name
 
 
 def _schema(db: Path) -> dict[str, list[str]]:
@@ -73,15 +91,14 @@ def test_a_seeded_store_is_the_store_mlflow_makes_itself(tmp_path: Path, cache: 
     assert oct(second.stat().st_mode & 0o777) == oct(own.stat().st_mode & 0o777)
 
 
-def test_tracking_client_creates_a_missing_store_from_the_template(tmp_path: Path, cache: Path,
+def test_tracking_client_creates_a_missing_store_from_the_template(tmp_path: Path, primed: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    store_template.current_template()
     _forbid_migrations(monkeypatch)
     client = TrackingClient(f"sqlite:///{tmp_path / 'mlflow.db'}", "ablate")
     assert client.client.get_experiment(client.experiment_id).name == "ablate"
 
 
-def test_an_existing_store_is_never_touched(tmp_path: Path, cache: Path) -> None:
+def test_an_existing_store_is_never_touched(tmp_path: Path, primed: Path) -> None:
     existing = tmp_path / "mlflow.db"
     existing.write_bytes(b"not yet a database")
     assert not store_template.seed_sqlite_store(f"sqlite:///{existing}")
@@ -92,8 +109,8 @@ def test_an_existing_store_is_never_touched(tmp_path: Path, cache: Path) -> None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "mlflow.db"]
 
 
-def test_a_template_holding_a_run_or_at_another_revision_is_rebuilt_before_use(tmp_path: Path, cache: Path) -> None:
-    template = store_template.current_template()
+def test_a_template_holding_a_run_or_at_another_revision_is_rebuilt_before_use(tmp_path: Path, primed: Path) -> None:
+    template = primed
     client = MlflowClient(tracking_uri=f"sqlite:///{template}")
     client.create_run(client.create_experiment("planted"))  # a run that must never reach a new store
     assert store_template.current_template() == template
@@ -109,9 +126,9 @@ def test_a_template_holding_a_run_or_at_another_revision_is_rebuilt_before_use(t
             (db_utils._get_latest_schema_revision(),)]
 
 
-def test_no_template_from_a_cache_others_can_write_or_with_the_cache_off(tmp_path: Path, cache: Path,
+def test_no_template_from_a_cache_others_can_write_or_with_the_cache_off(tmp_path: Path, primed: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    template = store_template.current_template()
+    template, cache = primed, primed.parent
     os.chmod(template, 0o664)  # group-writable: someone else may have planted it
     planted = template.stat().st_ino
     assert store_template.current_template() == template  # built again by us, private
