@@ -137,27 +137,35 @@ def _campaign() -> list:
 
 
 def test_promotion_report_is_the_same_with_and_without_forking(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ablate.promote import engine, promote
+    from ablate.promote import engine, match, promote
 
     receipts = _campaign()
     policy, defaults = REPO / "search_spaces/policies/default.yaml", REPO / "search_spaces/defaults.yaml"
     calls: list[int] = []
-    real = engine.analyse
+    matched: list[int] = []
+    real, real_matched = engine.analyse, match._matched
 
     def recording(*args, **kwargs):
         calls.append(os.getpid())
         return real(*args, **kwargs)
 
+    def recording_matched(*args, **kwargs):
+        matched.append(os.getpid())
+        return real_matched(*args, **kwargs)
+
     monkeypatch.setattr(engine, "ANALYSE_MIN_SHARE", 1)
+    monkeypatch.setattr(match, "MATCH_MIN_SHARE", 1)
     monkeypatch.setattr(engine, "analyse", recording)
+    monkeypatch.setattr(match, "_matched", recording_matched)
     monkeypatch.setenv(parallel.PROCESSES_ENV, "2")
     forked = promote(receipts, policy_path=policy, defaults_path=defaults)
-    in_parent = len(calls)
+    in_parent, matched_in_parent = len(calls), len(matched)
     monkeypatch.setenv(parallel.PROCESSES_ENV, "1")
     single = promote(receipts, policy_path=policy, defaults_path=defaults)
-    tests = len(single.verdicts)
+    tests, blocks = len(single.verdicts), len(matched) - matched_in_parent
     assert tests >= 2 and len(calls) == in_parent + tests
     assert in_parent == (tests + 1) // 2, "the child measured the other half (its calls are not recorded here)"
+    assert blocks >= 2 and matched_in_parent == (blocks + 1) // 2, "the child matched the other half of the blocks"
     assert json.loads(forked.to_json()) == json.loads(single.to_json())
     assert forked.markdown == single.markdown
 

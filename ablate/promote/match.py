@@ -37,6 +37,7 @@ from ablate.config.backends import fell_back
 from ablate.config.features import BUNDLE, FEATURES
 from ablate.config.load import default_lane_with
 from ablate.config.schema import ConfigError
+from ablate.parallel import fork_map
 from ablate.promote.policy import Policy
 from ablate.receipts.derive import project_time
 from ablate.receipts.schema import SIMULATED_EXECUTOR, WARN_CODES, Receipt, utc_moment
@@ -732,32 +733,38 @@ def match_blocks(receipts: Iterable[Receipt], policy: Policy) -> tuple[list[Bloc
     for receipt in receipts:
         by_block[f"{receipt.identity.sweep_id}/{receipt.identity.block_id}"].append(receipt)
     replays = find_replays(receipts)
-    blocks: list[Block] = []
-    refusals: list[Refusal] = []
-    for block_id, members in by_block.items():
-        simulated = [r.identity.receipt_id for r in members if r.identity.executor == SIMULATED_EXECUTOR
-                     or "simulated" in r.identity.software]
-        if simulated:
-            # First, before anything reads their figures: no-op arms of an orchestration test measure nothing.
-            refusals.append(_refuse(f"simulated arms ({', '.join(simulated[:2])}"
-                                    f"{f' and {len(simulated) - 2} more' if len(simulated) > 2 else ''}): made by "
-                                    f"the test-only no-op arm executor (trainers.simulate); no arm ran, so the block "
-                                    f"measures nothing and is never evidence", members, block_id, failures=False))
-            continue
-        copied = [(r.identity.receipt_id, replays[r.identity.receipt_id]) for r in members
-                  if r.identity.receipt_id in replays]
-        if copied:
-            shown = "; ".join(f"{rid} has the per-step timings of {', '.join(others[:3])}" for rid, others in copied)
-            refusals.append(_refuse(f"replayed measurements: {shown}. A measurement filed under two receipt ids (a "
-                                    f"round copied as another round, a relabelled sweep) is not new evidence; "
-                                    f"neither copy counts", members, block_id, failures=False))
-            continue
-        unknown = [f"{r.identity.receipt_id}: {p}" for r in members for p in unregistered_values(r)]
-        if unknown:
-            refusals.append(_refuse("unregistered feature value: " + "; ".join(unknown[:3]), members, block_id,
-                                    failures=False))
-            continue
-        made = _make_block(block_id, members, policy)
-        (refusals if isinstance(made, Refusal) else blocks).append(made)  # type: ignore[arg-type]
+    # Each block is checked on its own (~0.3 ms of pure Python; 5,000 blocks are 1.5 s): split over the CPUs when
+    # the command owns its process (``ablate.parallel``), in block order either way.
+    made = fork_map(lambda item: _matched(item[0], item[1], replays, policy), list(by_block.items()),
+                    min_share=MATCH_MIN_SHARE)
+    blocks = [m for m in made if isinstance(m, Block)]
+    refusals = [m for m in made if isinstance(m, Refusal)]
     blocks, inconsistent = _enforce_lane_consistency(blocks, policy)
     return blocks, refusals + inconsistent
+
+
+MATCH_MIN_SHARE = 500
+"""Blocks per process below which matching stays in one process (a fork and the results' way back cost more)."""
+
+
+def _matched(block_id: str, members: list[Receipt], replays: dict[str, list[str]], policy: Policy) -> Block | Refusal:
+    """One block's receipts as a matched block, or why they are not one."""
+    simulated = [r.identity.receipt_id for r in members if r.identity.executor == SIMULATED_EXECUTOR
+                 or "simulated" in r.identity.software]
+    if simulated:
+        # First, before anything reads their figures: no-op arms of an orchestration test measure nothing.
+        return _refuse(f"simulated arms ({', '.join(simulated[:2])}"
+                       f"{f' and {len(simulated) - 2} more' if len(simulated) > 2 else ''}): made by "
+                       f"the test-only no-op arm executor (trainers.simulate); no arm ran, so the block "
+                       f"measures nothing and is never evidence", members, block_id, failures=False)
+    copied = [(r.identity.receipt_id, replays[r.identity.receipt_id]) for r in members
+              if r.identity.receipt_id in replays]
+    if copied:
+        shown = "; ".join(f"{rid} has the per-step timings of {', '.join(others[:3])}" for rid, others in copied)
+        return _refuse(f"replayed measurements: {shown}. A measurement filed under two receipt ids (a "
+                       f"round copied as another round, a relabelled sweep) is not new evidence; "
+                       f"neither copy counts", members, block_id, failures=False)
+    unknown = [f"{r.identity.receipt_id}: {p}" for r in members for p in unregistered_values(r)]
+    if unknown:
+        return _refuse("unregistered feature value: " + "; ".join(unknown[:3]), members, block_id, failures=False)
+    return _make_block(block_id, members, policy)

@@ -260,3 +260,16 @@ def test_server_bundles_equal_the_runs(campaign: list[Receipt], server: str, mon
     searches.clear()
     assert _read(server, True, monkeypatch) == slow and len(slow[0]) == len(campaign)
     assert sum(count for query, count in searches if "'arm'" in query or "'block'" in query) == 0
+
+
+@pytest.mark.parametrize("tags, ok", [({}, True), ({"ablate.role": "arm", "mlflow.parentRunId": "p"}, True),
+                                      ({"ablate.role": 1}, False), ({"ablate.role": None}, False),
+                                      ({"ablate.role": ["arm"]}, False), ({"ablate.role": {"a": "b"}}, False),
+                                      (["ablate.role", "arm"], False), (None, False)])
+def test_a_bundle_entry_must_hold_its_tags_as_strings(tags: object, ok: bool) -> None:
+    from ablate.tracking.receipt_bundle import _well_formed
+
+    entry = {"run_id": "r1", "run_name": None, "artifact_uri": "file:///a", "tags": tags}
+    good = {"run_id": "r0", "run_name": "arm", "artifact_uri": "file:///b", "tags": {"ablate.role": "arm"}}
+    body = json.loads(json.dumps({"sweep_id": "s", "runs": [good, entry], "blocks": {}}))  # as a bundle is read
+    assert _well_formed(body) is ok
