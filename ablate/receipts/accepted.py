@@ -12,9 +12,10 @@ pydantic versions): other bytes or other code never hit. Only payloads that are 
 are kept (``bulk_read._check_result``), so the reader rebuilds the very model that was checked, and the clock's
 check (``schema.in_the_future``) is repeated on every hit. A hit is also checked against its run's tags.
 
-The file lives in the user cache (``ablate.user_cache``: ``$ABLATE_CACHE_DIR``, ``off`` turns it off). Whoever can write the file decides which payloads skip the checks, so a file (or directory) owned by
-another user, or writable by group or others, is ignored; so is a damaged one. A cache that cannot be opened or
-written only costs time. New entries are appended, in one write each. Only reads of many runs use the cache
+The file lives in the user cache (``ablate.user_cache``: ``$ABLATE_CACHE_DIR``, ``off`` turns it off). Whoever
+can write the file decides which payloads skip the checks, so a file (or directory) owned by another user, or
+writable by group or others, is ignored; so is a damaged one. A cache that cannot be opened or written only costs
+time. New entries are appended, in one write each. Only reads of many runs use the cache
 (``bulk_read.CACHE_MIN_RUNS``): opening it reads all of it.
 """
 

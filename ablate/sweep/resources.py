@@ -261,7 +261,9 @@ def local_ray_init_kwargs(num_cpus: Optional[int] = None, num_gpus: Optional[int
     resources = {DRIVER_CPU: float(cpus), **({DRIVER_GPU: float(gpus)} if gpus else {})}
     env = {name: os.environ.get(name, value) for name, value in TRAIN_ENV_DEFAULTS.items()}
     return {"num_cpus": cpus, "num_gpus": gpus, "resources": resources, "runtime_env": {"env_vars": env},
-            "_system_config": LOCAL_RAY_SYSTEM_CONFIG}
+            # A copy: Ray writes the session's spill settings into the dict it is given, and a later local start
+            # in this process (until-decided rounds, revalidation campaigns) would spill into that old session.
+            "_system_config": dict(LOCAL_RAY_SYSTEM_CONFIG)}
 
 
 LOCAL_RAY_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}

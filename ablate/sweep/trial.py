@@ -76,7 +76,11 @@ class SchedulingClock:
 
 
 def start_clock(sweep_id: str) -> SchedulingClock:
-    return SchedulingClock(sweep_id)
+    """The sweep's clock, without stamps a killed driver of the same sweep left (``--resume``): a stamp whose put
+    fails must leave the trial on its own clock, never on the dead driver's time."""
+    clock = SchedulingClock(sweep_id)
+    clock.close()
+    return clock
 
 
 def driver_stamp(sweep_id: str, block_id: str, wait_s: float = CLOCK_WAIT_S) -> Optional[float]:

@@ -2,17 +2,17 @@
 running its whole migration history again.
 
 Why: MLflow makes a new SQLite store by creating its first schema and then running every alembic migration since
-(about 40 Python files, many of them SQLite table copies): 1.3-1.9 s of CPU on a 2-core machine, paid by every first
-sweep in a directory (at the moment Ray starts on the same two cores) and by most tests.
+(67 Python files in MLflow 3.17, many of them SQLite table copies): 1.3-1.9 s of CPU on a 2-core machine, paid by
+every first sweep in a directory (at the moment Ray starts on the same two cores) and by most tests.
 
 Why it is the same store: the template is built by the very call ``SqlAlchemyStore`` makes on a file without tables
-(``mlflow.store.db.utils._initialize_tables``), through the engine MLflow would use, and is named by MLflow's version
-and schema head revision. A copy is used only while the template is at that head and holds no experiment and no run:
-MLflow then opens the copy as a current store (its own ``_verify_schema`` runs as on any store) and creates the
-Default experiment itself, with this store's artifact root and clock. The template lives in the user cache
-(``ablate.user_cache``) and is trusted as the accepted-payload cache is: a file another user could have written is
-never copied. Whatever goes wrong (no cache, another MLflow, a file system without hard links, a damaged template)
-leaves the store to MLflow, as before: it costs time, never a store.
+(``mlflow.store.db.utils._initialize_tables``), through the engine MLflow would use, and is named by MLflow's and
+SQLAlchemy's versions and the schema head revision. A copy becomes a store only while its bytes are at that head and
+hold no experiment and no run: MLflow then opens it as a current store (its own ``_verify_schema`` runs as on any
+store) and creates the Default experiment itself, with this store's artifact root and clock. The template lives in
+the user cache (``ablate.user_cache``) and is trusted as the accepted-payload cache is: a file another user could
+have written is never copied. Whatever goes wrong (no cache, another MLflow, a file system without hard links, a
+damaged template) leaves the store to MLflow, as before: it costs time, never a store.
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ def seed_sqlite_store(uri: str, cache: Optional[Path] = None) -> bool:
     if path is None or path.exists() or not path.parent.is_dir():
         return False
     try:
-        template = current_template(cache)
-        return template is not None and _create_from(template, path)
+        head = _head()
+        template = _template(cache, head)
+        return template is not None and _create_from(template, path, head)
     except Exception as exc:  # noqa: BLE001 - only time is at stake: MLflow creates the store itself
         log.info("MLflow store %s: made by MLflow itself (no template: %s: %s)", path, type(exc).__name__, exc)
         return False
@@ -59,6 +60,10 @@ def seed_sqlite_store(uri: str, cache: Optional[Path] = None) -> bool:
 def current_template(cache: Optional[Path] = None) -> Optional[Path]:
     """The template for the installed MLflow in ``cache`` (default: the user cache), built first when it is missing,
     stale or damaged; None when there is no trusted cache directory to keep it in."""
+    return _template(cache, _head())
+
+
+def _template(cache: Optional[Path], head: str) -> Optional[Path]:
     try:
         directory = cache if cache is not None else cache_dir()
     except (RuntimeError, OSError):  # no home directory
@@ -66,10 +71,9 @@ def current_template(cache: Optional[Path] = None) -> Optional[Path]:
     if directory is None:
         return None
     import mlflow
-    from mlflow.store.db import utils as db_utils
+    import sqlalchemy
 
-    head = db_utils._get_latest_schema_revision()
-    path = directory / f"{PREFIX}{mlflow.__version__}-{head}.db"
+    path = directory / f"{PREFIX}{mlflow.__version__}-{sqlalchemy.__version__}-{head}.db"
     if not (path.exists() and trusted(path) and _usable(path, head)):
         if directory.exists() and not private(directory):
             return None  # a directory another user can write to: nothing built there is ours alone
@@ -113,14 +117,24 @@ def _build(path: Path) -> None:
             os.unlink(handle.name)
 
 
-def _create_from(template: Path, path: Path) -> bool:
-    """``path`` as a copy of ``template``, unless another process creates ``path`` first (theirs stands)."""
+def _head() -> str:
+    from mlflow.store.db import utils as db_utils
+
+    return db_utils._get_latest_schema_revision()
+
+
+def _create_from(template: Path, path: Path, head: str) -> bool:
+    """``path`` as a copy of ``template``, unless another process creates ``path`` first (theirs stands) or the
+    copied bytes are not an empty store at ``head``."""
     temporary = path.with_name(f".{path.name}.seed-{os.getpid()}-{secrets.token_hex(4)}")
-    # os.open with 0o666: the store gets the permissions a file MLflow creates would (the user's umask).
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    # 0o644: the permissions SQLite gives a database file it creates for MLflow (before the user's umask); a store
+    # others could write is a store others could plant runs in.
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         with os.fdopen(descriptor, "wb") as target, template.open("rb") as source:
             shutil.copyfileobj(source, target)
+        if not _usable(temporary, head):  # the bytes that become the store, not the file checked a moment ago
+            return False
         try:
             os.link(temporary, path)  # never replaces: a store made meanwhile, by MLflow or by us, is kept
         except FileExistsError:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import textwrap
 
-from ablate.sweep.trial import SchedulingClock, driver_stamp
+from ablate.sweep.trial import SchedulingClock, driver_stamp, start_clock
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -71,10 +71,12 @@ def test_the_drivers_scheduling_stamp_reaches_another_process_and_is_forgotten_a
     clock.close()
     assert ray.get(read.remote("sweep-a", "b000")) is None
     assert ray.get(read.remote("sweep-b", "b000")) == 1.0  # another sweep's stamps stay
+    start_clock("sweep-b")  # a resumed sweep's driver: the killed one's stamps are gone before any trial reads one
+    assert ray.get(read.remote("sweep-b", "b000")) is None
 
 
 def test_a_bare_trial_outside_ray_has_no_driver_stamp() -> None:
-    code = ("from ablate.sweep.trial import SchedulingClock, driver_stamp; "
+    code = ("from ablate.sweep.trial import SchedulingClock, driver_stamp, start_clock; "
             "print(driver_stamp('sweep-a', 'b000', wait_s=0.0)); SchedulingClock('sweep-a').close()")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": REPO})

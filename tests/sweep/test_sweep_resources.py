@@ -83,3 +83,14 @@ def test_an_auto_lane_on_a_gpu_cluster_reserves_a_gpu_for_every_worker() -> None
     assert gpu_resources(sweep.lane, two, cluster_gpus=8.0).gpus_per_worker == 2
     cpu_lane = dataclasses.replace(sweep.lane, hardware=dataclasses.replace(sweep.lane.hardware, device=Device.cpu))
     assert gpu_resources(cpu_lane, sweep.resources, cluster_gpus=8.0).gpus_per_worker == 0
+
+
+def test_each_local_ray_start_gets_its_own_system_config() -> None:
+    # Ray writes the session's spill directory into the _system_config dict it is given: a dict shared between two
+    # starts in one process (until-decided rounds) would send the second session's spills to the first's directory.
+    from ablate.sweep.resources import LOCAL_RAY_SYSTEM_CONFIG, local_ray_init_kwargs
+
+    first = local_ray_init_kwargs(num_cpus=2, num_gpus=0)["_system_config"]
+    first["object_spilling_config"] = '{"params": {"directory_path": "/tmp/ray/session_a"}}'
+    second = local_ray_init_kwargs(num_cpus=2, num_gpus=0)["_system_config"]
+    assert second == LOCAL_RAY_SYSTEM_CONFIG == {"prestart_worker_first_driver": False}

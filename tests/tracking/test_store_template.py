@@ -66,11 +66,15 @@ def _forbid_migrations(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_seeded_store_is_the_store_mlflow_makes_itself(tmp_path: Path, cache: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     own = tmp_path / "own.db"
-    MlflowClient(tracking_uri=f"sqlite:///{own}").search_experiments()  # MLflow's creation, before any template
-    assert not cache.exists()
-
-    first = tmp_path / "first.db"
-    assert store_template.seed_sqlite_store(f"sqlite:///{first}")  # builds the template, then copies it
+    umask = os.umask(0o002)  # a umask that lets group write: a seeded store must still get SQLite's own 0644
+    try:
+        MlflowClient(tracking_uri=f"sqlite:///{own}").search_experiments()  # MLflow's creation, before any template
+        assert not cache.exists()
+        first = tmp_path / "first.db"
+        assert store_template.seed_sqlite_store(f"sqlite:///{first}")  # builds the template, then copies it
+    finally:
+        os.umask(umask)
+    assert oct(first.stat().st_mode & 0o777) == oct(own.stat().st_mode & 0o777) == "0o644"
     templates = list(cache.glob(f"{store_template.PREFIX}*.db"))
     assert len(templates) == 1
     built = templates[0].stat()
@@ -104,7 +108,7 @@ def test_an_existing_store_is_never_touched(tmp_path: Path, primed: Path) -> Non
     assert not store_template.seed_sqlite_store(f"sqlite:///{existing}")
     assert existing.read_bytes() == b"not yet a database"
     # Made by another process between the check and the copy: theirs stands, no stray file is left.
-    assert not store_template._create_from(store_template.current_template(), existing)
+    assert not store_template._create_from(primed, existing, db_utils._get_latest_schema_revision())
     assert existing.read_bytes() == b"not yet a database"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "mlflow.db"]
 
@@ -113,6 +117,10 @@ def test_a_template_holding_a_run_or_at_another_revision_is_rebuilt_before_use(t
     template = primed
     client = MlflowClient(tracking_uri=f"sqlite:///{template}")
     client.create_run(client.create_experiment("planted"))  # a run that must never reach a new store
+    head = db_utils._get_latest_schema_revision()
+    refused = tmp_path / "refused.db"
+    assert not store_template._create_from(template, refused, head)  # the copied bytes are checked, too
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]
     assert store_template.current_template() == template
     made = tmp_path / "new.db"
     assert store_template.seed_sqlite_store(f"sqlite:///{made}")
