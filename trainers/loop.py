@@ -64,19 +64,25 @@ def resolve_device(hardware: HardwareConfig, cuda_index: Optional[int]) -> torch
     return torch.device("cpu")
 
 
-def _threads(hardware: HardwareConfig, local_world_size: int) -> int:
+def _threads(hardware: HardwareConfig, local_world_size: int, slot_cpus: Optional[int] = None) -> int:
+    """Torch's intra-op threads: the lane's ``hardware.threads``, else what this process was allotted, never more
+    than ``slot_cpus``, the CPUs an interleaved arm is pinned to for its turns (``trainers.pairing.pin``)."""
     if hardware.threads > 0:
         return hardware.threads
     # Ray sets OMP_NUM_THREADS to the CPUs the scheduler gave this process (the trial's, for a one-worker arm):
     # honouring it keeps two concurrent arms on two CPUs from oversubscribing each other.
     allotted = os.environ.get("OMP_NUM_THREADS", "")
     if allotted.isdigit() and int(allotted) > 0:
-        return int(allotted)
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, cpus // max(1, local_world_size))
+        threads = int(allotted)
+    else:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 1
+        threads = max(1, cpus // max(1, local_world_size))
+    # The slot is chosen after start-up, and OMP_NUM_THREADS may be a user's export Ray left alone: two OpenMP
+    # threads pinned to one CPU spin-wait on each other (smoke lane, measured: 0.07 s -> 2.3 s a step).
+    return min(threads, slot_cpus) if slot_cpus else threads
 
 
 LOSS_LAG_STEPS = 4
@@ -279,7 +285,7 @@ def run_worker(spec: ArmSpec, ctx: WorkerContext, finalize: Optional[Callable[[W
             result.node_check = node_doc.summary()
         device = resolve_device(lane.hardware, ctx.cuda_index)
         result.device = device.type
-        torch.set_num_threads(_threads(lane.hardware, ctx.local_world_size))
+        torch.set_num_threads(_threads(lane.hardware, ctx.local_world_size, len(gate.cpus) if gate.cpus else None))
         if device.type == "cuda":
             torch.cuda.set_device(device)
             torch.cuda.reset_peak_memory_stats(device)

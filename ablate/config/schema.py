@@ -288,7 +288,8 @@ class HardwareConfig:
     cpu_fallback: bool = False
     """Run on CPU when CUDA was asked for but is absent; the receipt then carries HARDWARE_MISMATCH."""
     threads: int = 0
-    """torch intra-op threads per worker; 0 = divide the node's CPUs among the arm's workers."""
+    """torch intra-op threads per worker; 0 = the CPUs Ray allotted (``OMP_NUM_THREADS``), else the node's divided
+    among the arm's workers, and never more than the CPUs an interleaved arm is pinned to."""
 
     def __post_init__(self) -> None:
         _non_negative("lane.hardware.threads", self.threads)
