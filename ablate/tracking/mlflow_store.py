@@ -405,6 +405,16 @@ class TrackingClient:
         self.save_accepted()
 
 
+def _log_last_window(monitor: Any) -> None:
+    """Log the samples MLflow's sampler took in the window a stop cut short (its thread has ended). It logs a window
+    only once its interval (5 s) has passed, so a sweep shorter than that had no system metrics at all (found when
+    the smoke test's 5 s sweep, on a faster machine, left none)."""
+    metrics = monitor.aggregate_metrics()
+    if metrics:
+        monitor.publish_metrics(metrics)
+        monitor.mlflow_logger.flush()
+
+
 class MlflowStore:
     """The sweep's tracking session on the Tune driver: parent run, child runs, spool when unreachable."""
 
@@ -515,6 +525,7 @@ class MlflowStore:
         if monitor is not None:
             try:
                 monitor.finish()
+                _log_last_window(monitor)
             except Exception as exc:  # noqa: BLE001 - optional telemetry; a full disk must not end the sweep here
                 log.info("MLflow system metrics did not stop cleanly: %s", exc)
 

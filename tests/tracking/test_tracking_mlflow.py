@@ -414,6 +414,23 @@ def test_a_sweep_stopped_while_it_was_being_opened_starts_no_metrics_sampler(tmp
     assert samplers() == []
 
 
+def test_a_sweep_shorter_than_the_sampling_interval_still_leaves_its_system_metrics(tmp_path: Path) -> None:
+    """MLflow's sampler logs a window once its interval (5 s) has passed and dropped the one a stop cut short: the
+    smoke test's sweep, 5 s on a faster machine, left its parent run without a single system metric."""
+    uri = fresh_mlflow_uri(tmp_path)
+    store = MlflowStore(uri, "exp", tmp_path / "short")
+    parent = store.open_sweep("track-1", "smoke", {}, {})
+    assert parent is not None
+    deadline = time.monotonic() + 4  # the sampler's first sample, well inside its first window
+    while not any(m.metrics for m in store._monitor.monitors) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    started = time.monotonic()
+    store.stop_monitor()
+    assert time.monotonic() - started < 4, "stopping does not wait for the window to end"
+    metrics = TrackingClient(uri, "exp").client.get_run(parent).data.metrics
+    assert any(key.startswith("system/cpu_utilization") for key in metrics), sorted(metrics)
+
+
 def test_sync_reports_every_file_it_could_not_read(receipts: list[Receipt], tmp_path: Path) -> None:
     """Before the fix a bare JSON number crashed sync with a TypeError, and a JSON object without ``identity``
     or a half-written temp file in receipts/ vanished without a word; sweep metadata it could not read too."""
