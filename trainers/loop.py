@@ -47,7 +47,7 @@ from trainers.pairing import TurnGate
 from ablate.redact import capture_env, redact_text
 from trainers.provenance import host_name, observe_hardware, software_versions
 from trainers.result import Geometry, WorkerContext, WorkerResult
-from trainers.spec import ArmSpec
+from trainers.spec import ALLOTTED_CPUS_ENV, ArmSpec
 
 
 def resolve_device(hardware: HardwareConfig, cuda_index: Optional[int]) -> torch.device:
@@ -64,9 +64,9 @@ def resolve_device(hardware: HardwareConfig, cuda_index: Optional[int]) -> torch
     return torch.device("cpu")
 
 
-def _threads(hardware: HardwareConfig, local_world_size: int, slot_cpus: Optional[int] = None) -> int:
+def _threads(hardware: HardwareConfig, local_world_size: int, allotted_cpus: Optional[int] = None) -> int:
     """Torch's intra-op threads: the lane's ``hardware.threads``, else what this process was allotted, never more
-    than ``slot_cpus``, the CPUs an interleaved arm is pinned to for its turns (``trainers.pairing.pin``)."""
+    than ``allotted_cpus`` (``trainers.spec.ALLOTTED_CPUS_ENV``)."""
     if hardware.threads > 0:
         return hardware.threads
     # Ray sets OMP_NUM_THREADS to the CPUs the scheduler gave this process (the trial's, for a one-worker arm):
@@ -80,9 +80,15 @@ def _threads(hardware: HardwareConfig, local_world_size: int, slot_cpus: Optiona
         except (AttributeError, OSError):
             cpus = os.cpu_count() or 1
         threads = max(1, cpus // max(1, local_world_size))
-    # The slot is chosen after start-up, and OMP_NUM_THREADS may be a user's export Ray left alone: two OpenMP
-    # threads pinned to one CPU spin-wait on each other (smoke lane, measured: 0.07 s -> 2.3 s a step).
-    return min(threads, slot_cpus) if slot_cpus else threads
+    # OMP_NUM_THREADS may be a user's export Ray left alone, and the affinity is the node's until an interleaved
+    # arm's first turn pins it to its slot: two OpenMP threads pinned to one CPU spin-wait on each other (smoke
+    # lane, measured: 0.07 s -> 2.3 s a step).
+    return min(threads, allotted_cpus) if allotted_cpus else threads
+
+
+def _allotted_cpus() -> Optional[int]:
+    value = os.environ.get(ALLOTTED_CPUS_ENV, "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 LOSS_LAG_STEPS = 4
@@ -285,7 +291,7 @@ def run_worker(spec: ArmSpec, ctx: WorkerContext, finalize: Optional[Callable[[W
             result.node_check = node_doc.summary()
         device = resolve_device(lane.hardware, ctx.cuda_index)
         result.device = device.type
-        torch.set_num_threads(_threads(lane.hardware, ctx.local_world_size, len(gate.cpus) if gate.cpus else None))
+        torch.set_num_threads(_threads(lane.hardware, ctx.local_world_size, _allotted_cpus()))
         if device.type == "cuda":
             torch.cuda.set_device(device)
             torch.cuda.reset_peak_memory_stats(device)

@@ -50,7 +50,7 @@ from trainers.provenance import code_fingerprint, git_state, host_name, software
 from trainers.pairing import ENV_CPUS as PAIR_CPUS_ENV, ENV_FD as TURN_FD_ENV, TurnCoordinator, cpu_slot
 from trainers.receipt import LaunchInfo, build_receipt
 from trainers.result import WorkerResult
-from trainers.spec import ArmSpec
+from trainers.spec import ALLOTTED_CPUS_ENV, ArmSpec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORK_DIR = ARM_SCRATCH_DIR
@@ -160,8 +160,14 @@ def _wait(proc: Any, timeout_s: Optional[float]) -> Optional[int]:
         return None
 
 
+def _allotment(cpus: Optional[float]) -> dict[str, str]:
+    """The arm's ``ALLOTTED_CPUS_ENV`` overlay: the CPUs the campaign gives each worker (none: no cap)."""
+    return {ALLOTTED_CPUS_ENV: str(max(1, int(cpus)))} if cpus else {}
+
+
 def _run_subprocess(spec: ArmSpec, work: Path, max_failures: int, timeout_s: Optional[float],
-                    launch: LaunchInfo, fork_server: bool = True) -> Optional[WorkerResult]:
+                    launch: LaunchInfo, fork_server: bool = True,
+                    allotment: Optional[dict[str, str]] = None) -> Optional[WorkerResult]:
     spec_path = work / "spec.json"
     spec_path.write_text(spec.to_json())
     result: Optional[WorkerResult] = None
@@ -173,7 +179,7 @@ def _run_subprocess(spec: ArmSpec, work: Path, max_failures: int, timeout_s: Opt
         with log_path.open("w") as log:
             proc, launch.process = _start_worker(_worker_argv(spec_path, result_path, spec.attempt + index), work,
                                                  log, code=launch.code_fingerprint, fork_server=fork_server,
-                                                 **_private_caches(work, restart=index))
+                                                 **_private_caches(work, restart=index), **(allotment or {}))
             code = _wait(proc, timeout_s)
         result = _worker_outcome(spec, launch, result_path, log_path, code, spec.attempt + index, timeout_s)
         if result is not None:
@@ -624,7 +630,8 @@ def run_arm(spec: ArmSpec, *, max_failures: int = 0, node_id: Optional[str] = "c
     result: Optional[WorkerResult] = None
     try:
         if executor == "subprocess":
-            result = _run_subprocess(worker_spec, work, max_failures, timeout_s, launch, fork_server)
+            result = _run_subprocess(worker_spec, work, max_failures, timeout_s, launch, fork_server,
+                                     _allotment((resources_per_worker or {}).get("CPU")))
         else:
             launch.process = Prepared("ray_train_worker").to_dict()
             if node_id == "current":
@@ -676,12 +683,13 @@ def run_pair(specs: tuple[ArmSpec, ArmSpec], *, timeout_s: Optional[float] = Non
     No relaunch of a dead worker here: its partner's turns would no longer be interleaved, so the arm fails and
     the sweep retries the whole block as its next attempt.
     """
-    with cpu_slot(cpus or max(1, specs[0].lane.hardware.threads)) as slot:
-        return _run_pair(specs, timeout_s, slot, fork_server)
+    count = cpus or max(1, specs[0].lane.hardware.threads)
+    with cpu_slot(count) as slot:
+        return _run_pair(specs, timeout_s, slot, fork_server, count)
 
 
 def _run_pair(specs: tuple[ArmSpec, ArmSpec], timeout_s: Optional[float],
-              slot: Optional[list[int]], fork_server: bool) -> tuple[Receipt, Receipt]:
+              slot: Optional[list[int]], fork_server: bool, count: int) -> tuple[Receipt, Receipt]:
     coordinator = TurnCoordinator(first=0)
     run_start = time.time()
     prepared = [_prepare(spec, "subprocess", run_start) for spec in specs]
@@ -694,7 +702,9 @@ def _run_pair(specs: tuple[ArmSpec, ArmSpec], timeout_s: Optional[float],
             spec_path.write_text(_with_absolute_paths(spec).to_json())
             result_path, log_path = work / "result-0.state", work / "worker-0.log"
             paths.append((result_path, log_path))
+            # Pinned to the slot or not (no free CPUs left), the arm is sized for the slot it asked for.
             cpus = {PAIR_CPUS_ENV: ",".join(str(c) for c in slot)} if slot is not None else {}
+            cpus.update(_allotment(count))
             with log_path.open("w") as log:
                 proc, launch.process = _start_worker(_worker_argv(spec_path, result_path, spec.attempt), work, log,
                                                      code=launch.code_fingerprint, fork_server=fork_server,

@@ -14,6 +14,12 @@ from typing import Any, Optional
 from ablate.config.schema import LaneConfig
 
 
+ALLOTTED_CPUS_ENV = "ABLATE_ARM_CPUS"
+"""Set by ``trainers.run`` on a one-worker arm's process: the CPUs the campaign allots it
+(``resources.cpus_per_worker``, an interleaved pair's slot size). The arm's automatic torch threads never exceed
+it, whether or not its pair got a slot to be pinned to, so every block of a sweep runs, and fingerprints, the same
+thread count (``trainers.loop._threads``)."""
+
 @dataclass
 class ArmSpec:
     lane: LaneConfig

@@ -289,7 +289,7 @@ class HardwareConfig:
     """Run on CPU when CUDA was asked for but is absent; the receipt then carries HARDWARE_MISMATCH."""
     threads: int = 0
     """torch intra-op threads per worker; 0 = the CPUs Ray allotted (``OMP_NUM_THREADS``), else the node's divided
-    among the arm's workers, and never more than the CPUs an interleaved arm is pinned to."""
+    among the arm's workers, and for a one-worker arm never more than ``resources.cpus_per_worker``."""
 
     def __post_init__(self) -> None:
         _non_negative("lane.hardware.threads", self.threads)

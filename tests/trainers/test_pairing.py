@@ -1,13 +1,15 @@
 """Interleaved blocks: two real processes take strictly alternating turns, a dead partner holds no one up, and a
-real interleaved pair of arms leaves two valid receipts whose step cadence excludes the partner's turns and whose
-torch threads fit the CPUs the pair is pinned to."""
+real interleaved pair of arms leaves two valid receipts whose step cadence excludes the partner's turns, and every
+one-worker arm runs the torch threads its campaign allots it."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -16,8 +18,8 @@ from ablate.config.schema import HardwareConfig
 from ablate.receipts.schema import Status, validate_receipt
 from trainer_helpers import make_spec, tiny_lane
 from trainers.loop import _threads
-from trainers.pairing import ENV_FD, TurnCoordinator, TurnGate
-from trainers.run import can_interleave, run_pair
+from trainers.pairing import ENV_FD, SLOT_DIR, TurnCoordinator, TurnGate
+from trainers.run import can_interleave, run_arm, run_pair
 
 REPO = Path(__file__).resolve().parents[2]
 TURNER = """
@@ -122,29 +124,41 @@ def test_arms_with_different_warmup_turns_run_one_after_the_other(tmp_path: Path
     assert not can_interleave((two_workers, two_workers), node_has_gpu=False)
 
 
-def test_automatic_threads_never_exceed_the_cpus_an_interleaved_arm_is_pinned_to(monkeypatch: pytest.MonkeyPatch
-                                                                                  ) -> None:
+def test_automatic_threads_never_exceed_the_cpus_the_campaign_allots_an_arm(monkeypatch: pytest.MonkeyPatch
+                                                                           ) -> None:
     auto, two = HardwareConfig(), HardwareConfig(threads=2)
     monkeypatch.setenv("OMP_NUM_THREADS", "4")  # Ray's allotment, or a user's export Ray left alone
-    assert _threads(auto, 1) == 4 and _threads(auto, 1, slot_cpus=1) == 1 and _threads(auto, 1, slot_cpus=8) == 4
-    assert _threads(two, 1, slot_cpus=1) == 2  # the lane's own number is the lane's to answer for
+    assert _threads(auto, 1) == 4 and _threads(auto, 1, allotted_cpus=1) == 1 and _threads(auto, 1, 8) == 4
+    assert _threads(two, 1, allotted_cpus=1) == 2  # the lane's own number is the lane's to answer for
     monkeypatch.delenv("OMP_NUM_THREADS")
     cpus = len(os.sched_getaffinity(0))
-    assert _threads(auto, 1) == cpus and _threads(auto, 1, slot_cpus=1) == 1
+    assert _threads(auto, 1) == cpus and _threads(auto, 1, allotted_cpus=1) == 1
 
 
 @pytest.mark.slow
-def test_a_pinned_pair_runs_one_thread_per_pinned_cpu_whatever_omp_num_threads_says(
+def test_one_worker_arms_run_the_threads_the_campaign_allots_pinned_or_not_whatever_omp_num_threads_says(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Found by benchmarks/bench_arm_start.py, which runs pairs outside Ray: the arms sized torch's pool before their
-    first turn pinned them to one CPU, so two OpenMP threads spin-waited on one core (0.07 s -> 2.3 s a step, every
-    step flagged HOST_CONTENDED). A sweep under a user's exported OMP_NUM_THREADS did the same."""
+    first turn pinned them to one CPU, so two OpenMP threads spin-waited on one core (0.07 s -> 2.3 s a step). A
+    sweep under a user's exported OMP_NUM_THREADS did the same. Pinned, unpinned (no free CPU: another block holds
+    them) or one after the other, every arm of a 1-CPU campaign runs 1 thread: its hardware fingerprint, which
+    counts threads, is the same for every block."""
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     lane = tiny_lane(hardware={"threads": 0}, budget={"steps": 4, "family_sample_steps": 1, "min_steady_steps": 2})
-    scheduled = time.time()
-    first = make_spec(lane, tmp_path, scheduled_at=scheduled, block_id="b-threads")
+    first = make_spec(lane, tmp_path, scheduled_at=time.time(), block_id="b-threads")
     second = type(first)(**{**first.__dict__, "arm_index": 1, "order": 1})
-    for receipt in run_pair((first, second), cpus=1):
+    with ExitStack() as held:  # every CPU slot of the node taken, as by other blocks' pairs
+        for cpu in os.sched_getaffinity(0):
+            SLOT_DIR.mkdir(parents=True, exist_ok=True)
+            fcntl.flock(held.enter_context(open(SLOT_DIR / f"cpu{cpu}.lock", "w")), fcntl.LOCK_EX)
+        unpinned = run_pair((first, second), cpus=1)
+    assert [r.observed.hardware["pinned_cpus"] for r in unpinned] == [None, None]
+    pinned = run_pair((type(first)(**{**first.__dict__, "block_id": "b-pinned"}),
+                       type(second)(**{**second.__dict__, "block_id": "b-pinned"})), cpus=1)
+    alone = run_arm(type(first)(**{**first.__dict__, "block_id": "b-alone"}), resources_per_worker={"CPU": 1.0})
+    for receipt in (*unpinned, *pinned, alone):
         hardware = receipt.observed.hardware
-        assert receipt.identity.pairing == "interleaved" and receipt.env["OMP_NUM_THREADS"] == "2"
-        assert hardware["pinned_cpus"] == 1 and hardware["torch_threads"] == 1, hardware
+        assert receipt.identity.status is Status.valid and receipt.env["OMP_NUM_THREADS"] == "2"
+        assert hardware["torch_threads"] == 1, (receipt.identity.block_id, hardware)
+    fingerprints = {r.identity.hardware_fingerprint for r in (*unpinned, *pinned, alone)}
+    assert fingerprints == {alone.identity.hardware_fingerprint}
