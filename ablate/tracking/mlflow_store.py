@@ -405,10 +405,16 @@ class TrackingClient:
         self.save_accepted()
 
 
+def _still_sampling(monitor: Any) -> bool:
+    thread = getattr(monitor, "_process", None)
+    return thread is not None and thread.is_alive()
+
+
 def _log_last_window(monitor: Any) -> None:
     """Log the samples MLflow's sampler took in the window a stop cut short (its thread has ended). It logs a window
     only once its interval (5 s) has passed, so a sweep shorter than that had no system metrics at all (found when
-    the smoke test's 5 s sweep, on a faster machine, left none)."""
+    the smoke test's 5 s sweep, on a faster machine, left none). Its first CPU figure is psutil's first reading in
+    that thread (0.0), as the first point of every MLflow run's system metrics is."""
     metrics = monitor.aggregate_metrics()
     if metrics:
         monitor.publish_metrics(metrics)
@@ -435,6 +441,7 @@ class MlflowStore:
         search again for each arm."""
         self.sweep_id: Optional[str] = None
         self._monitor: Any = None
+        self._first_step: Optional[int] = None
         self._monitor_lock = threading.Lock()
         self._monitor_closed = False
         """Set by ``stop_monitor``: an opening still running on the sweep's writer thread starts none after it."""
@@ -486,6 +493,7 @@ class MlflowStore:
 
                 self._monitor = SystemMetricsMonitor(self.parent_run_id, sampling_interval=5,
                                                      tracking_uri=self.tracking_uri)
+                self._first_step = getattr(self._monitor, "_logging_step", None)
                 self._monitor.start()
             except Exception as exc:  # noqa: BLE001 - optional telemetry
                 log.info("MLflow system metrics unavailable: %s", exc)
@@ -524,8 +532,14 @@ class MlflowStore:
             monitor, self._monitor = self._monitor, None
         if monitor is not None:
             try:
+                # Only a sampler that has logged nothing yet, still samples (it ends on its own when the store
+                # fails) and has nothing queued (a failed write MLflow's stop retries): else the window is
+                # MLflow's, and logging it here could log one step twice or retry a store that is down.
+                short = self.online and _still_sampling(monitor) and not monitor.mlflow_logger.data and \
+                    getattr(monitor, "_logging_step", None) == self._first_step
                 monitor.finish()
-                _log_last_window(monitor)
+                if short:
+                    _log_last_window(monitor)
             except Exception as exc:  # noqa: BLE001 - optional telemetry; a full disk must not end the sweep here
                 log.info("MLflow system metrics did not stop cleanly: %s", exc)
 
