@@ -8,11 +8,11 @@ for smoke.yaml's own ``blocks``/``aa_blocks``). Appends one record to ``benchmar
 The campaign is ``search_spaces/smoke.yaml``'s lane and budget (what ``scripts/smoke.sh`` runs), trimmed to what
 055c5b2 can read: no ``horizon_steps`` (it only changes the projection, not what runs), no bundle blocks (not in
 055c5b2), and no ``recurrent_scan`` (inert on this pattern, refused before any arm runs); ``blocks``/``aa_blocks``
-set by ``--blocks``/``--aa-blocks`` so a repeat takes minutes. Each run is ``python -m ablate sweep <campaign> --no-progress`` in a
-fresh directory (local Ray, MLflow in that directory's sqlite store) with the tree's own code on ``PYTHONPATH``;
-the old tree is a ``git archive`` of 055c5b2 in a temporary directory. Figure: arms (receipts written) per minute of
-the command's wall time, Ray start and MLflow flush included, as a user waits for it. Criterion: median over the
-repeats, new / old (target, issue 14: >= 2x).
+set by ``--blocks``/``--aa-blocks`` so a repeat takes minutes. Each run is ``python -m ablate sweep <campaign>
+--no-progress`` in a fresh directory (local Ray, MLflow in that directory's sqlite store) with the tree's own code on
+``PYTHONPATH``; the old tree is a ``git archive`` of 055c5b2 in a temporary directory. Figure: arms (receipts
+written) per minute of the command's wall time, Ray start and MLflow flush included, as a user waits for it.
+Criterion: median over the repeats, new / old (target, issue 14: >= 2x).
 
 The compute floor, from the receipts: every step of every arm runs on one core (one torch thread per arm), so no
 scheduler finishes a run faster than ``step_floor_s`` = the sum of all arms' step times / the host's cores. Both

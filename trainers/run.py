@@ -167,7 +167,7 @@ def _allotment(cpus: Optional[float]) -> dict[str, str]:
 
 def _run_subprocess(spec: ArmSpec, work: Path, max_failures: int, timeout_s: Optional[float],
                     launch: LaunchInfo, fork_server: bool = True,
-                    allotment: Optional[dict[str, str]] = None) -> Optional[WorkerResult]:
+                    allotted_cpus: Optional[float] = None) -> Optional[WorkerResult]:
     spec_path = work / "spec.json"
     spec_path.write_text(spec.to_json())
     result: Optional[WorkerResult] = None
@@ -179,7 +179,7 @@ def _run_subprocess(spec: ArmSpec, work: Path, max_failures: int, timeout_s: Opt
         with log_path.open("w") as log:
             proc, launch.process = _start_worker(_worker_argv(spec_path, result_path, spec.attempt + index), work,
                                                  log, code=launch.code_fingerprint, fork_server=fork_server,
-                                                 **_private_caches(work, restart=index), **(allotment or {}))
+                                                 **_private_caches(work, restart=index), **_allotment(allotted_cpus))
             code = _wait(proc, timeout_s)
         result = _worker_outcome(spec, launch, result_path, log_path, code, spec.attempt + index, timeout_s)
         if result is not None:
@@ -631,7 +631,7 @@ def run_arm(spec: ArmSpec, *, max_failures: int = 0, node_id: Optional[str] = "c
     try:
         if executor == "subprocess":
             result = _run_subprocess(worker_spec, work, max_failures, timeout_s, launch, fork_server,
-                                     _allotment((resources_per_worker or {}).get("CPU")))
+                                     (resources_per_worker or {}).get("CPU"))
         else:
             launch.process = Prepared("ray_train_worker").to_dict()
             if node_id == "current":

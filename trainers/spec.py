@@ -20,6 +20,7 @@ ALLOTTED_CPUS_ENV = "ABLATE_ARM_CPUS"
 it, whether or not its pair got a slot to be pinned to, so every block of a sweep runs, and fingerprints, the same
 thread count (``trainers.loop._threads``)."""
 
+
 @dataclass
 class ArmSpec:
     lane: LaneConfig
