@@ -56,7 +56,6 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -698,12 +697,11 @@ def load_receipts_from_mlflow(tracking_uri: Optional[str], experiment: str, swee
     (default: see ``ui_base``). ``run_labels``, when given, is filled with receipt id -> {"arm": arm run name,
     "block": block run name, "block_url": block run link} (block keys only for arms nested in a block run)."""
     uri = resolve_tracking_uri(tracking_uri)
-    # A missing SQLite file would be created empty by MLflow: a reader must say "no store here" instead. The check
-    # reads every page of the file (~1 s for 10,000 runs) in SQLite, outside the GIL: it runs while MLflow imports.
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        checked = pool.submit(check_sqlite_store, uri, must_exist=True)
-        from mlflow import MlflowClient
-        checked.result()
+    # A missing SQLite file would be created empty by MLflow: a reader must say "no store here" instead. A reader
+    # checks the header only; a damaged page it reaches is one line too (store_failure, below).
+    check_sqlite_store(uri, must_exist=True, every_page=False)
+    from mlflow import MlflowClient
+
     receipts: dict[str, Receipt] = {}
     rejected: list[tuple[str, str]] = []
     links: dict[str, str] = {}

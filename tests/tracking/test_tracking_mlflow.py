@@ -596,9 +596,27 @@ def test_sync_reports_a_receipt_edited_after_it_was_logged_instead_of_already_th
     assert "does not match its digest" in rejected[0][1]
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def _damage_tags_root_page(db: Path) -> None:
+    """Garbage over the root page of MLflow's ``tags`` table, the header and the file's size left as they were:
+    damage only a read that reaches the run tags (every run search does) or a check of every page finds."""
+    import os
+    import sqlite3
+
+    with sqlite3.connect(db) as connection:
+        root = connection.execute("SELECT rootpage FROM sqlite_master WHERE name = 'tags'").fetchone()[0]
+        page_size = connection.execute("PRAGMA page_size").fetchone()[0]
+    connection.close()
+    assert root > 1
+    with open(db, "r+b") as handle:
+        handle.seek((root - 1) * page_size)
+        handle.write(os.urandom(page_size))
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "interior"])
 def test_a_damaged_mlflow_db_is_one_error_line_naming_it(damage: str, tmp_path: Path) -> None:
-    """Before the fix `receipts list` and `promote` on a damaged mlflow.db ended in a sqlalchemy traceback."""
+    """Before the fix `receipts list` and `promote` on a damaged mlflow.db ended in a sqlalchemy traceback. A
+    reader checks the header only (``check_sqlite_store(every_page=False)``): a truncated file is found there, a
+    damaged page inside when the read reaches it; a sweep and a sync check every page before they write."""
     import os
 
     from typer.testing import CliRunner
@@ -608,7 +626,14 @@ def test_a_damaged_mlflow_db_is_one_error_line_naming_it(damage: str, tmp_path: 
     uri = fresh_mlflow_uri(tmp_path)
     db = tmp_path / "mlflow.db"
     data = db.read_bytes()
-    db.write_bytes(os.urandom(len(data)) if damage == "garbage" else data[: len(data) // 3])
+    if damage == "interior":  # a store with runs, so a reader searches them (an empty one has nothing to read)
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=uri)
+        client.create_run(client.create_experiment("ablate"), tags={"ablate.role": "sweep"})
+        _damage_tags_root_page(db)
+    else:
+        db.write_bytes(os.urandom(len(data)) if damage == "garbage" else data[: len(data) // 3])
     campaign = tiny_smoke(tmp_path / "campaign", name="damaged")
     (tmp_path / "runs" / "damaged").mkdir(parents=True)
     runner = CliRunner()
@@ -621,6 +646,43 @@ def test_a_damaged_mlflow_db_is_one_error_line_naming_it(damage: str, tmp_path: 
         assert str(db) in stderr and "receipts sync" in stderr, stderr
         assert "Traceback" not in out.output and "sqlalchemy" not in out.output.lower()
     assert not (tmp_path / "runs" / "damaged" / "sweeps").exists(), "the sweep was refused before it started"
+
+
+def test_a_reader_checks_the_store_header_and_a_writer_every_page(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading every page of a 10,000-receipt store (460 MB) cost a promotion 2 s with a cold page cache: a reader
+    checks the header (SQLite does, on the first read), a writer every page."""
+    import sqlite3
+
+    from ablate.tracking import uri as uri_module
+    from ablate.tracking.uri import TrackingStoreError, check_sqlite_store
+
+    uri = fresh_mlflow_uri(tmp_path)
+    db = tmp_path / "mlflow.db"
+    statements: list[str] = []
+    connect = sqlite3.connect
+
+    def traced(*args, **kwargs):
+        connection = connect(*args, **kwargs)
+        connection.set_trace_callback(statements.append)
+        return connection
+
+    monkeypatch.setattr(sqlite3, "connect", traced)
+    check_sqlite_store(uri, must_exist=True, every_page=False)
+    assert statements and not any("quick_check" in s for s in statements), statements
+    check_sqlite_store(uri)
+    assert any("quick_check" in s for s in statements), "a writer checks every page"
+    monkeypatch.setattr(uri_module, "_QUICK_CHECK_MAX_BYTES", 1)  # a store above the bound: header only
+    statements.clear()
+    check_sqlite_store(uri)
+    assert not any("quick_check" in s for s in statements), statements
+
+    # A file shorter than the page count its header states: SQLite refuses it on the first read, no page read.
+    db.write_bytes(db.read_bytes()[:-4096])
+    statements.clear()
+    with pytest.raises(TrackingStoreError, match="is damaged"):
+        check_sqlite_store(uri, must_exist=True, every_page=False)
+    assert not any("quick_check" in s for s in statements), statements
 
 
 def test_promote_from_a_missing_sqlite_store_is_an_error_and_creates_nothing(tmp_path: Path) -> None:
