@@ -251,13 +251,16 @@ def _held_values(entry: Mapping[str, Any], shape: str) -> set[str]:
 def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mapping[str, Any], policy: Policy, *,
                  report_id: str, campaign: str, date: str, held: frozenset[str] | set[str] = frozenset(),
                  bundles: Iterable[BundleCheck] = (),
-                 measured_lanes: Mapping[str, Mapping[str, Any]] = {}) -> list[DefaultsChange]:
+                 measured_lanes: Mapping[str, Mapping[str, Any]] = {},
+                 unselected_lanes: Mapping[str, Iterable[str]] = {}) -> list[DefaultsChange]:
     """One change per promoted feature: a global flip, or lane overrides (see the module docstring). Tests in
     ``held`` (their lane's bundle check did not pass, ``ablate.promote.bundle``) are measured lanes that do not
     promote, so they are neither written nor counted towards a global flip. A change whose value would run
     together with another new value on some lane, a set no passed bundle check (of ``bundles``) measured, is held
     (``DefaultsChange.held``) under ``bundle.required``. ``measured_lanes`` (lane key -> the lane as its receipts
-    record it) finds promoting lanes the file has since moved on from (``measured_before``)."""
+    record it) finds promoting lanes the file has since moved on from (``measured_before``). ``unselected_lanes``
+    (feature -> lane keys): lanes whose speed arms of the feature a ``--sweep`` selection left out, never judged
+    here; a feature one of them measured outside the judged lanes is not flipped globally."""
     globals_ = _global_values(defaults)
     by_feature: dict[str, list[FeatureVerdict]] = defaultdict(list)
     for v in verdicts:
@@ -289,6 +292,14 @@ def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mappin
             not_global.append("rejected in another lane")
         if policy.scope.global_requires_all_lanes and {v.lane_key for v in promoted} != {v.lane_key for v in tests}:
             not_global.append("not every measured lane promoted it")
+        # A lane judged nowhere may have rejected it: a --sweep of one lane's rounds flipped the global default that
+        # a lane left out of the selection rejects (found while reviewing the left-alone list).
+        unjudged = sorted(set(unselected_lanes.get(feature, ())) - {v.lane_key for v in tests})
+        if unjudged:
+            not_global.append(f"the --sweep selection left out {len(unjudged)} lane(s) that measured it "
+                              f"({', '.join(key[:12] for key in unjudged[:3])}{', ...' if len(unjudged) > 3 else ''}): "
+                              f"a global default is decided on every lane's evidence; promote without --sweep to "
+                              f"judge them")
         # A win that holds only below some run length (cheaper to start, slower per step) is the measured lanes'
         # at their horizon: a global default also runs the longer jobs it loses on (found by review helper 2: a
         # lane measured at 200 steps flipped the global default to a value 2% slower per step).

@@ -202,6 +202,15 @@ def _left_out_arms(left_out: Iterable[Receipt], blocks: list[Block]) -> list[Unr
     return arms
 
 
+def _lanes_by_feature(receipts: Iterable[Receipt]) -> dict[str, set[str]]:
+    """Feature -> the lane keys of its speed arms among ``receipts``."""
+    lanes: dict[str, set[str]] = defaultdict(set)
+    for receipt in receipts:
+        if receipt.identity.feature and receipt.identity.kind == "speed":
+            lanes[receipt.identity.feature].add(receipt.identity.lane_key)
+    return lanes
+
+
 _SAFETY_FACTS = ("failures", "fisher_p", "failure_hosts", "refused_failures", "refused_failure_blocks",
                  "gated_disqualifiers", "gated_arms", "counter_violations")
 """What a verdict judged as it stopped still takes from every block: bad news about the feature (a crash, a gated
@@ -268,6 +277,7 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     readable receipts a ``--sweep`` selection did not keep; a test with arms among them holds."""
     policy = policy_path if isinstance(policy_path, Policy) else load_policy(policy_path)
     now = now or datetime.now(timezone.utc)
+    left_out = list(left_out)  # read twice: its unread arms, and its lanes (plan_changes)
     valid, invalid = _validated(receipts)
     # Read before it is parsed: a file changed in between is then one that write_defaults refuses to write over. A
     # file that cannot be read is load_defaults' to refuse, naming it (a ConfigError, not a raw OSError).
@@ -313,7 +323,8 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     bundles = check_bundles(measured, bundle_blocks, policy, unread, refusals, windows, blocks + bundle_blocks)
     changes = plan_changes(measured, defaults, policy, report_id=report_id,
                            campaign="+".join(campaigns), date=date, held=held_keys(bundles, policy), bundles=bundles,
-                           measured_lanes={key: state.lane for key, state in lanes.items()})
+                           measured_lanes={key: state.lane for key, state in lanes.items()},
+                           unselected_lanes=_lanes_by_feature(left_out))
     lane_summaries = [LaneSummary(lane_key=k, software_fingerprint=s.current_fingerprint,
                                   fingerprints=s.fingerprints, hosts=s.hosts, calibration=calibrations[k],
                                   lane=s.lane, **_lane_facts([b for b in blocks if b.lane_key == k]))

@@ -387,8 +387,11 @@ def _defaults_diff(result: PromotionResult) -> list[str]:
             # From the overrides the writer writes, not the evidence: where a shape's lanes disagree the
             # promoting lane's value is recorded as evidence and runs nowhere.
             values = ", ".join(sorted({str(v) for v in c.overrides.values()}))
-            new = (f"{_c(c.old)} (lane override: {_c(values)})" if c.overrides else
-                   "no change (evidence only): " + "; ".join(_t(why) for why in c.not_global))
+            why_not_global = "; ".join(_t(why) for why in c.not_global)
+            # The reviewer's first question about a lane override: why it is not the global default.
+            new = (f"{_c(c.old)} (lane override: {_c(values)})" + (f"; not global: {why_not_global}"
+                                                                    if why_not_global else "")
+                   if c.overrides else "no change (evidence only): " + why_not_global)
             rows.append([_c(c.feature), _c(c.old), new, "lane", lanes])
         runs = c.old if c.new is None else c.new
         for shape, (before, after) in c.override_edits.items():

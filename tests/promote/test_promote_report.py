@@ -143,5 +143,8 @@ def test_diff_and_title_claim_only_the_overrides_that_are_written(policy: Policy
     other_shape = simulate(Sim(features=[moe(1.0)], lane=base_lane(**{"batch.seq_len": 128}), block_prefix="B-",
                                **loud), 1)
     alone = promote(promoting + other_shape, policy_path=policy, defaults_path=DEFAULTS)
-    assert "| `padded` | `padded` (lane override: `jagged`) | lane |" in diff_row(alone)
+    row = diff_row(alone)
+    assert "| `padded` | `padded` (lane override: `jagged`); not global: " in row and "| lane |" in row
+    [change] = alone.changes
+    assert change.not_global and all(why.replace("'", "") in row.replace("'", "") for why in change.not_global)
     assert _title(alone) == "promote: moe_dispatch=jagged (lane) (sim)"

@@ -230,6 +230,36 @@ def test_a_sweep_selection_never_chooses_a_reject_either(policy: Policy) -> None
     assert "--sweep selection left out" in next(c.detail for c in v.clauses if c.name == "win_possible")
 
 
+def test_a_sweep_selection_never_flips_a_global_default_a_lane_left_out_of_it_measured(policy: Policy) -> None:
+    # Lane A's rounds promote jagged; lane B's, in the same store, reject it. `promote --sweep <lane A's>` judged
+    # lane A alone and flipped the global default that lane B rejects: a global flip needs every lane's evidence.
+    from promote_sim import base_lane
+
+    lane_a = simulate(Sim(features=[moe(1.10)], campaign="lane-a", **QUIET), 0)
+    lane_b = simulate(Sim(features=[moe(0.90)], campaign="lane-b", lane=base_lane(**{"model.seq_len": 256}),
+                          block_prefix="B", **QUIET), 1)
+    lane_b_key = lane_b[0].identity.lane_key
+    assert lane_b_key != lane_a[0].identity.lane_key
+    both = promote(lane_a + lane_b, policy_path=policy, defaults_path=DEFAULTS)
+    assert sorted(v.verdict for v in both.verdicts) == ["PROMOTE", "REJECT"], "the premise"
+    (change,) = both.changes
+    assert change.scope == "lane" and "rejected in another lane" in change.not_global
+
+    selected = promote(lane_a, policy_path=policy, defaults_path=DEFAULTS, left_out=iter(lane_b))
+    assert [v.verdict for v in selected.verdicts] == ["PROMOTE"], "lane A is judged on all of its own evidence"
+    (change,) = selected.changes
+    assert change.scope == "lane" and change.new is None and change.lanes == [lane_a[0].identity.lane_key]
+    (why,) = change.not_global
+    assert "--sweep selection left out 1 lane(s)" in why and lane_b_key[:12] in why
+    assert "left out 1 lane(s)" in selected.markdown
+
+    # Only lanes that measured the feature count: lane B measuring another feature leaves lane A's flip global.
+    other = simulate(Sim(features=[FeatureTruth("mamba_scan", "chunked", "sequential", 0.90)], campaign="lane-b",
+                         lane=base_lane(**{"model.seq_len": 256}), block_prefix="B", **QUIET), 1)
+    (change,) = promote(lane_a, policy_path=policy, defaults_path=DEFAULTS, left_out=other).changes
+    assert change.scope == "global" and change.new == "jagged" and not change.not_global
+
+
 def test_a_deleted_unobserved_crash_of_superseded_software_holds_nothing_now(policy: Policy) -> None:
     # Its own fingerprint hashes no hardware; its block partner, read, says which software it ran: the old one.
     import copy
