@@ -29,6 +29,11 @@ commit (``git archive HEAD``: one ``receipt.json`` download per receipt) on a on
 (~1,300 receipts; the other runs marked deleted in a copy of the database) next to this tree's CLI on the same
 subset, and extrapolates the previous path to the full store.
 
+``--page-cache cold`` drops the kernel's page cache before every CLI run (root only): the store and the installed
+packages are read from disk, as in a promotion hours after the store was written. ``--against REV`` times the CLI
+of commit REV in every round too, interleaved with this tree's (keys ``<store>/<cache>@REV``), and records this
+tree's median over REV's per key.
+
 ``--call-sites`` times the CLI of a copy of this tree with the two proposed call sites of
 ``ablate.tracking.receipt_bundle`` applied (``_patched_tree``: the reader in ``load_receipts_from_mlflow``; the
 writer is what ``store_10k.add_bundles`` ran once on the cached store), since this worktree does not edit
@@ -70,6 +75,7 @@ TARGETS_S = {"sqlite": 10.0, "server": 20.0}
 ABLATE = Path(sys.executable).parent / "ablate"
 SUBSET_LANE = "L0-"
 QUIET_FLAG = Path("/tmp/cpu-quiet")
+DROP_CACHES = "/proc/sys/vm/drop_caches"
 
 
 @contextlib.contextmanager
@@ -86,6 +92,12 @@ def quiet_window(enabled: bool) -> Iterator[None]:
         yield
     finally:
         QUIET_FLAG.unlink(missing_ok=True)
+
+
+def _drop_page_cache() -> None:
+    """Written pages first (``sync``), then the clean ones dropped: the next run reads what it needs from disk."""
+    os.sync()
+    Path(DROP_CACHES).write_text("3\n")
 
 
 def _git_commit() -> str:
@@ -251,10 +263,10 @@ def _writers_cache(directory: Path) -> tuple[Optional[Path], str]:
     return cache, f"{current}: {keys} keys for {receipts} receipts"
 
 
-def _previous_tree(tmp: Path) -> Path:
-    tree = tmp / "previous"
+def _previous_tree(tmp: Path, revision: str = "HEAD", name: str = "previous") -> Path:
+    tree = tmp / name
     tree.mkdir()
-    archive = subprocess.run(["git", "archive", "HEAD", "ablate", "kernels", "trainers", "search_spaces"], cwd=REPO,
+    archive = subprocess.run(["git", "archive", revision, "ablate", "kernels", "trainers", "search_spaces"], cwd=REPO,
                              capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
     return tree
@@ -281,9 +293,19 @@ def main() -> None:
                              "each starts from a copy of what the store's writers remembered (the first promotion "
                              "after a sweep); warm: runs share a cache primed by one untimed run (a promotion over "
                              "receipts already read once); both: cold and warm; all: the three, interleaved")
+    parser.add_argument("--page-cache", choices=("warm", "cold"), default="warm",
+                        help="cold: the kernel's page cache is dropped before every CLI run (root only), so the "
+                             "store's pages and the installed packages are read from disk, as in a promotion hours "
+                             "after the store was written; warm: as the previous runs left it")
+    parser.add_argument("--against", default=None, metavar="REV",
+                        help="also time the CLI of commit REV (git archive) in every round, interleaved with this "
+                             "tree's runs: its keys end in @REV")
     parser.add_argument("--call-sites", action="store_true",
                         help="time a copy of this tree with the receipt-bundle call sites applied")
     args = parser.parse_args()
+    if args.page_cache == "cold" and not os.access(DROP_CACHES, os.W_OK):
+        raise SystemExit(f"--page-cache cold: {DROP_CACHES} is not writable here (root only); allowed: --page-cache "
+                         f"warm")
     os.environ[CACHE_ENV] = OFF  # the in-process parts (--profile) check every receipt; CLI runs choose per run
 
     directory = args.store or store_10k.populate(args.receipts)
@@ -301,11 +323,16 @@ def main() -> None:
                               else "this tree", "criterion": f"median of {args.repeat} CLI runs per store kind, "
                                                              f"interleaved", "cpu_count": os.cpu_count(),
                               # The CLI splits checking, analysis and plots over this many processes (ablate.parallel).
-                              "cli_processes": usable_processes()}
+                              "cli_processes": usable_processes(), "page_cache": args.page_cache}
     with tempfile.TemporaryDirectory(prefix="ablate-bench-store-") as tmp_name:
         tmp = Path(tmp_name)
         server, uris["server"] = start_mlflow_server(server_db, directory / "mlartifacts", tmp / "server.log")
         tree = _patched_tree(tmp) if args.call_sites else None
+        trees: dict[str, Optional[Path]] = {"": tree}
+        if args.against:
+            trees[f"@{args.against}"] = _previous_tree(tmp, args.against, "against")
+            record["against"] = subprocess.run(["git", "rev-parse", args.against], cwd=REPO, capture_output=True,
+                                               text=True, check=True).stdout.strip()
         try:
             states = {"both": ("cold", "warm"), "all": ("cold", "sweep", "warm")}.get(args.cache, (args.cache,))
             sweep_cache, record["sweep_cache"] = _writers_cache(directory)
@@ -319,7 +346,8 @@ def main() -> None:
                                                   cache_dir=warm_cache)
                 print(f"  priming the warm cache (untimed in the medians): {record['warm_priming']['seconds']:.2f} s",
                       flush=True)
-            runs: dict[str, list[dict[str, Any]]] = {f"{kind}/{state}": [] for kind in uris for state in states}
+            runs: dict[str, list[dict[str, Any]]] = {f"{kind}/{state}{label}": [] for kind in uris
+                                                     for state in states for label in trees}
             for i in range(args.repeat):  # interleaved: drift on a shared host hits every variant alike
                 if i:
                     time.sleep(args.pause)  # the other tenants' turn between quiet windows
@@ -327,24 +355,37 @@ def main() -> None:
                     # Each round starts the order one state later: the run after a cold one (its forked
                     # children exiting, the page cache it filled) is not always the same state's.
                     order = states[i % len(states):] + states[:i % len(states)]
-                    for kind, uri in uris.items():
-                        for state in order:
-                            key = f"{kind}/{state}"
-                            out = tmp / f"{kind}-{state}-{i}"
-                            out.mkdir()
-                            cache = warm_cache if state == "warm" else tmp / f"cache-{state}-{kind}-{i}"
-                            if state == "sweep":  # each run its own copy: a run adds what it checked in full
-                                shutil.copytree(sweep_cache, cache)
-                            runs[key].append({**time_cli(uri, out, pythonpath=tree, cache_dir=cache),
-                                              "cache": state, "threads": threading.active_count()})
-                            print(f"  {key:12s} run {i + 1}: {runs[key][-1]['seconds']:.2f} s "
-                                  f"({runs[key][-1]['receipts']} receipts, load {runs[key][-1]['loadavg_before']})",
-                                  flush=True)
+                    labels = list(trees) if i % 2 == 0 else list(trees)[::-1]
+                    for kind, uri, state, label in [(k, u, st, lb) for k, u in uris.items() for st in order
+                                                    for lb in labels]:
+                        key = f"{kind}/{state}{label}"
+                        out = tmp / f"{kind}-{state}-{i}{label}"
+                        out.mkdir()
+                        cache = tmp / f"cache-{state}-{kind}-{i}{label}"
+                        if state == "warm":  # one per tree: another commit's checking code remembers apart
+                            cache = tmp / f"cache-warm{label}" if label else warm_cache
+                            if label and not cache.exists():  # primed once, untimed, like this tree's
+                                (tmp / f"priming{label}").mkdir()
+                                time_cli(uris["sqlite"], tmp / f"priming{label}", pythonpath=trees[label],
+                                         cache_dir=cache)
+                        if state == "sweep":  # each run its own copy: a run adds what it checked in full
+                            shutil.copytree(sweep_cache, cache)
+                        if args.page_cache == "cold":
+                            _drop_page_cache()
+                        runs[key].append({**time_cli(uri, out, pythonpath=trees[label], cache_dir=cache),
+                                          "cache": state, "threads": threading.active_count()})
+                        print(f"  {key:20s} run {i + 1}: {runs[key][-1]['seconds']:.2f} s "
+                              f"({runs[key][-1]['receipts']} receipts, load {runs[key][-1]['loadavg_before']})",
+                              flush=True)
             if args.repeat:
                 record["runs"] = runs
                 record["medians_s"] = {key: _median([r["seconds"] for r in rs]) for key, rs in runs.items()}
                 record["targets_met"] = {key: record["medians_s"][key] <= TARGETS_S[key.split("/")[0]]
                                          for key in runs}
+                if args.against:  # this tree's median over REV's, per store and cache state
+                    record["ratio_to_against"] = {
+                        key: round(record["medians_s"][key] / record["medians_s"][f"{key}@{args.against}"], 3)
+                        for key in runs if "@" not in key}
             record["writer_check_ms"] = _writer_check_ms()
             print(f"  writer's check per logged payload: {record['writer_check_ms']['median_ms']} ms of CPU",
                   flush=True)
@@ -398,11 +439,15 @@ def _print(record: dict[str, Any]) -> None:
     print(f"\nablate promote via the CLI, {receipts} receipts, commit {record['git_commit'][:12]}, host load "
           f"{record['host_start']['loadavg']} -> {record['host_end']['loadavg']}, {record['host_start']['cpu_count']} "
           f"CPUs, {record['host_start']['threads']} thread(s) in the benchmark")
-    print(f"{'store/cache':14s} {'runs (s)':32s} {'median':>8s} {'target':>8s}  met")
+    print(f"page cache: {record.get('page_cache', 'warm')}" + (f"; against {record['against'][:12]}"
+                                                                  if record.get("against") else ""))
+    print(f"{'store/cache':22s} {'runs (s)':32s} {'median':>8s} {'target':>8s}  met")
     for key, rows in record.get("runs", {}).items():
         times = ", ".join(f"{r['seconds']:.2f}" for r in rows)
-        print(f"{key:14s} {times:32s} {record['medians_s'][key]:8.2f} {TARGETS_S[key.split('/')[0]]:8.1f}  "
+        print(f"{key:22s} {times:32s} {record['medians_s'][key]:8.2f} {TARGETS_S[key.split('/')[0]]:8.1f}  "
               f"{'yes' if record['targets_met'][key] else 'NO'}")
+    for key, ratio in record.get("ratio_to_against", {}).items():
+        print(f"{key}: this tree / {record['against'][:12]} = {ratio:.3f} (medians)")
     for kind, parts in record.get("profile", {}).items():
         print(f"profile {kind}: " + ", ".join(f"{k}={v}" for k, v in parts.items()))
     previous = record.get("previous")
