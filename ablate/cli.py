@@ -402,10 +402,14 @@ def promote(
                             + (f" ({len(rejected)} rejected: {redact_text(str(rejected[0][1]))})" if rejected
                                else "")))
     from ablate.tracking.mlflow_store import not_run_from_dir, not_run_from_mlflow
+    from ablate.tracking.uri import TrackingStoreError
 
     sweeps = {r.identity.sweep_id for r in receipts}
-    not_run = (not_run_from_dir(source) if source is not None else
-               not_run_from_mlflow(default_tracking_uri(tracking_uri), experiment))
+    try:
+        not_run = (not_run_from_dir(source) if source is not None else
+                   not_run_from_mlflow(default_tracking_uri(tracking_uri), experiment))
+    except TrackingStoreError as exc:  # the store failed after its receipts were read
+        _fail(markup_escape(str(exc)))
     try:
         result = promotion.promote(receipts, policy_path=policy, defaults_path=defaults, rejected=rejected,
                                    run_links=links, not_run=[n for n in not_run if n["sweep_id"] in sweeps],

@@ -31,8 +31,11 @@ subset, and extrapolates the previous path to the full store.
 
 ``--page-cache cold`` drops the kernel's page cache before every CLI run (root only): the store and the installed
 packages are read from disk, as in a promotion hours after the store was written. ``--against REV`` times the CLI
-of commit REV in every round too, interleaved with this tree's (keys ``<store>/<cache>@REV``), and records this
-tree's median over REV's per key.
+of commit REV in every round too, interleaved with this tree's (keys ``<store>/<cache>@<short hash>``; which tree
+goes first alternates by round, so give an even ``--repeat``), and records this tree's median over REV's per key.
+Its ``sweep`` runs copy the cache this tree's checking code matches: a REV with other checking code checks every
+receipt there (a cold run by another name). The MLflow server of the ``server`` runs is started once: ``cold``
+empties the kernel's cache, not the server's own.
 
 ``--call-sites`` times the CLI of a copy of this tree with the two proposed call sites of
 ``ablate.tracking.receipt_bundle`` applied (``_patched_tree``: the reader in ``load_receipts_from_mlflow``; the
@@ -330,9 +333,10 @@ def main() -> None:
         tree = _patched_tree(tmp) if args.call_sites else None
         trees: dict[str, Optional[Path]] = {"": tree}
         if args.against:
-            trees[f"@{args.against}"] = _previous_tree(tmp, args.against, "against")
             record["against"] = subprocess.run(["git", "rev-parse", args.against], cwd=REPO, capture_output=True,
                                                text=True, check=True).stdout.strip()
+            # The label names run directories too: the short hash, never a ref with a slash in it.
+            trees[f"@{record['against'][:7]}"] = _previous_tree(tmp, record["against"], "against")
         try:
             states = {"both": ("cold", "warm"), "all": ("cold", "sweep", "warm")}.get(args.cache, (args.cache,))
             sweep_cache, record["sweep_cache"] = _writers_cache(directory)
@@ -346,6 +350,10 @@ def main() -> None:
                                                   cache_dir=warm_cache)
                 print(f"  priming the warm cache (untimed in the medians): {record['warm_priming']['seconds']:.2f} s",
                       flush=True)
+            for label in [label for label in trees if label and "warm" in states and args.repeat]:
+                (tmp / f"priming{label}").mkdir()  # REV's own warm cache: its checking code remembers apart
+                time_cli(uris["sqlite"], tmp / f"priming{label}", pythonpath=trees[label],
+                         cache_dir=tmp / f"cache-warm{label}")
             runs: dict[str, list[dict[str, Any]]] = {f"{kind}/{state}{label}": [] for kind in uris
                                                      for state in states for label in trees}
             for i in range(args.repeat):  # interleaved: drift on a shared host hits every variant alike
@@ -362,12 +370,8 @@ def main() -> None:
                         out = tmp / f"{kind}-{state}-{i}{label}"
                         out.mkdir()
                         cache = tmp / f"cache-{state}-{kind}-{i}{label}"
-                        if state == "warm":  # one per tree: another commit's checking code remembers apart
+                        if state == "warm":  # one per tree, primed before the rounds
                             cache = tmp / f"cache-warm{label}" if label else warm_cache
-                            if label and not cache.exists():  # primed once, untimed, like this tree's
-                                (tmp / f"priming{label}").mkdir()
-                                time_cli(uris["sqlite"], tmp / f"priming{label}", pythonpath=trees[label],
-                                         cache_dir=cache)
                         if state == "sweep":  # each run its own copy: a run adds what it checked in full
                             shutil.copytree(sweep_cache, cache)
                         if args.page_cache == "cold":
@@ -384,7 +388,7 @@ def main() -> None:
                                          for key in runs}
                 if args.against:  # this tree's median over REV's, per store and cache state
                     record["ratio_to_against"] = {
-                        key: round(record["medians_s"][key] / record["medians_s"][f"{key}@{args.against}"], 3)
+                        key: round(record["medians_s"][key] / record["medians_s"][f"{key}@{record['against'][:7]}"], 3)
                         for key in runs if "@" not in key}
             record["writer_check_ms"] = _writer_check_ms()
             print(f"  writer's check per logged payload: {record['writer_check_ms']['median_ms']} ms of CPU",

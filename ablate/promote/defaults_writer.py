@@ -165,8 +165,19 @@ def _global_value(feature: str, globals_: Mapping[str, Any]) -> Any:
     return globals_[feature] if feature in globals_ else reference_value(feature)
 
 
+@dataclass(frozen=True)
+class UnjudgedLane:
+    """A lane with arms of a feature that no test here judged: left out by a ``--sweep`` selection, or unreadable."""
+
+    why: str
+    left_out: bool
+    shape: Optional[str] = None
+    """Its lane shape, when a readable receipt says it (a damaged or deleted arm does not)."""
+
+
 def _shape_overrides(tests: list[FeatureVerdict], promoted: list[FeatureVerdict],
-                     held: frozenset[str] | set[str] = frozenset()) -> tuple[dict[str, Any], list[str]]:
+                     held: frozenset[str] | set[str] = frozenset(),
+                     unjudged: Mapping[str, UnjudgedLane] = {}) -> tuple[dict[str, Any], list[str]]:
     """Lane shape -> override value, for shapes where every measured lane promoted the same value and no
     bundle check held it (failed or unmeasured).
 
@@ -174,7 +185,8 @@ def _shape_overrides(tests: list[FeatureVerdict], promoted: list[FeatureVerdict]
     them all, so it is written only when each of them promoted that value. A sibling lane that held (a tie, a
     failure rate, an unread arm) or rejected it, or measured another value, would otherwise run the value
     through the override while its own verdict says it did not earn it (found in review: a context lane's
-    PROMOTE overrode the defaults lane's HOLD); a lane whose bundle check held the value likewise.
+    PROMOTE overrode the defaults lane's HOLD); a lane whose bundle check held the value likewise, and a lane of
+    the shape with arms of the feature that were not judged here (``unjudged``: left out by ``--sweep``).
     """
     overrides: dict[str, Any] = {}
     conflicts: list[str] = []
@@ -186,11 +198,13 @@ def _shape_overrides(tests: list[FeatureVerdict], promoted: list[FeatureVerdict]
         earned = {v.lane_key for v in siblings if v.verdict == PROMOTE and str(v.value) in values}
         unearned = [v for v in siblings if v.lane_key not in earned]
         withheld = any(v.test_key in held for v in siblings)
-        if len(values) > 1 or rejected or unearned or withheld:
+        unseen = sorted(key for key, lane in unjudged.items() if lane.shape == shape)
+        if len(values) > 1 or rejected or unearned or withheld or unseen:
             conflicts.append(f"no override for {shape}: its lanes " + (
                 "promoted different values" if len(values) > 1 else "also rejected it" if rejected else
                 f"include {unearned[0].lane_key[:12]}, which measured {unearned[0].value!r} with verdict "
-                f"{unearned[0].verdict}" if unearned else "include one whose bundle check held it"))
+                f"{unearned[0].verdict}" if unearned else "include one whose bundle check held it" if withheld else
+                f"include {unseen[0][:12]}, which was not judged here ({unjudged[unseen[0]].why})"))
             continue
         overrides[shape] = next(iter(values.values()))
     return overrides, conflicts
@@ -252,15 +266,17 @@ def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mappin
                  report_id: str, campaign: str, date: str, held: frozenset[str] | set[str] = frozenset(),
                  bundles: Iterable[BundleCheck] = (),
                  measured_lanes: Mapping[str, Mapping[str, Any]] = {},
-                 unselected_lanes: Mapping[str, Iterable[str]] = {}) -> list[DefaultsChange]:
+                 unjudged_lanes: Mapping[str, Mapping[str, UnjudgedLane]] = {}) -> list[DefaultsChange]:
     """One change per promoted feature: a global flip, or lane overrides (see the module docstring). Tests in
     ``held`` (their lane's bundle check did not pass, ``ablate.promote.bundle``) are measured lanes that do not
     promote, so they are neither written nor counted towards a global flip. A change whose value would run
     together with another new value on some lane, a set no passed bundle check (of ``bundles``) measured, is held
     (``DefaultsChange.held``) under ``bundle.required``. ``measured_lanes`` (lane key -> the lane as its receipts
-    record it) finds promoting lanes the file has since moved on from (``measured_before``). ``unselected_lanes``
-    (feature -> lane keys): lanes whose speed arms of the feature a ``--sweep`` selection left out, never judged
-    here; a feature one of them measured outside the judged lanes is not flipped globally."""
+    record it) finds promoting lanes the file has since moved on from (``measured_before``). ``unjudged_lanes``
+    (feature -> lane key -> ``UnjudgedLane``): lanes with arms of the feature that a ``--sweep`` selection left out
+    or that could not be read; one that has no test here blocks the global flip (it may have rejected the value:
+    "no REJECT anywhere" holds whatever ``scope.global_requires_all_lanes`` says) and, where its shape is known,
+    the override of its shape."""
     globals_ = _global_values(defaults)
     by_feature: dict[str, list[FeatureVerdict]] = defaultdict(list)
     for v in verdicts:
@@ -274,6 +290,8 @@ def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mappin
     held = set(held) | set(stale)
     changes = []
     for feature, tests in sorted(by_feature.items()):
+        judged = {v.lane_key for v in tests}  # a stale lane's test was judged too: it is history, not unseen
+        unjudged = {key: lane for key, lane in unjudged_lanes.get(feature, {}).items() if key not in judged}
         current_shapes = {v.lane_shape for v in tests if v.test_key not in stale}
         tests = [v for v in tests if v.test_key not in stale or v.lane_shape not in current_shapes]
         promoted = [v for v in tests if v.verdict == PROMOTE and v.test_key not in held]
@@ -292,14 +310,14 @@ def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mappin
             not_global.append("rejected in another lane")
         if policy.scope.global_requires_all_lanes and {v.lane_key for v in promoted} != {v.lane_key for v in tests}:
             not_global.append("not every measured lane promoted it")
-        # A lane judged nowhere may have rejected it: a --sweep of one lane's rounds flipped the global default that
-        # a lane left out of the selection rejects (found while reviewing the left-alone list).
-        unjudged = sorted(set(unselected_lanes.get(feature, ())) - {v.lane_key for v in tests})
+        # A lane judged nowhere may have rejected it: a --sweep of one lane's rounds, or a lane whose arms could
+        # not be read, flipped the global default that lane rejects (found in review of the left-alone list).
         if unjudged:
-            not_global.append(f"the --sweep selection left out {len(unjudged)} lane(s) that measured it "
-                              f"({', '.join(key[:12] for key in unjudged[:3])}{', ...' if len(unjudged) > 3 else ''}): "
-                              f"a global default is decided on every lane's evidence; promote without --sweep to "
-                              f"judge them")
+            shown = "; ".join(f"{key[:12]}: {lane.why}" for key, lane in sorted(unjudged.items())[:3])
+            not_global.append(f"{len(unjudged)} lane(s) that measured it were not judged here ({shown}"
+                              f"{'; ...' if len(unjudged) > 3 else ''}): a global default is decided on every "
+                              f"lane's evidence" + ("; promote without --sweep to judge them"
+                                                    if any(lane.left_out for lane in unjudged.values()) else ""))
         # A win that holds only below some run length (cheaper to start, slower per step) is the measured lanes'
         # at their horizon: a global default also runs the longer jobs it loses on (found by review helper 2: a
         # lane measured at 200 steps flipped the global default to a value 2% slower per step).
@@ -323,7 +341,7 @@ def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mappin
         scope = "global" if flip else "lane"
         overrides: dict[str, Any] = {}
         if not flip:
-            overrides, conflicts = _shape_overrides(tests, promoted, held)
+            overrides, conflicts = _shape_overrides(tests, promoted, held, unjudged)
             not_global += conflicts
         old = _global_value(feature, globals_)
         changes.append(DefaultsChange(

@@ -34,9 +34,9 @@ from ablate.config.schema import ConfigError
 from ablate.parallel import fork_map
 from ablate.promote.analysis import FeatureVerdict, analyse
 from ablate.promote.bundle import check_bundles, held_keys
-from ablate.promote.defaults_writer import find_revalidations, plan_changes
+from ablate.promote.defaults_writer import UnjudgedLane, find_revalidations, plan_changes
 from ablate.promote.evidence import (Calibration, SweepWindow, TestEvidence, epoch_s, organise, rounds_of_test,
-                                     startup_outliers, sweep_windows)
+                                     shape_key, startup_outliers, sweep_windows)
 from ablate.promote.match import BUNDLE, Block, match_blocks
 from ablate.promote.policy import Policy, load_policy
 from ablate.promote.report import LaneSummary, PromotionResult
@@ -202,13 +202,26 @@ def _left_out_arms(left_out: Iterable[Receipt], blocks: list[Block]) -> list[Unr
     return arms
 
 
-def _lanes_by_feature(receipts: Iterable[Receipt]) -> dict[str, set[str]]:
-    """Feature -> the lane keys of its speed arms among ``receipts``."""
-    lanes: dict[str, set[str]] = defaultdict(set)
-    for receipt in receipts:
-        if receipt.identity.feature and receipt.identity.kind == "speed":
-            lanes[receipt.identity.feature].add(receipt.identity.lane_key)
+def _unjudged_lanes(unread: list[UnreadArm], left_out: list[Receipt], policy: Policy
+                    ) -> dict[str, dict[str, UnjudgedLane]]:
+    """Feature -> lane key -> why the lane's arms of that feature were not read here (``plan_changes`` keeps lanes
+    without a test of the feature from a global flip and, by shape, from an override)."""
+    shapes = {r.identity.receipt_id: shape_key(r.requested.lane, policy) for r in left_out}
+    causes: dict[tuple[str, str], set[str]] = defaultdict(set)
+    lane_shapes: dict[tuple[str, str], str] = {}
+    for arm in unread:
+        if arm.feature:
+            causes[arm.feature, arm.lane_key].add(LEFT_OUT if arm.left_out else "unreadable")
+            if arm.receipt_id in shapes:
+                lane_shapes[arm.feature, arm.lane_key] = shapes[arm.receipt_id]
+    lanes: dict[str, dict[str, UnjudgedLane]] = defaultdict(dict)
+    for (feature, lane_key), why in causes.items():
+        lanes[feature][lane_key] = UnjudgedLane(why=" and ".join(sorted(why)), left_out=LEFT_OUT in why,
+                                                shape=lane_shapes.get((feature, lane_key)))
     return lanes
+
+
+LEFT_OUT = "left out by the --sweep selection"
 
 
 _SAFETY_FACTS = ("failures", "fisher_p", "failure_hosts", "refused_failures", "refused_failure_blocks",
@@ -324,7 +337,7 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     changes = plan_changes(measured, defaults, policy, report_id=report_id,
                            campaign="+".join(campaigns), date=date, held=held_keys(bundles, policy), bundles=bundles,
                            measured_lanes={key: state.lane for key, state in lanes.items()},
-                           unselected_lanes=_lanes_by_feature(left_out))
+                           unjudged_lanes=_unjudged_lanes(unread, left_out, policy))
     lane_summaries = [LaneSummary(lane_key=k, software_fingerprint=s.current_fingerprint,
                                   fingerprints=s.fingerprints, hosts=s.hosts, calibration=calibrations[k],
                                   lane=s.lane, **_lane_facts([b for b in blocks if b.lane_key == k]))

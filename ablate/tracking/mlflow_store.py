@@ -773,10 +773,15 @@ def store_failure(uri: str, exc: BaseException) -> str:
 
 
 def not_run_from_mlflow(tracking_uri: str, experiment: str) -> list[dict[str, str]]:
-    """What every sweep's plan refused before any arm ran, from the parent runs' tag."""
-    client = TrackingClient(tracking_uri, experiment)
+    """What every sweep's plan refused before any arm ran, from the parent runs' tag. A store that fails (a damaged
+    page, a server gone since the receipts were read) is a ``TrackingStoreError`` naming it."""
+    try:
+        client = TrackingClient(tracking_uri, experiment)
+        parents = client.search([f"{_q(TAG + 'role')} = '{ROLE_SWEEP}'"])
+    except Exception as exc:  # noqa: BLE001 - one line naming the store, never a sqlalchemy traceback
+        raise TrackingStoreError(store_failure(tracking_uri, exc)) from exc
     out = []
-    for run in client.search([f"{_q(TAG + 'role')} = '{ROLE_SWEEP}'"]):
+    for run in parents:
         tags = run.data.tags
         try:
             rows = json.loads(tags.get(SKIPPED_TAG) or "[]")

@@ -105,8 +105,8 @@ def check_sqlite_store(uri: str, must_exist: bool = False, every_page: bool = Tr
 
     ``every_page`` (a writer: a sweep, a sync) reads every page of the file (``PRAGMA quick_check``), which finds
     damage anywhere before anything is written into it. A reader passes False: SQLite checks the header (garbage,
-    a file shorter than its header says) and a damaged page is reported when a read reaches it
-    (``mlflow_store.store_failure``). Reading every page of a 10,000-receipt store (460 MB) cost a promotion
+    a file shorter than its header says) and a damaged or missing page is reported when a read reaches it
+    (``mlflow_store.store_failure``); pages no read reaches cannot change what it reads. Reading every page of a 10,000-receipt store (460 MB) cost a promotion
     2 s with a cold page cache, for pages (metrics, mostly) it never reads."""
     import sqlite3
 
@@ -126,8 +126,10 @@ def check_sqlite_store(uri: str, must_exist: bool = False, every_page: bool = Tr
         connection = sqlite3.connect(f"file:{quote(str(path))}?mode=rw", uri=True)
         try:
             connection.execute("SELECT name FROM sqlite_master LIMIT 1").fetchall()
-            # Reading page 1, SQLite has checked the header (a file shorter than the page count it states is
-            # "malformed"). quick_check reads every page (it finds a page overwritten inside); bounded for huge stores.
+            # Reading page 1, SQLite has checked the header: garbage is "not a database", and (outside WAL mode, or
+            # once the log is checkpointed) a file shorter than the page count it states is "malformed". quick_check
+            # reads every page (it finds a page overwritten inside, or cut off under a live WAL log); bounded for
+            # huge stores.
             small = path.stat().st_size < _QUICK_CHECK_MAX_BYTES
             problems = [row[0] for row in connection.execute("PRAGMA quick_check(1)").fetchall()] \
                 if every_page and small else []

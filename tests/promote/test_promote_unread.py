@@ -230,34 +230,67 @@ def test_a_sweep_selection_never_chooses_a_reject_either(policy: Policy) -> None
     assert "--sweep selection left out" in next(c.detail for c in v.clauses if c.name == "win_possible")
 
 
-def test_a_sweep_selection_never_flips_a_global_default_a_lane_left_out_of_it_measured(policy: Policy) -> None:
+def test_a_lane_not_judged_here_never_lets_another_lane_flip_the_global_default(policy: Policy, tmp_path: Path
+                                                                                ) -> None:
     # Lane A's rounds promote jagged; lane B's, in the same store, reject it. `promote --sweep <lane A's>` judged
-    # lane A alone and flipped the global default that lane B rejects: a global flip needs every lane's evidence.
+    # lane A alone and flipped the global default that lane B rejects; so did damaging lane B's receipts (every one,
+    # or its candidates only: its blocks then match nothing and it has no test). A global flip needs every lane's
+    # evidence: a lane whose arms of the feature were not judged here keeps the change to the lanes judged.
     from promote_sim import base_lane
 
     lane_a = simulate(Sim(features=[moe(1.10)], campaign="lane-a", **QUIET), 0)
     lane_b = simulate(Sim(features=[moe(0.90)], campaign="lane-b", lane=base_lane(**{"model.seq_len": 256}),
                           block_prefix="B", **QUIET), 1)
-    lane_b_key = lane_b[0].identity.lane_key
-    assert lane_b_key != lane_a[0].identity.lane_key
+    lane_a_key, lane_b_key = lane_a[0].identity.lane_key, lane_b[0].identity.lane_key
+    assert lane_b_key != lane_a_key
     both = promote(lane_a + lane_b, policy_path=policy, defaults_path=DEFAULTS)
     assert sorted(v.verdict for v in both.verdicts) == ["PROMOTE", "REJECT"], "the premise"
     (change,) = both.changes
     assert change.scope == "lane" and "rejected in another lane" in change.not_global
 
-    selected = promote(lane_a, policy_path=policy, defaults_path=DEFAULTS, left_out=iter(lane_b))
-    assert [v.verdict for v in selected.verdicts] == ["PROMOTE"], "lane A is judged on all of its own evidence"
-    (change,) = selected.changes
-    assert change.scope == "lane" and change.new is None and change.lanes == [lane_a[0].identity.lane_key]
-    (why,) = change.not_global
-    assert "--sweep selection left out 1 lane(s)" in why and lane_b_key[:12] in why
-    assert "left out 1 lane(s)" in selected.markdown
+    def lane_scoped(result: PromotionResult, why: str) -> None:
+        assert [(v.lane_key, v.verdict) for v in result.verdicts] == [(lane_a_key, "PROMOTE")], \
+            "lane A is judged on all of its own evidence"
+        (change,) = result.changes
+        assert change.scope == "lane" and change.new is None and change.lanes == [lane_a_key]
+        assert list(change.overrides.values()) == ["jagged"], "lane A's shape keeps its override"
+        (reason,) = change.not_global
+        assert f"1 lane(s) that measured it were not judged here ({lane_b_key[:12]}: {why})" in reason, reason
+        assert "not judged here" in result.markdown
+
+    lane_scoped(promote(lane_a, policy_path=policy, defaults_path=DEFAULTS, left_out=iter(lane_b)),
+                "left out by the --sweep selection")
+    paths = _written(lane_a + lane_b, tmp_path)
+    for receipt in lane_b:
+        if receipt.identity.arm.value == "candidate":
+            _damage(paths[receipt.identity.receipt_id])
+    loaded, rejected = load_receipts(tmp_path)
+    assert len(rejected) == sum(r.identity.arm.value == "candidate" for r in lane_b)
+    lane_scoped(promote(loaded, policy_path=policy, defaults_path=DEFAULTS, rejected=rejected), "unreadable")
 
     # Only lanes that measured the feature count: lane B measuring another feature leaves lane A's flip global.
     other = simulate(Sim(features=[FeatureTruth("mamba_scan", "chunked", "sequential", 0.90)], campaign="lane-b",
                          lane=base_lane(**{"model.seq_len": 256}), block_prefix="B", **QUIET), 1)
     (change,) = promote(lane_a, policy_path=policy, defaults_path=DEFAULTS, left_out=other).changes
     assert change.scope == "global" and change.new == "jagged" and not change.not_global
+
+
+def test_a_sweep_selection_never_writes_an_override_a_left_out_lane_of_its_shape_did_not_earn(policy: Policy
+                                                                                            ) -> None:
+    # Lane B differs from lane A only in another feature's value: one shape, so one override would cover both.
+    # Judged together, B's REJECT stops the override; `--sweep <lane A's>` wrote it, and lane B ran the value.
+    from promote_sim import base_lane
+
+    lane_a = simulate(Sim(features=[moe(1.10)], campaign="lane-a", **QUIET), 0)
+    lane_b = simulate(Sim(features=[moe(0.90)], campaign="lane-b",
+                          lane=base_lane(**{"features.mamba_scan": "chunked"}), block_prefix="B", **QUIET), 1)
+    (change,) = promote(lane_a + lane_b, policy_path=policy, defaults_path=DEFAULTS).changes
+    assert change.overrides == {} and any("also rejected it" in why for why in change.not_global), "the premise"
+    result = promote(lane_a, policy_path=policy, defaults_path=DEFAULTS, left_out=lane_b)
+    ((verdict,), (change,)) = result.verdicts, result.changes
+    assert verdict.verdict == "PROMOTE" and change.scope == "lane" and change.overrides == {}
+    assert f"no override for {verdict.lane_shape}: its lanes include {lane_b[0].identity.lane_key[:12]}, which was " \
+           f"not judged here (left out by the --sweep selection)" in change.not_global
 
 
 def test_a_deleted_unobserved_crash_of_superseded_software_holds_nothing_now(policy: Policy) -> None:

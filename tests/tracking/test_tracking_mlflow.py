@@ -597,9 +597,9 @@ def test_sync_reports_a_receipt_edited_after_it_was_logged_instead_of_already_th
 
 
 def _damage_tags_root_page(db: Path) -> None:
-    """Garbage over the root page of MLflow's ``tags`` table, the header and the file's size left as they were:
-    damage only a read that reaches the run tags (every run search does) or a check of every page finds."""
-    import os
+    """Zeros over the root page of MLflow's ``tags`` table (page type 0 is no b-tree page: always damage), the header
+    and the file's size left as they were: only a read that reaches the run tags (every run search does) or a check
+    of every page finds it."""
     import sqlite3
 
     with sqlite3.connect(db) as connection:
@@ -609,7 +609,7 @@ def _damage_tags_root_page(db: Path) -> None:
     assert root > 1
     with open(db, "r+b") as handle:
         handle.seek((root - 1) * page_size)
-        handle.write(os.urandom(page_size))
+        handle.write(bytes(page_size))
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "interior"])
@@ -646,6 +646,12 @@ def test_a_damaged_mlflow_db_is_one_error_line_naming_it(damage: str, tmp_path: 
         assert str(db) in stderr and "receipts sync" in stderr, stderr
         assert "Traceback" not in out.output and "sqlalchemy" not in out.output.lower()
     assert not (tmp_path / "runs" / "damaged" / "sweeps").exists(), "the sweep was refused before it started"
+    if damage == "interior":  # promote reads the sweeps' refusals after the receipts: one line there too
+        from ablate.tracking.mlflow_store import not_run_from_mlflow
+        from ablate.tracking.uri import TrackingStoreError
+
+        with pytest.raises(TrackingStoreError, match=f"the MLflow store {db} is damaged"):
+            not_run_from_mlflow(uri, "ablate")
 
 
 def test_a_reader_checks_the_store_header_and_a_writer_every_page(tmp_path: Path,
@@ -678,7 +684,11 @@ def test_a_reader_checks_the_store_header_and_a_writer_every_page(tmp_path: Path
     assert not any("quick_check" in s for s in statements), statements
 
     # A file shorter than the page count its header states: SQLite refuses it on the first read, no page read.
-    db.write_bytes(db.read_bytes()[:-4096])
+    with sqlite3.connect(db) as connection:
+        page_size = connection.execute("PRAGMA page_size").fetchone()[0]
+        assert connection.execute("PRAGMA journal_mode").fetchone()[0] != "wal", "a store no sweep has opened"
+    connection.close()
+    db.write_bytes(db.read_bytes()[:-page_size])
     statements.clear()
     with pytest.raises(TrackingStoreError, match="is damaged"):
         check_sqlite_store(uri, must_exist=True, every_page=False)
