@@ -37,7 +37,7 @@ from ablate.promote.bundle import check_bundles, held_keys
 from ablate.promote.defaults_writer import UnjudgedLane, find_revalidations, plan_changes
 from ablate.promote.evidence import (Calibration, SweepWindow, TestEvidence, epoch_s, organise, rounds_of_test,
                                      shape_key, startup_outliers, sweep_windows)
-from ablate.promote.match import BUNDLE, Block, match_blocks
+from ablate.promote.match import BUNDLE, Block, Refusal, match_blocks
 from ablate.promote.policy import Policy, load_policy
 from ablate.promote.report import LaneSummary, PromotionResult
 from ablate.promote.rule import apply_holm, decide_all, sprt_of
@@ -202,26 +202,41 @@ def _left_out_arms(left_out: Iterable[Receipt], blocks: list[Block]) -> list[Unr
     return arms
 
 
-def _unjudged_lanes(unread: list[UnreadArm], left_out: list[Receipt], policy: Policy
-                    ) -> dict[str, dict[str, UnjudgedLane]]:
-    """Feature -> lane key -> why the lane's arms of that feature were not read here (``plan_changes`` keeps lanes
-    without a test of the feature from a global flip and, by shape, from an override)."""
-    shapes = {r.identity.receipt_id: shape_key(r.requested.lane, policy) for r in left_out}
+def _unjudged_lanes(unread: list[UnreadArm], left_out: list[Receipt], refusals: list[Refusal],
+                    valid: list[Receipt], policy: Policy) -> dict[str, dict[str, UnjudgedLane]]:
+    """Feature -> lane key -> why the lane's arms of that feature were not judged here: left out by ``--sweep``,
+    unreadable, or in blocks that were all refused (a lane with a test of the feature is dropped by
+    ``plan_changes``). ``plan_changes`` keeps such lanes from a global flip and, by shape, from an override."""
+    shapes = {r.identity.receipt_id: shape_key(r.requested.lane, policy) for r in [*left_out, *valid]}
     causes: dict[tuple[str, str], set[str]] = defaultdict(set)
     lane_shapes: dict[tuple[str, str], str] = {}
+
+    def note(feature: str, lane_key: str, cause: str, receipt_ids: Iterable[str]) -> None:
+        causes[feature, lane_key].add(cause)
+        for receipt_id in receipt_ids:
+            if receipt_id in shapes:
+                lane_shapes[feature, lane_key] = shapes[receipt_id]
+
     for arm in unread:
         if arm.feature:
-            causes[arm.feature, arm.lane_key].add(LEFT_OUT if arm.left_out else "unreadable")
-            if arm.receipt_id in shapes:
-                lane_shapes[arm.feature, arm.lane_key] = shapes[arm.receipt_id]
+            note(arm.feature, arm.lane_key, LEFT_OUT if arm.left_out else "unreadable", [arm.receipt_id])
+    for refusal in refusals:
+        if refusal.feature and refusal.lane_key and not any(cause.startswith(REFUSED) for cause in
+                                                            causes.get((refusal.feature, refusal.lane_key), ())):
+            # Whatever refused them (a disqualified baseline, a replayed measurement, a missing partner): nothing
+            # measured the feature there, so nothing says it does not lose there.
+            note(refusal.feature, refusal.lane_key, f"{REFUSED}, e.g. {refusal.reason[:100]}",
+                 refusal.receipt_ids)
     lanes: dict[str, dict[str, UnjudgedLane]] = defaultdict(dict)
     for (feature, lane_key), why in causes.items():
-        lanes[feature][lane_key] = UnjudgedLane(why=" and ".join(sorted(why)), left_out=LEFT_OUT in why,
+        lanes[feature][lane_key] = UnjudgedLane(why=" and ".join(sorted(why, key=lambda c: (c.startswith(REFUSED), c))),
+                                                left_out=LEFT_OUT in why,
                                                 shape=lane_shapes.get((feature, lane_key)))
     return lanes
 
 
 LEFT_OUT = "left out by the --sweep selection"
+REFUSED = "its blocks were refused"
 
 
 _SAFETY_FACTS = ("failures", "fisher_p", "failure_hosts", "refused_failures", "refused_failure_blocks",
@@ -337,7 +352,7 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     changes = plan_changes(measured, defaults, policy, report_id=report_id,
                            campaign="+".join(campaigns), date=date, held=held_keys(bundles, policy), bundles=bundles,
                            measured_lanes={key: state.lane for key, state in lanes.items()},
-                           unjudged_lanes=_unjudged_lanes(unread, left_out, policy))
+                           unjudged_lanes=_unjudged_lanes(unread, left_out, refusals, valid, policy))
     lane_summaries = [LaneSummary(lane_key=k, software_fingerprint=s.current_fingerprint,
                                   fingerprints=s.fingerprints, hosts=s.hosts, calibration=calibrations[k],
                                   lane=s.lane, **_lane_facts([b for b in blocks if b.lane_key == k]))

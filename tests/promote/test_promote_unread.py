@@ -234,8 +234,9 @@ def test_a_lane_not_judged_here_never_lets_another_lane_flip_the_global_default(
                                                                                 ) -> None:
     # Lane A's rounds promote jagged; lane B's, in the same store, reject it. `promote --sweep <lane A's>` judged
     # lane A alone and flipped the global default that lane B rejects; so did damaging lane B's receipts (every one,
-    # or its candidates only: its blocks then match nothing and it has no test). A global flip needs every lane's
-    # evidence: a lane whose arms of the feature were not judged here keeps the change to the lanes judged.
+    # or its candidates only: its blocks then match nothing and it has no test), and so did refusing every block of
+    # lane B. A global flip needs every lane's evidence: a lane whose arms of the feature were not judged here keeps
+    # the change to the lanes judged.
     from promote_sim import base_lane
 
     lane_a = simulate(Sim(features=[moe(1.10)], campaign="lane-a", **QUIET), 0)
@@ -255,7 +256,7 @@ def test_a_lane_not_judged_here_never_lets_another_lane_flip_the_global_default(
         assert change.scope == "lane" and change.new is None and change.lanes == [lane_a_key]
         assert list(change.overrides.values()) == ["jagged"], "lane A's shape keeps its override"
         (reason,) = change.not_global
-        assert f"1 lane(s) that measured it were not judged here ({lane_b_key[:12]}: {why})" in reason, reason
+        assert f"1 lane(s) that measured it were not judged here ({lane_b_key[:12]}: {why}" in reason, reason
         assert "not judged here" in result.markdown
 
     lane_scoped(promote(lane_a, policy_path=policy, defaults_path=DEFAULTS, left_out=iter(lane_b)),
@@ -267,6 +268,15 @@ def test_a_lane_not_judged_here_never_lets_another_lane_flip_the_global_default(
     loaded, rejected = load_receipts(tmp_path)
     assert len(rejected) == sum(r.identity.arm.value == "candidate" for r in lane_b)
     lane_scoped(promote(loaded, policy_path=policy, defaults_path=DEFAULTS, rejected=rejected), "unreadable")
+    # Every block of lane B refused (both arms ran at inherited low priority): nothing measured it there either.
+    from ablate.receipts.schema import Code, Disqualifier, Status
+
+    low_priority = [r.model_copy(deep=True) for r in lane_b]
+    for receipt in low_priority:
+        receipt.identity.status = Status.disqualified
+        receipt.disqualifiers.append(Disqualifier(code=Code.LOW_PRIORITY, detail="niceness 15"))
+    lane_scoped(promote(lane_a + low_priority, policy_path=policy, defaults_path=DEFAULTS),
+                "its blocks were refused, e.g. the baseline arm is disqualified (LOW_PRIORITY)")
 
     # Only lanes that measured the feature count: lane B measuring another feature leaves lane A's flip global.
     other = simulate(Sim(features=[FeatureTruth("mamba_scan", "chunked", "sequential", 0.90)], campaign="lane-b",
