@@ -186,7 +186,8 @@ def _shape_overrides(tests: list[FeatureVerdict], promoted: list[FeatureVerdict]
     failure rate, an unread arm) or rejected it, or measured another value, would otherwise run the value
     through the override while its own verdict says it did not earn it (found in review: a context lane's
     PROMOTE overrode the defaults lane's HOLD); a lane whose bundle check held the value likewise, and a lane of
-    the shape with arms of the feature that were not judged here (``unjudged``: left out by ``--sweep``).
+    the shape with arms of the feature that were not judged here (``unjudged``: left out by ``--sweep``, refused,
+    unreadable), or one whose shape is unknown (only damaged or deleted arms of it: it may be of this shape).
     """
     overrides: dict[str, Any] = {}
     conflicts: list[str] = []
@@ -198,13 +199,17 @@ def _shape_overrides(tests: list[FeatureVerdict], promoted: list[FeatureVerdict]
         earned = {v.lane_key for v in siblings if v.verdict == PROMOTE and str(v.value) in values}
         unearned = [v for v in siblings if v.lane_key not in earned]
         withheld = any(v.test_key in held for v in siblings)
-        unseen = sorted(key for key, lane in unjudged.items() if lane.shape == shape)
+        # A lane whose shape no readable receipt names (a damaged or deleted arm) may be of this shape too.
+        unseen = sorted(key for key, lane in unjudged.items() if lane.shape in (shape, None))
         if len(values) > 1 or rejected or unearned or withheld or unseen:
             conflicts.append(f"no override for {shape}: its lanes " + (
                 "promoted different values" if len(values) > 1 else "also rejected it" if rejected else
                 f"include {unearned[0].lane_key[:12]}, which measured {unearned[0].value!r} with verdict "
                 f"{unearned[0].verdict}" if unearned else "include one whose bundle check held it" if withheld else
-                f"include {unseen[0][:12]}, which was not judged here ({unjudged[unseen[0]].why})"))
+                f"include {unseen[0][:12]}, which was not judged here ({unjudged[unseen[0]].why})"
+                if unjudged[unseen[0]].shape is not None else
+                f"may include {unseen[0][:12]}, which was not judged here ({unjudged[unseen[0]].why}) and whose "
+                f"shape no readable receipt names"))
             continue
         overrides[shape] = next(iter(values.values()))
     return overrides, conflicts
@@ -313,11 +318,11 @@ def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mappin
         # A lane judged nowhere may have rejected it: a --sweep of one lane's rounds, or a lane whose arms could
         # not be read, flipped the global default that lane rejects (found in review of the left-alone list).
         if unjudged:
-            shown = "; ".join(f"{key[:12]}: {lane.why}" for key, lane in sorted(unjudged.items())[:3])
-            not_global.append(f"{len(unjudged)} lane(s) that measured it were not judged here ({shown}"
-                              f"{'; ...' if len(unjudged) > 3 else ''}): a global default is decided on every "
-                              f"lane's evidence" + ("; promote without --sweep to judge them"
-                                                    if any(lane.left_out for lane in unjudged.values()) else ""))
+            shown = "; ".join(f"lane {key[:12]} ({lane.why})" for key, lane in sorted(unjudged.items())[:3])
+            not_global.append(f"{len(unjudged)} lane(s) with arms of it were not judged here, and a global default is "
+                              f"decided on every lane's evidence: {shown}{'; ...' if len(unjudged) > 3 else ''}"
+                              + (". Promote without --sweep to judge the lanes it left out"
+                                 if any(lane.left_out for lane in unjudged.values()) else ""))
         # A win that holds only below some run length (cheaper to start, slower per step) is the measured lanes'
         # at their horizon: a global default also runs the longer jobs it loses on (found by review helper 2: a
         # lane measured at 200 steps flipped the global default to a value 2% slower per step).

@@ -22,6 +22,7 @@ import hashlib
 import math
 import re
 import statistics
+import textwrap
 from collections import Counter, defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -44,6 +45,7 @@ from ablate.promote.rule import apply_holm, decide_all, sprt_of
 from ablate.promote.sequential import LOWER, UPPER
 from ablate.receipts.rejection import UnreadArm, from_identity, from_left_out, unread_arms
 from ablate.receipts.schema import InvalidReceipt, Receipt, utc_moment, validate_receipt
+from ablate.redact import redact_text
 
 ANALYSE_MIN_SHARE = 4
 """Fewer tests per process than this are measured in this process (a fork costs more than a few tests)."""
@@ -206,36 +208,39 @@ def _unjudged_lanes(unread: list[UnreadArm], left_out: list[Receipt], refusals: 
                     valid: list[Receipt], policy: Policy) -> dict[str, dict[str, UnjudgedLane]]:
     """Feature -> lane key -> why the lane's arms of that feature were not judged here: left out by ``--sweep``,
     unreadable, or in blocks that were all refused (a lane with a test of the feature is dropped by
-    ``plan_changes``). ``plan_changes`` keeps such lanes from a global flip and, by shape, from an override."""
+    ``plan_changes``, which keeps the others from a global flip and, by shape, from an override). Simulated arms
+    and unregistered values ran no value the registry can promote: they say nothing of the lane."""
     shapes = {r.identity.receipt_id: shape_key(r.requested.lane, policy) for r in [*left_out, *valid]}
-    causes: dict[tuple[str, str], set[str]] = defaultdict(set)
+    causes: dict[tuple[str, str], dict[str, str]] = defaultdict(dict)
     lane_shapes: dict[tuple[str, str], str] = {}
 
-    def note(feature: str, lane_key: str, cause: str, receipt_ids: Iterable[str]) -> None:
-        causes[feature, lane_key].add(cause)
+    def note(feature: str, lane_key: str, kind: str, cause: str, receipt_ids: Iterable[str]) -> None:
+        causes[feature, lane_key].setdefault(kind, cause)  # the first refusal of a lane, in block order
         for receipt_id in receipt_ids:
             if receipt_id in shapes:
                 lane_shapes[feature, lane_key] = shapes[receipt_id]
 
     for arm in unread:
         if arm.feature:
-            note(arm.feature, arm.lane_key, LEFT_OUT if arm.left_out else "unreadable", [arm.receipt_id])
-    for refusal in refusals:
-        if refusal.feature and refusal.lane_key and not any(cause.startswith(REFUSED) for cause in
-                                                            causes.get((refusal.feature, refusal.lane_key), ())):
-            # Whatever refused them (a disqualified baseline, a replayed measurement, a missing partner): nothing
-            # measured the feature there, so nothing says it does not lose there.
-            note(refusal.feature, refusal.lane_key, f"{REFUSED}, e.g. {refusal.reason[:100]}",
-                 refusal.receipt_ids)
+            kind = LEFT_OUT if arm.left_out else UNREADABLE
+            note(arm.feature, arm.lane_key, kind, kind, [arm.receipt_id])
+    for refusal in sorted(refusals, key=lambda r: (r.round_id or "", r.block_id)):
+        if refusal.feature and refusal.lane_key and refusal.ran_a_registered_value:
+            # Whatever refused them (a disqualified baseline, a missing partner, a replayed copy): nothing measured
+            # the feature there, so nothing says it does not lose there. Redacted before it is cut: a URL's
+            # password must not survive because its "@" fell past the cut.
+            why = textwrap.shorten(redact_text(refusal.reason), width=100, placeholder=" ...")
+            note(refusal.feature, refusal.lane_key, REFUSED, f"{REFUSED}, e.g. '{why}'", refusal.receipt_ids)
     lanes: dict[str, dict[str, UnjudgedLane]] = defaultdict(dict)
-    for (feature, lane_key), why in causes.items():
-        lanes[feature][lane_key] = UnjudgedLane(why=" and ".join(sorted(why, key=lambda c: (c.startswith(REFUSED), c))),
-                                                left_out=LEFT_OUT in why,
-                                                shape=lane_shapes.get((feature, lane_key)))
+    for (feature, lane_key), by_kind in causes.items():
+        lanes[feature][lane_key] = UnjudgedLane(
+            why=" and ".join(by_kind[kind] for kind in (LEFT_OUT, UNREADABLE, REFUSED) if kind in by_kind),
+            left_out=LEFT_OUT in by_kind, shape=lane_shapes.get((feature, lane_key)))
     return lanes
 
 
 LEFT_OUT = "left out by the --sweep selection"
+UNREADABLE = "unreadable"
 REFUSED = "its blocks were refused"
 
 

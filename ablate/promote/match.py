@@ -252,6 +252,9 @@ class Refusal:
     arms_run: tuple["RefusedArm", ...] = ()
     """The arms ``failures`` counts, each to be placed on its own (``evidence.placed_failures``): a retry may have run
     on other hardware or under other code than the attempt before it."""
+    ran_a_registered_value: bool = True
+    """False for simulated arms (no arm ran) and an unregistered value (not a value the registry can promote): such a
+    block says nothing about how the feature's values do in its lane (``engine._unjudged_lanes``)."""
 
 
 @dataclass(frozen=True)
@@ -575,7 +578,7 @@ def _select_attempt(receipts: list[Receipt]) -> tuple[dict[int, Receipt], dict[s
 
 
 def _refuse(reason: str, receipts: Iterable[Receipt], block_id: str, gates: Optional[Policy] = None,
-            failures: bool = True) -> Refusal:
+            failures: bool = True, ran_a_registered_value: bool = True) -> Refusal:
     """``gates``: the policy, when the block's own candidate arms are trustworthy enough to gate their test.
     ``failures``: False when what failed cannot be told apart or placed (two receipts for one arm, replayed
     copies, simulated arms, an unregistered value), so their failures are not counted."""
@@ -606,7 +609,7 @@ def _refuse(reason: str, receipts: Iterable[Receipt], block_id: str, gates: Opti
                    feature=first.feature if first else None, lane_key=first.lane_key if first else None,
                    round_id=first.sweep_id if first else None, gated_candidates=gated, value=value,
                    software_fingerprint=fingerprint, baseline_gated=baseline_gated, failures=failures,
-                   arms_run=arms_run)
+                   arms_run=arms_run, ran_a_registered_value=ran_a_registered_value)
 
 
 def software_key(ident: Any) -> str:
@@ -756,7 +759,8 @@ def _matched(block_id: str, members: list[Receipt], replays: dict[str, list[str]
         return _refuse(f"simulated arms ({', '.join(simulated[:2])}"
                        f"{f' and {len(simulated) - 2} more' if len(simulated) > 2 else ''}): made by "
                        f"the test-only no-op arm executor (trainers.simulate); no arm ran, so the block "
-                       f"measures nothing and is never evidence", members, block_id, failures=False)
+                       f"measures nothing and is never evidence", members, block_id, failures=False,
+                       ran_a_registered_value=False)
     copied = [(r.identity.receipt_id, replays[r.identity.receipt_id]) for r in members
               if r.identity.receipt_id in replays]
     if copied:
@@ -766,5 +770,6 @@ def _matched(block_id: str, members: list[Receipt], replays: dict[str, list[str]
                        f"neither copy counts", members, block_id, failures=False)
     unknown = [f"{r.identity.receipt_id}: {p}" for r in members for p in unregistered_values(r)]
     if unknown:
-        return _refuse("unregistered feature value: " + "; ".join(unknown[:3]), members, block_id, failures=False)
+        return _refuse("unregistered feature value: " + "; ".join(unknown[:3]), members, block_id, failures=False,
+                       ran_a_registered_value=False)
     return _make_block(block_id, members, policy)

@@ -161,7 +161,9 @@ class PromotionResult:
             "policy": policy, "git": self.git, "num_receipts": self.num_receipts, "holm_family": self.holm_family,
             "bootstrap_note": _bootstrap_note(self),
             "defaults_path": self.defaults_path,
-            "changes": [asdict(c) for c in self.changes],
+            # Reasons quote receipts (a refused block's reason, a host): redacted like the refusals' own.
+            "changes": [{**asdict(c), "not_global": [redact_text(why) for why in c.not_global],
+                         "held": None if c.held is None else redact_text(c.held)} for c in self.changes],
             "verdicts": [v.to_dict() for v in self.speed_verdicts],
             "taxes": [v.to_dict() for v in self.tax_verdicts],
             "lanes": [{**asdict(lane), "label": lane.label(), "calibration": {

@@ -249,25 +249,33 @@ def test_a_lane_not_judged_here_never_lets_another_lane_flip_the_global_default(
     (change,) = both.changes
     assert change.scope == "lane" and "rejected in another lane" in change.not_global
 
-    def lane_scoped(result: PromotionResult, why: str) -> None:
+    def lane_scoped(result: PromotionResult, why: str, override: bool = True) -> None:
         assert [(v.lane_key, v.verdict) for v in result.verdicts] == [(lane_a_key, "PROMOTE")], \
             "lane A is judged on all of its own evidence"
         (change,) = result.changes
         assert change.scope == "lane" and change.new is None and change.lanes == [lane_a_key]
-        assert list(change.overrides.values()) == ["jagged"], "lane A's shape keeps its override"
-        (reason,) = change.not_global
-        assert f"1 lane(s) that measured it were not judged here ({lane_b_key[:12]}: {why}" in reason, reason
-        assert "not judged here" in result.markdown
+        reason = change.not_global[0]
+        assert reason.startswith("1 lane(s) with arms of it were not judged here") and \
+            f"lane {lane_b_key[:12]} ({why}" in reason, reason
+        assert "were not judged here" in result.markdown
+        if override:  # lane B's shape is another: lane A's shape keeps its override
+            assert list(change.overrides.values()) == ["jagged"] and len(change.not_global) == 1
+        else:  # no readable receipt names lane B's shape: it may be lane A's
+            assert change.overrides == {} and "whose shape no readable receipt names" in change.not_global[1]
 
     lane_scoped(promote(lane_a, policy_path=policy, defaults_path=DEFAULTS, left_out=iter(lane_b)),
                 "left out by the --sweep selection")
-    paths = _written(lane_a + lane_b, tmp_path)
-    for receipt in lane_b:
-        if receipt.identity.arm.value == "candidate":
-            _damage(paths[receipt.identity.receipt_id])
-    loaded, rejected = load_receipts(tmp_path)
-    assert len(rejected) == sum(r.identity.arm.value == "candidate" for r in lane_b)
-    lane_scoped(promote(loaded, policy_path=policy, defaults_path=DEFAULTS, rejected=rejected), "unreadable")
+    for damaged_roles in (("candidate",), ("baseline", "candidate", "aa")):
+        directory = tmp_path / "-".join(damaged_roles)
+        paths = _written(lane_a + lane_b, directory)
+        for receipt in lane_b:
+            if receipt.identity.arm.value in damaged_roles:
+                _damage(paths[receipt.identity.receipt_id])
+        loaded, rejected = load_receipts(directory)
+        assert len(rejected) == sum(r.identity.arm.value in damaged_roles for r in lane_b)
+        # Candidates only: lane B's baselines are read (their blocks refused, partner missing), so its shape is known.
+        lane_scoped(promote(loaded, policy_path=policy, defaults_path=DEFAULTS, rejected=rejected), "unreadable",
+                    override=damaged_roles == ("candidate",))
     # Every block of lane B refused (both arms ran at inherited low priority): nothing measured it there either.
     from ablate.receipts.schema import Code, Disqualifier, Status
 
@@ -276,7 +284,29 @@ def test_a_lane_not_judged_here_never_lets_another_lane_flip_the_global_default(
         receipt.identity.status = Status.disqualified
         receipt.disqualifiers.append(Disqualifier(code=Code.LOW_PRIORITY, detail="niceness 15"))
     lane_scoped(promote(lane_a + low_priority, policy_path=policy, defaults_path=DEFAULTS),
-                "its blocks were refused, e.g. the baseline arm is disqualified (LOW_PRIORITY)")
+                "its blocks were refused, e.g. 'the baseline arm is disqualified (LOW_PRIORITY)")
+
+    # A refusal's reason quotes what the receipts say (here a host that is a URL with a password): redacted in the
+    # report and its JSON, before it is shortened (a cut before the "@" would leave the password unmatched).
+    hostile = [r.model_copy(deep=True) for r in lane_b]
+    for receipt in hostile:
+        if receipt.identity.arm.value == "candidate":
+            receipt.identity.host = "https://bob:hunter2hunter2@mlflow.example/"
+    result = promote(lane_a + hostile, policy_path=policy, defaults_path=DEFAULTS)
+    lane_scoped(result, "its blocks were refused, e.g. 'arms differ in host")
+    assert "hunter2" not in result.markdown and "hunter2" not in result.to_json()
+    assert "hunter2" not in " ".join(result.changes[0].not_global)
+
+    # A lane of simulated arms (the test-only no-op executor) ran nothing: it holds nothing back.
+    from ablate.receipts.schema import SIMULATED_EXECUTOR
+
+    simulated = [r.model_copy(deep=True) for r in lane_b]
+    for receipt in simulated:
+        receipt.identity.executor = SIMULATED_EXECUTOR
+    result = promote(lane_a + simulated, policy_path=policy, defaults_path=DEFAULTS)
+    assert result.refusals and all("simulated arms" in r.reason for r in result.refusals)
+    (change,) = result.changes
+    assert change.scope == "global" and change.new == "jagged" and not change.not_global
 
     # Only lanes that measured the feature count: lane B measuring another feature leaves lane A's flip global.
     other = simulate(Sim(features=[FeatureTruth("mamba_scan", "chunked", "sequential", 0.90)], campaign="lane-b",
