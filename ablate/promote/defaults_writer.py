@@ -167,7 +167,8 @@ def _global_value(feature: str, globals_: Mapping[str, Any]) -> Any:
 
 @dataclass(frozen=True)
 class UnjudgedLane:
-    """A lane with arms of a feature that no test here judged: left out by a ``--sweep`` selection, or unreadable."""
+    """A lane with arms of a feature that no test here judged: left out by a ``--sweep`` selection, unreadable, or in
+    blocks that were all refused."""
 
     why: str
     left_out: bool
@@ -278,10 +279,10 @@ def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mappin
     together with another new value on some lane, a set no passed bundle check (of ``bundles``) measured, is held
     (``DefaultsChange.held``) under ``bundle.required``. ``measured_lanes`` (lane key -> the lane as its receipts
     record it) finds promoting lanes the file has since moved on from (``measured_before``). ``unjudged_lanes``
-    (feature -> lane key -> ``UnjudgedLane``): lanes with arms of the feature that a ``--sweep`` selection left out
-    or that could not be read; one that has no test here blocks the global flip (it may have rejected the value:
-    "no REJECT anywhere" holds whatever ``scope.global_requires_all_lanes`` says) and, where its shape is known,
-    the override of its shape."""
+    (feature -> lane key -> ``UnjudgedLane``): lanes with arms of the feature that a ``--sweep`` selection left out,
+    that could not be read, or whose blocks were all refused; one that has no test here blocks the global flip (it
+    may have rejected the value: "no REJECT anywhere" holds whatever ``scope.global_requires_all_lanes`` says) and
+    the override of its shape (of every shape, when its own is unknown)."""
     globals_ = _global_values(defaults)
     by_feature: dict[str, list[FeatureVerdict]] = defaultdict(list)
     for v in verdicts:
@@ -315,8 +316,8 @@ def plan_changes(verdicts: Iterable[FeatureVerdict], defaults: Defaults | Mappin
             not_global.append("rejected in another lane")
         if policy.scope.global_requires_all_lanes and {v.lane_key for v in promoted} != {v.lane_key for v in tests}:
             not_global.append("not every measured lane promoted it")
-        # A lane judged nowhere may have rejected it: a --sweep of one lane's rounds, or a lane whose arms could
-        # not be read, flipped the global default that lane rejects (found in review of the left-alone list).
+        # A lane judged nowhere may have rejected it: a --sweep of one lane's rounds, a lane whose arms could not be
+        # read or whose blocks were all refused, flipped the global default that lane rejects (found in review).
         if unjudged:
             shown = "; ".join(f"lane {key[:12]} ({lane.why})" for key, lane in sorted(unjudged.items())[:3])
             not_global.append(f"{len(unjudged)} lane(s) with arms of it were not judged here, and a global default is "
