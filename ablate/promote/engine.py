@@ -176,6 +176,34 @@ def _unseen_as_unknown(unread: list[UnreadArm], blocks: list[Block]) -> list[Unr
             for arm in unread]
 
 
+def _refused_newer(refusals: list[Refusal], valid: list[Receipt], blocks: list[Block]) -> list[UnreadArm]:
+    """The candidate arms of refused blocks that ran software no matched block of their lane ran, after the lane's
+    newest matched block: as an unread arm of unseen software does (``_unseen_as_unknown``), each holds the lane's
+    current test, so a newest round whose every block was refused (both arms at low priority, say) cannot leave
+    older software's evidence current (found in review: lane B's older rounds promoted, its newest round was all
+    refused, and the flip went global). Refused blocks of software already matched hold nothing: they are only
+    blocks that measured nothing."""
+    seen: dict[str, set[str]] = defaultdict(set)
+    for block in blocks:
+        seen[block.lane_key].add(block.software_fingerprint)
+    newest = _newest_block_s(blocks)
+    by_id = {r.identity.receipt_id: r for r in valid}
+    arms = []
+    for refusal in refusals:
+        if not (refusal.feature and refusal.lane_key and refusal.ran_a_registered_value):
+            continue
+        why = textwrap.shorten(redact_text(refusal.reason), width=100, placeholder=" ...")
+        for receipt in (by_id[rid] for rid in refusal.receipt_ids if rid in by_id):
+            ident = receipt.identity
+            if ident.arm.value != "candidate" or ident.software_fingerprint in seen[ident.lane_key] \
+                    or _written_before(ident.created_at, newest.get(ident.lane_key)):
+                continue
+            arms.append(UnreadArm(origin=f"block {ident.block_id} of sweep {ident.sweep_id}, refused: {why}",
+                                  lane_key=ident.lane_key, feature=ident.feature, software_fingerprint=None,
+                                  receipt_id=ident.receipt_id, created_at=ident.created_at))
+    return arms
+
+
 def _written_before(stamp: Optional[str], moment: Optional[float]) -> bool:
     # Only a stamp the validator would accept places an arm (found in review: a receipt refused for a local time
     # without its offset was read as UTC, hours early, and its newer software held nothing).
@@ -330,6 +358,8 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     unread = _unseen_as_unknown(_with_partner_fingerprints(
         [arm for arm in unread_arms(rejected) if arm.receipt_id not in read], valid), blocks)
     unread += [arm for arm in _left_out_arms(left_out, blocks + bundle_blocks) if arm.receipt_id not in read]
+    judged_unread = list(unread)  # what _unjudged_lanes reads: a refused block is its own cause there
+    unread += _refused_newer(refusals, valid, blocks)
     # A sweep's span in time covers its bundle blocks too: two sweeps that overlapped are one round for the single
     # tests and the bundle check alike (found in review: windows over the bundle blocks alone made two
     # concurrent sweeps two rounds, and the set was written).
@@ -357,7 +387,7 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
     changes = plan_changes(measured, defaults, policy, report_id=report_id,
                            campaign="+".join(campaigns), date=date, held=held_keys(bundles, policy), bundles=bundles,
                            measured_lanes={key: state.lane for key, state in lanes.items()},
-                           unjudged_lanes=_unjudged_lanes(unread, left_out, refusals, valid, policy))
+                           unjudged_lanes=_unjudged_lanes(judged_unread, left_out, refusals, valid, policy))
     lane_summaries = [LaneSummary(lane_key=k, software_fingerprint=s.current_fingerprint,
                                   fingerprints=s.fingerprints, hosts=s.hosts, calibration=calibrations[k],
                                   lane=s.lane, **_lane_facts([b for b in blocks if b.lane_key == k]))

@@ -333,6 +333,44 @@ def test_a_sweep_selection_never_writes_an_override_a_left_out_lane_of_its_shape
            f"not judged here (left out by the --sweep selection)" in change.not_global
 
 
+def test_a_newest_round_whose_blocks_were_all_refused_leaves_no_older_software_current(policy: Policy) -> None:
+    # Lane B promoted under sw-1; three days later, under sw-2, every block of its next campaign was refused (both
+    # arms at low priority). Its sw-1 PROMOTE stayed current, and with lane A's the flip went global (helper 15).
+    # A refused candidate of software no matched block of its lane ran, after the newest matched one, holds the
+    # lane's current test, as such an unread arm does; one of software already matched holds nothing.
+    from datetime import datetime, timedelta
+
+    from promote_sim import base_lane
+
+    from ablate.receipts.schema import Code, Disqualifier, Status
+
+    lane = base_lane(**{"model.seq_len": 256})
+    lane_a = simulate(Sim(features=[moe(1.10)], campaign="lane-a", **QUIET), 0)
+    lane_b = simulate(Sim(features=[moe(1.10)], campaign="lane-b-old", lane=lane, block_prefix="B", **QUIET), 1)
+
+    def refused_later(software: str) -> list:
+        newer = simulate(Sim(features=[moe(0.90)], campaign="lane-b-new", lane=lane, block_prefix="N",
+                             fingerprints=[software, software], **QUIET), 2)
+        for receipt in newer:
+            receipt.identity.created_at = (datetime.fromisoformat(receipt.identity.created_at)
+                                           + timedelta(days=3)).isoformat()
+            receipt.identity.status = Status.disqualified
+            receipt.disqualifiers.append(Disqualifier(code=Code.LOW_PRIORITY, detail="niceness 15"))
+        return newer
+
+    lane_b_key = lane_b[0].identity.lane_key
+    result = promote(lane_a + lane_b + refused_later("sw-2"), policy_path=policy, defaults_path=DEFAULTS)
+    verdicts = {v.lane_key: v for v in result.verdicts}
+    assert verdicts[lane_b_key].verdict == "HOLD" and _failing(verdicts[lane_b_key])[0] == "every_arm_read"
+    assert "refused: the baseline arm is disqualified (LOW_PRIORITY)" in verdicts[lane_b_key].reason
+    (change,) = result.changes
+    assert change.scope == "lane" and "not every measured lane promoted it" in change.not_global
+    # The control: the refused round ran the software lane B's matched blocks ran: it measured nothing, holds nothing.
+    result = promote(lane_a + lane_b + refused_later("sw-1"), policy_path=policy, defaults_path=DEFAULTS)
+    assert {v.lane_key: v.verdict for v in result.verdicts}[lane_b_key] == "PROMOTE"
+    assert [c.scope for c in result.changes] == ["global"]
+
+
 def test_a_deleted_unobserved_crash_of_superseded_software_holds_nothing_now(policy: Policy) -> None:
     # Its own fingerprint hashes no hardware; its block partner, read, says which software it ran: the old one.
     import copy
