@@ -38,7 +38,7 @@ from ablate.promote.bundle import check_bundles, held_keys
 from ablate.promote.defaults_writer import UnjudgedLane, find_revalidations, plan_changes
 from ablate.promote.evidence import (Calibration, SweepWindow, TestEvidence, epoch_s, organise, rounds_of_test,
                                      shape_key, startup_outliers, sweep_windows)
-from ablate.promote.match import BUNDLE, Block, Refusal, match_blocks
+from ablate.promote.match import BUNDLE, Block, Refusal, match_blocks, software_key
 from ablate.promote.policy import Policy, load_policy
 from ablate.promote.report import LaneSummary, PromotionResult
 from ablate.promote.rule import apply_holm, decide_all, sprt_of
@@ -177,25 +177,31 @@ def _unseen_as_unknown(unread: list[UnreadArm], blocks: list[Block]) -> list[Unr
 
 
 def _refused_newer(refusals: list[Refusal], valid: list[Receipt], blocks: list[Block]) -> list[UnreadArm]:
-    """The candidate arms of refused blocks that ran software no matched block of their lane ran, after the lane's
-    newest matched block: as an unread arm of unseen software does (``_unseen_as_unknown``), each holds the lane's
-    current test, so a newest round whose every block was refused (both arms at low priority, say) cannot leave
-    older software's evidence current (found in review: lane B's older rounds promoted, its newest round was all
-    refused, and the flip went global). Refused blocks of software already matched hold nothing: they are only
-    blocks that measured nothing."""
-    seen: dict[str, set[str]] = defaultdict(set)
+    """The candidate arms of refused blocks that ran software no matched block of their lane ran (neither its
+    fingerprint nor its packages and code: another node's driver, or no hardware observed, is the same software),
+    after the lane's newest matched block: as an unread arm of unseen software does (``_unseen_as_unknown``), each
+    holds the lane's current test, so a newest round whose every block was refused (both arms at low priority, say)
+    cannot leave older software's evidence current (found in review: lane B's older rounds promoted, its newest round
+    was all refused, and the flip went global). A crashed candidate is left to the failure counts
+    (``evidence.placed_failures``); bundle blocks to the bundle check. Refused blocks of software already matched
+    hold nothing: they are only blocks that measured nothing."""
+    prints: dict[str, set[str]] = defaultdict(set)
+    keys: dict[str, set[str]] = defaultdict(set)
     for block in blocks:
-        seen[block.lane_key].add(block.software_fingerprint)
+        prints[block.lane_key].add(block.software_fingerprint)
+        keys[block.lane_key].add(block.software_key)
     newest = _newest_block_s(blocks)
     by_id = {r.identity.receipt_id: r for r in valid}
     arms = []
     for refusal in refusals:
-        if not (refusal.feature and refusal.lane_key and refusal.ran_a_registered_value):
+        if not (refusal.feature and refusal.feature != BUNDLE and refusal.lane_key and refusal.ran_a_registered_value):
             continue
         why = textwrap.shorten(redact_text(refusal.reason), width=100, placeholder=" ...")
         for receipt in (by_id[rid] for rid in refusal.receipt_ids if rid in by_id):
             ident = receipt.identity
-            if ident.arm.value != "candidate" or ident.software_fingerprint in seen[ident.lane_key] \
+            if ident.arm.value != "candidate" or ident.status.value == "failed" \
+                    or ident.software_fingerprint in prints[ident.lane_key] \
+                    or software_key(ident) in keys[ident.lane_key] \
                     or _written_before(ident.created_at, newest.get(ident.lane_key)):
                 continue
             arms.append(UnreadArm(origin=f"block {ident.block_id} of sweep {ident.sweep_id}, refused: {why}",
@@ -359,7 +365,7 @@ def promote(receipts: Iterable[Receipt | Mapping[str, Any]], *, policy_path: str
         [arm for arm in unread_arms(rejected) if arm.receipt_id not in read], valid), blocks)
     unread += [arm for arm in _left_out_arms(left_out, blocks + bundle_blocks) if arm.receipt_id not in read]
     judged_unread = list(unread)  # what _unjudged_lanes reads: a refused block is its own cause there
-    unread += _refused_newer(refusals, valid, blocks)
+    unread += _refused_newer(refusals, valid, blocks + bundle_blocks)
     # A sweep's span in time covers its bundle blocks too: two sweeps that overlapped are one round for the single
     # tests and the bundle check alike (found in review: windows over the bundle blocks alone made two
     # concurrent sweeps two rounds, and the set was written).

@@ -14,6 +14,7 @@ from promote_sim import FeatureTruth, Sim, moe, simulate
 from ablate.promote import Policy, promote
 from ablate.promote.report import PromotionResult
 from ablate.receipts.rejection import Rejection, UnreadArm, from_run_tags
+from ablate.receipts.schema import Status
 from ablate.receipts.store import load_receipts, write_receipt
 from ablate.tracking.mapping import TAG
 from ablate.tracking.receipt_bundle import deleted_notes
@@ -354,6 +355,8 @@ def test_a_newest_round_whose_blocks_were_all_refused_leaves_no_older_software_c
         for receipt in newer:
             receipt.identity.created_at = (datetime.fromisoformat(receipt.identity.created_at)
                                            + timedelta(days=3)).isoformat()
+            if software != "sw-1":  # new software: other packages, not only another fingerprint
+                receipt.identity.software = {**receipt.identity.software, "torch": "9.9.9"}
             receipt.identity.status = Status.disqualified
             receipt.disqualifiers.append(Disqualifier(code=Code.LOW_PRIORITY, detail="niceness 15"))
         return newer
@@ -369,6 +372,33 @@ def test_a_newest_round_whose_blocks_were_all_refused_leaves_no_older_software_c
     result = promote(lane_a + lane_b + refused_later("sw-1"), policy_path=policy, defaults_path=DEFAULTS)
     assert {v.lane_key: v.verdict for v in result.verdicts}[lane_b_key] == "PROMOTE"
     assert [c.scope for c in result.changes] == ["global"]
+
+
+def test_a_refused_crash_of_the_newest_block_is_a_failure_not_an_unread_arm(policy: Policy) -> None:
+    # The candidate of the newest block crashed before observing its hardware (its fingerprint hashes none) and its
+    # baseline never ran: the block is refused, its crash counted by the failure rate. Its fingerprint matches no
+    # block's, but its packages and code do: it is the lane's software, not an unmeasured newer one (helper 16).
+    from datetime import datetime, timedelta
+
+    receipts = [r.model_copy(deep=True) for r in simulate(Sim(features=[moe(1.10)], **QUIET), 0)]
+    newest = max((r for r in receipts if r.identity.feature), key=lambda r: r.identity.created_at)
+    block = (newest.identity.sweep_id, newest.identity.block_id)
+    kept = []
+    for receipt in receipts:
+        ident = receipt.identity
+        if (ident.sweep_id, ident.block_id) == block:
+            if ident.arm.value == "baseline":
+                continue
+            ident.status, ident.hardware_fingerprint, ident.software_fingerprint = Status.failed, None, "sw-unobserved"
+            ident.created_at = (datetime.fromisoformat(ident.created_at) + timedelta(hours=1)).isoformat()
+            receipt.projection = None
+        kept.append(receipt)
+    result = promote(kept, policy_path=policy, defaults_path=DEFAULTS)
+    (v,) = result.verdicts
+    assert len(result.refusals) == 1 and "partner arm is missing" in result.refusals[0].reason
+    clauses = {c.name: c for c in v.clauses}
+    assert clauses["every_arm_read"].passed, clauses["every_arm_read"].detail
+    assert "with the arms of 1 refused block(s)" in clauses["failure_rate"].detail
 
 
 def test_a_deleted_unobserved_crash_of_superseded_software_holds_nothing_now(policy: Policy) -> None:
