@@ -196,7 +196,7 @@ def _refused_newer(refusals: list[Refusal], valid: list[Receipt], blocks: list[B
     for refusal in refusals:
         if not (refusal.feature and refusal.feature != BUNDLE and refusal.lane_key and refusal.ran_a_registered_value):
             continue
-        why = textwrap.shorten(redact_text(refusal.reason), width=100, placeholder=" ...")
+        why = _quoted(refusal.reason)
         for receipt in (by_id[rid] for rid in refusal.receipt_ids if rid in by_id):
             ident = receipt.identity
             if ident.arm.value != "candidate" or ident.status.value == "failed" \
@@ -244,15 +244,16 @@ def _unjudged_lanes(unread: list[UnreadArm], left_out: list[Receipt], refusals: 
     unreadable, or in blocks that were all refused (a lane with a test of the feature is dropped by
     ``plan_changes``, which keeps the others from a global flip and, by shape, from an override). Simulated arms
     and unregistered values ran no value the registry can promote: they say nothing of the lane."""
-    shapes = {r.identity.receipt_id: shape_key(r.requested.lane, policy) for r in [*left_out, *valid]}
+    readable = {r.identity.receipt_id: r for r in [*left_out, *valid]}
     causes: dict[tuple[str, str], dict[str, str]] = defaultdict(dict)
     lane_shapes: dict[tuple[str, str], str] = {}
 
     def note(feature: str, lane_key: str, kind: str, cause: str, receipt_ids: Iterable[str]) -> None:
         causes[feature, lane_key].setdefault(kind, cause)  # the first refusal of a lane, in block order
-        for receipt_id in receipt_ids:
-            if receipt_id in shapes:
-                lane_shapes[feature, lane_key] = shapes[receipt_id]
+        if (feature, lane_key) not in lane_shapes:  # one shape per lane, hashed only for the lanes noted
+            known = next((readable[rid] for rid in receipt_ids if rid in readable), None)
+            if known is not None:
+                lane_shapes[feature, lane_key] = shape_key(known.requested.lane, policy)
 
     for arm in unread:
         if arm.feature:
@@ -261,16 +262,21 @@ def _unjudged_lanes(unread: list[UnreadArm], left_out: list[Receipt], refusals: 
     for refusal in sorted(refusals, key=lambda r: (r.round_id or "", r.block_id)):
         if refusal.feature and refusal.lane_key and refusal.ran_a_registered_value:
             # Whatever refused them (a disqualified baseline, a missing partner, a replayed copy): nothing measured
-            # the feature there, so nothing says it does not lose there. Redacted before it is cut: a URL's
-            # password must not survive because its "@" fell past the cut.
-            why = textwrap.shorten(redact_text(refusal.reason), width=100, placeholder=" ...")
-            note(refusal.feature, refusal.lane_key, REFUSED, f"{REFUSED}, e.g. '{why}'", refusal.receipt_ids)
+            # the feature there, so nothing says it does not lose there.
+            note(refusal.feature, refusal.lane_key, REFUSED, f"{REFUSED}, e.g. '{_quoted(refusal.reason)}'",
+                 refusal.receipt_ids)
     lanes: dict[str, dict[str, UnjudgedLane]] = defaultdict(dict)
     for (feature, lane_key), by_kind in causes.items():
         lanes[feature][lane_key] = UnjudgedLane(
             why=" and ".join(by_kind[kind] for kind in (LEFT_OUT, UNREADABLE, REFUSED) if kind in by_kind),
             left_out=LEFT_OUT in by_kind, shape=lane_shapes.get((feature, lane_key)))
     return lanes
+
+
+def _quoted(reason: str) -> str:
+    """A refusal's reason as a verdict or change quotes it: redacted before it is cut (a URL's password must not
+    survive because its "@" fell past the cut), cut at a word."""
+    return textwrap.shorten(redact_text(reason), width=100, placeholder=" ...")
 
 
 LEFT_OUT = "left out by the --sweep selection"

@@ -106,8 +106,9 @@ def check_sqlite_store(uri: str, must_exist: bool = False, every_page: bool = Tr
     ``every_page`` (a writer: a sweep, a sync) reads every page of the file (``PRAGMA quick_check``), which finds
     damage anywhere before anything is written into it. A reader passes False: SQLite checks the header (garbage,
     a file shorter than its header says) and a damaged or missing page is reported when a read reaches it
-    (``mlflow_store.store_failure``); pages no read reaches cannot change what it reads. Reading every page of a 10,000-receipt store (460 MB) cost a promotion
-    2 s with a cold page cache, for pages (metrics, mostly) it never reads."""
+    (``mlflow_store.store_failure``); pages no read reaches cannot change what it reads. Reading every page of a
+    10,000-receipt store (460 MB) cost a promotion 2 s with a cold page cache, for pages (metrics, mostly) it never
+    reads."""
     import sqlite3
 
     path = sqlite_path(uri)
