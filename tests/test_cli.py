@@ -202,7 +202,7 @@ def test_validate_passes_on_the_promotion_branch_and_names_what_it_skips(tmp_pat
     shutil.copytree(REPO / "search_spaces", spaces)
     verdicts = [FeatureVerdict(feature="mamba_scan", value="chunked", baseline_value="sequential", kind="speed",
                                lane_key=f"lane-{device}", software_fingerprint="sw-1", verdict=PROMOTE,
-                               lane_shape=lane_shape(flatten(lane_to_dict(load_sweep(spaces / name)[0].lane))),
+                               lane_shape=lane_shape(flatten(lane_to_dict(load_sweep(spaces / name)[0].lane)), device),
                                device_class=device, speedup=1.2, ci95=(1.1, 1.3), n_blocks=12, n_hosts=3)
                 for device, name in (("cpu", "smoke.yaml"), ("cuda", "nam56r_gpu.yaml"))]
     defaults = spaces / "defaults.yaml"

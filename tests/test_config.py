@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ablate.config import load
+from ablate.config.auto_device import local_device_class
 from ablate.config.features import FEATURES
 from ablate.config.load import default_lane_with, load_sweep, structured, with_feature
 from ablate.config.schema import ConfigError, LaneConfig, MoEDispatch, SweepConfig
@@ -192,7 +193,23 @@ def test_lane_shape_ignores_features_and_seeds_but_not_the_horizon() -> None:
     # The horizon decides which value wins (one-time vs recurring cost): another horizon is another lane.
     assert lane_shape(_flat(**{"budget.horizon_steps": 500})) != base
     assert lane_shape(_flat(**{"batch.seq_len": 128})) != base
-    assert load.lane_shape_of(LaneConfig()) == base
+    assert load.lane_shape_of(LaneConfig(), "cpu") == lane_shape(_flat(), "cpu")
+
+
+def test_lane_shape_resolves_device_auto_to_the_device_the_arms_ran_on() -> None:
+    from ablate.config.lane_shape import lane_shape
+
+    auto = _flat()
+    assert auto["hardware.device"] == "auto"
+    on_cpu, on_cuda = lane_shape(auto, "cpu"), lane_shape(auto, "cuda")
+    # A value won on CPU says nothing of the GPU runs of an auto lane: two devices, two shapes ...
+    assert on_cpu != on_cuda and lane_shape(auto) not in (on_cpu, on_cuda)
+    # ... and an auto lane that ran on CPU is the lane with device: cpu written out.
+    assert on_cpu == lane_shape(_flat(**{"hardware.device": "cpu"}))
+    assert lane_shape(_flat(**{"hardware.device": "cpu"}), "cuda") == on_cpu  # a written-out device stays
+    assert lane_shape(auto, "unknown") == lane_shape(auto)  # a receipt that observed no device class
+    # A sweep plans an auto lane for this machine's device (CPU here: CI has no GPU).
+    assert load.lane_shape_of(LaneConfig()) == lane_shape(auto, local_device_class())
 
 
 def _defaults_with_override(shape: str, value: str = "jagged") -> str:
@@ -202,6 +219,38 @@ def _defaults_with_override(shape: str, value: str = "jagged") -> str:
     return text.replace("  moe_dispatch:\n", "  moe_dispatch:\n" + override, 1)
 
 
+def test_a_lane_override_won_on_one_device_is_not_the_baseline_of_an_auto_lane_on_another(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ablate.config import auto_device
+
+    lane = "lane: {batch: {seq_len: 32}}\nfeatures: {mamba_scan: [chunked]}\n"  # hardware.device: auto
+    won_on_cpu = load.lane_shape_of(load_sweep(_write(tmp_path, lane))[0].lane, "cpu")
+    defaults_text = _defaults_with_override(won_on_cpu)
+    for machine, baseline in (("cpu", MoEDispatch.jagged), ("cuda", MoEDispatch.padded)):
+        monkeypatch.setattr(auto_device, "local_device_class", lambda machine=machine: machine)
+        sweep, _ = load_sweep(_write(tmp_path, lane, defaults_text))
+        assert sweep.lane.features.moe_dispatch is baseline, machine
+    # The lane with its device written out runs the override wherever it is planned.
+    written_out = "lane: {batch: {seq_len: 32}, hardware: {device: cpu}}\nfeatures: {mamba_scan: [chunked]}\n"
+    assert load_sweep(_write(tmp_path, written_out, defaults_text))[0].lane.features.moe_dispatch is \
+        MoEDispatch.jagged
+
+
+def test_an_override_keyed_by_an_auto_lane_as_written_is_not_applied_and_says_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from ablate.config.lane_shape import lane_shape
+
+    lane = "lane: {batch: {seq_len: 32}}\nfeatures: {mamba_scan: [chunked]}\n"
+    sweep = load_sweep(_write(tmp_path, lane))[0]
+    written = lane_shape(load.flat_lane(sweep.lane))  # how overrides were keyed before the device was resolved
+    with caplog.at_level("WARNING", logger="ablate.config.load"):
+        again, _ = load_sweep(_write(tmp_path, lane, _defaults_with_override(written)))
+    assert again.lane.features.moe_dispatch is MoEDispatch.padded  # won on some device: nothing says which
+    [line] = [r.getMessage() for r in caplog.records]
+    assert f"features.moe_dispatch.lane_overrides[{written}] ('jagged')" in line
+    assert f"cpu: {load.lane_shape_of(sweep.lane, 'cpu')}" in line and "is not applied" in line
+
+
 def test_a_lane_override_is_the_baseline_of_its_lane_only(tmp_path: Path) -> None:
     lane_a = "lane: {batch: {seq_len: 32}}\nfeatures: {mamba_scan: [chunked]}\n"
     shape_a = load.lane_shape_of(load_sweep(_write(tmp_path, lane_a))[0].lane)
@@ -209,7 +258,8 @@ def test_a_lane_override_is_the_baseline_of_its_lane_only(tmp_path: Path) -> Non
     sweep_a, defaults = load_sweep(_write(tmp_path, lane_a, defaults_text))
     assert sweep_a.lane.features.moe_dispatch is MoEDispatch.jagged  # the lane's baseline runs its override
     assert defaults.values["moe_dispatch"] == "padded"  # the global value stays
-    assert defaults.effective(load.flatten(load.lane_to_dict(sweep_a.lane)))["moe_dispatch"] == "jagged"
+    assert defaults.effective(load.flatten(load.lane_to_dict(sweep_a.lane)),
+                              local_device_class())["moe_dispatch"] == "jagged"
     other = tmp_path / "other"
     other.mkdir()
     sweep_b, _ = load_sweep(_write(other, "lane: {batch: {seq_len: 128}}\nfeatures: {mamba_scan: [chunked]}\n",

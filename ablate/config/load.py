@@ -13,6 +13,7 @@ import enum
 import functools
 import glob
 import json
+import logging
 import re
 import typing
 from dataclasses import dataclass, field
@@ -25,9 +26,12 @@ from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 from ruamel.yaml.nodes import MappingNode, SequenceNode
 
+from ablate.config import auto_device
 from ablate.config.features import FEATURES, feature
-from ablate.config.lane_shape import lane_shape
+from ablate.config.lane_shape import AUTO, lane_shape
 from ablate.config.schema import ConfigError, LaneConfig, SweepConfig
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -240,9 +244,10 @@ class Defaults:
             return effective[name]
         return reference_value(name)
 
-    def effective(self, flat_lane: Mapping[str, Any]) -> dict[str, Any]:
-        """Feature -> value for this lane (``flatten(lane_to_dict(lane))`` form, as receipts record it)."""
-        return self.for_shape(lane_shape(flat_lane))
+    def effective(self, flat_lane: Mapping[str, Any], device: Optional[str] = None) -> dict[str, Any]:
+        """Feature -> value for this lane (``flatten(lane_to_dict(lane))`` form, as receipts record it) on ``device``
+        (what ``hardware.device: auto`` resolves to; ``ablate.config.lane_shape``)."""
+        return self.for_shape(lane_shape(flat_lane, device))
 
     def moved_to(self, name: str, value: Any, shape: str) -> Optional[str]:
         """Why ``value`` is the lane's default because defaults.yaml moved it there, or None when it is not.
@@ -410,18 +415,22 @@ def flat_lane(lane: LaneConfig) -> dict[str, Any]:
     return flatten(lane_to_dict(lane))
 
 
-def lane_shape_of(lane: LaneConfig) -> str:
-    return lane_shape(flat_lane(lane))
+def lane_shape_of(lane: LaneConfig, device: Optional[str] = None) -> str:
+    """The shape a sweep of ``lane`` runs as: ``auto`` resolved to ``device``, by default the device the sweep plans
+    for (``ablate.config.auto_device.planned_device``)."""
+    return lane_shape(flat_lane(lane), device or auto_device.planned_device(lane))
 
 
-def apply_defaults(lane: LaneConfig, defaults: Defaults, explicit: dict[str, Any]) -> LaneConfig:
+def apply_defaults(lane: LaneConfig, defaults: Defaults, explicit: dict[str, Any],
+                   device: Optional[str] = None) -> LaneConfig:
     """Defaults give every feature its baseline value unless the sweep's lane sets that field explicitly.
 
-    The baseline is the lane's *effective* default: a lane override recorded for this lane's shape beats the
-    global value, so a lane-scoped promotion is what the next campaign on that lane measures against.
+    The baseline is the lane's *effective* default: a lane override recorded for this lane's shape (``auto``
+    resolved to ``device``, by default the planned one: ``lane_shape_of``) beats the global value, so a
+    lane-scoped promotion is what the next campaign on that lane measures against.
     """
     flat_explicit = flatten(explicit or {})
-    for name, value in defaults.effective(flat_lane(lane)).items():
+    for name, value in defaults.for_shape(lane_shape_of(lane, device)).items():
         if FEATURES[name].path not in flat_explicit:
             lane = with_feature(lane, name, value, key=f"{defaults.path}: features")
     return lane
@@ -466,8 +475,24 @@ def load_sweep(path: str | Path) -> tuple[SweepConfig, Defaults]:
     defaults = load_defaults(defaults_path)
     explicit_lane = (data or {}).get("lane") or {}
     sweep.lane = apply_defaults(sweep.lane, defaults, explicit_lane)
+    for line in unresolved_overrides(sweep.lane, defaults):
+        log.warning("%s", line)
     validate_features(sweep, defaults, explicit_lane)
     return sweep, defaults
+
+
+def unresolved_overrides(lane: LaneConfig, defaults: Defaults) -> list[str]:
+    """One line per lane override keyed by the shape of this ``auto`` lane as written (``device: auto``), as
+    overrides were before they were keyed by the device they were won on: not applied, since nothing says on which
+    device it was won (its evidence record in the file does: ``device_class``)."""
+    if lane.hardware.device.value != AUTO:
+        return []
+    written = lane_shape(flat_lane(lane))
+    where = defaults.path or "defaults.yaml"
+    keys = ", ".join(f"{device}: {lane_shape_of(lane, device)}" for device in ("cpu", "cuda"))
+    return [f"{where}: features.{name}.lane_overrides[{written}] ({by_shape[written].value!r}) is keyed by this "
+            f"lane with hardware.device: auto and is not applied; key it by the lane on the device its evidence ran "
+            f"on ({keys})" for name, by_shape in sorted(defaults.overrides.items()) if written in by_shape]
 
 
 def already_default_reason(moved: Optional[str] = None) -> str:

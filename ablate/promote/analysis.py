@@ -464,7 +464,7 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
     verdict = FeatureVerdict(feature=test.feature, value=test.value, baseline_value=test.baseline_value,
                              kind=test.kind, lane_key=test.lane_key, software_fingerprint=test.software_fingerprint)
     blocks = test.blocks
-    verdict.lane_shape = shape_key(blocks[0].lane, policy) if blocks else ""
+    verdict.lane_shape = shape_key(blocks[0].lane, policy, blocks[0].device_class) if blocks else ""
     verdict.receipt_ids = [rid for b in blocks for rid in b.receipt_ids()]
     verdict.until_decided_rounds = sorted({b.round_id for b in blocks if b.schedule == "until_decided"})
     verdict.delta = calibration.delta(policy)

@@ -38,7 +38,7 @@ from ablate.promote.bundle import check_bundles, held_keys
 from ablate.promote.defaults_writer import UnjudgedLane, find_revalidations, plan_changes
 from ablate.promote.evidence import (Calibration, SweepWindow, TestEvidence, epoch_s, organise, rounds_of_test,
                                      shape_key, startup_outliers, sweep_windows)
-from ablate.promote.match import BUNDLE, Block, Refusal, match_blocks, software_key
+from ablate.promote.match import BUNDLE, Block, Refusal, device_class, match_blocks, software_key
 from ablate.promote.policy import Policy, load_policy
 from ablate.promote.report import LaneSummary, PromotionResult
 from ablate.promote.rule import apply_holm, decide_all, sprt_of
@@ -253,7 +253,7 @@ def _unjudged_lanes(unread: list[UnreadArm], left_out: list[Receipt], refusals: 
         if (feature, lane_key) not in lane_shapes:  # one shape per lane, hashed only for the lanes noted
             known = next((readable[rid] for rid in receipt_ids if rid in readable), None)
             if known is not None:
-                lane_shapes[feature, lane_key] = shape_key(known.requested.lane, policy)
+                lane_shapes[feature, lane_key] = shape_key(known.requested.lane, policy, device_class(known))
 
     for arm in unread:
         if arm.feature:

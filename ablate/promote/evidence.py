@@ -31,6 +31,7 @@ from typing import Any, Iterable, Optional
 import numpy as np
 
 from ablate.config.features import FEATURES
+from ablate.config.lane_shape import on_device
 from ablate.promote.match import ArmView, Block, Refusal, RefusedArm
 from ablate.promote.policy import Policy
 from ablate.promote.stats import (abs_quantile, bootstrap_clusters, bootstrap_hl, hodges_lehmann, normal_abs_quantile,
@@ -143,14 +144,16 @@ class Calibration:
         return max(policy.quality.min_epsilon, self.loss_spread or 0.0)
 
 
-def shape_key(lane: dict[str, Any], policy: Policy) -> str:
-    """The lane without any feature toggle or replication key: stays the same when a default flips.
+def shape_key(lane: dict[str, Any], policy: Policy, device: Optional[str] = None) -> str:
+    """The lane without any feature toggle or replication key: stays the same when a default flips. ``device``:
+    the device class the arms ran on, which ``hardware.device: auto`` resolves to (``ablate.config.lane_shape``).
 
     A lane key hashes the baseline lane, so promoting a value changes the key of every later campaign; the
     shape key is what links recorded evidence to later measurements of "the same lane" for revalidation.
     """
     skip = {spec.path for spec in FEATURES.values()} | set(policy.matching.replication_keys)
-    text = json.dumps({k: v for k, v in lane.items() if k not in skip}, sort_keys=True, default=str)
+    text = json.dumps({k: v for k, v in on_device(lane, device).items() if k not in skip}, sort_keys=True,
+                      default=str)
     return "shape-" + hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -334,7 +337,8 @@ def _lane_states(blocks: list[Block], policy: Policy) -> dict[str, LaneState]:
         current = members[-1].software_fingerprint
         fingerprints.remove(current)
         fingerprints.append(current)
-        states[lane_key] = LaneState(lane_key=lane_key, shape_key=shape_key(members[-1].lane, policy),
+        states[lane_key] = LaneState(lane_key=lane_key, shape_key=shape_key(members[-1].lane, policy,
+                                                                               members[-1].device_class),
                                      last_at=members[-1].created_at, current_fingerprint=current,
                                      fingerprints=fingerprints,
                                      lane=members[-1].lane, hosts=sorted({b.host for b in members}))

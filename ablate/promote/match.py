@@ -285,6 +285,11 @@ def _threads(hardware: dict[str, Any]) -> Optional[int]:
     return value if isinstance(value, int) else None
 
 
+def device_class(receipt: Receipt) -> str:
+    """The device type the arm ran on (``observed.hardware.kind``), else the one it asked for."""
+    return str(receipt.observed.hardware.get("kind") or receipt.requested.device)
+
+
 def _arm_view(receipt: Receipt, policy: Policy) -> ArmView:
     ident = receipt.identity
     failed = ident.status.value == "failed"
@@ -313,7 +318,6 @@ def _arm_view(receipt: Receipt, policy: Policy) -> ArmView:
     memory = receipt.memory
     peak = memory.peak_allocated_bytes if memory.kind == "cuda" else memory.peak_rss_bytes
     proj = receipt.projection
-    hardware_kind = str(receipt.observed.hardware.get("kind") or receipt.requested.device)
     return ArmView(
         receipt_id=ident.receipt_id, role=ident.arm.value, arm_index=ident.arm_index, order=ident.order,
         attempt=ident.attempt, status=ident.status.value,
@@ -326,7 +330,7 @@ def _arm_view(receipt: Receipt, policy: Policy) -> ArmView:
         recurring_step_s=proj.recurring_step_s if proj is not None else None,
         warm_budget_steps=proj.warm_budget_steps if proj is not None else 0,
         startup_s=receipt.time.badput_s.get("startup"), wall_s=receipt.time.wall_s,
-        contended=receipt.host_load.contended, device_class=hardware_kind,
+        contended=receipt.host_load.contended, device_class=device_class(receipt),
         threads=_threads(receipt.observed.hardware),
         execution=json.dumps(execution_record(receipt), sort_keys=True, default=str),
         gate_details=tuple(details),

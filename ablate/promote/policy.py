@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from ablate.config.features import FEATURES
-from ablate.config.lane_shape import REPLICATION_KEYS
+from ablate.config.lane_shape import DEVICE_CLASSES, REPLICATION_KEYS
 from ablate.config.load import read_yaml
 from ablate.config.schema import ConfigError
 from ablate.receipts.schema import CompileRecord, Quality, Severity
@@ -339,8 +339,6 @@ EXACT_COUNTERS: tuple[str, ...] = tuple(
 """The integer counters of a receipt's ``observed.compile`` record; a misspelled one would read as None on every
 receipt and silently turn the exact-counter gate off."""
 QUALITY_METRICS: tuple[str, ...] = tuple(Quality.model_fields)
-DEVICE_CLASSES = ("cpu", "cuda")
-"""Observed device types a receipt can carry (``ablate.promote.match`` reads it from observed.hardware)."""
 REPLICATION_KEYS_ALLOWED: tuple[str, ...] = REPLICATION_KEYS
 """Replication keys may only be the lane's seeds (``seed``, ``data.seed``): the keys ``lane_shape`` leaves out.
 Every other lane field (model, batch, precision, compile, engine, data path, budget, hardware) defines the lane or

@@ -77,6 +77,8 @@ class Target:
     policy: Optional[str]
     replaced: Any = None
     """Global scope: the global value the promotion replaced (records written before it was kept: None)."""
+    device_class: Optional[str] = None
+    """The device type the value was won on (``cpu``, ``cuda``): a re-test on another one is another lane."""
 
     @property
     def where(self) -> str:
@@ -168,7 +170,7 @@ def _target(feature: str, record: Mapping[str, Any], mark: Mapping[str, Any]) ->
                   campaign=str(record.get("campaign") or ""),
                   recorded_fingerprint=str(record.get("software_fingerprint")),
                   current_fingerprint=str(mark.get("current_fingerprint")), policy=record.get("policy"),
-                  replaced=record.get("replaced"))
+                  replaced=record.get("replaced"), device_class=record.get("device_class") or None)
 
 
 # --- 2. the campaign that re-tests it ---
@@ -430,6 +432,13 @@ def outcome_of(target: Target, v: Optional[FeatureVerdict], policy: Policy, *, r
                              else (None, ""))
     if v is None:
         outcome, reason = UNCONFIRMED, "the re-test gave no verdict for this value on this lane (no usable block)"
+    elif target.device_class and v.device_class and v.device_class != target.device_class:
+        # A lane with hardware.device: auto runs where its cluster puts it: a CUDA re-test of a value won on CPU
+        # measures another lane, and must neither confirm it nor demote it.
+        outcome, reason = UNCONFIRMED, (f"re-tested on {v.device_class} ({v.verdict}), but the value was won on "
+                                        f"{target.device_class}: re-test it where its arms ran (a machine whose "
+                                        f"cluster runs the lane on {target.device_class}); the value stays, still "
+                                        f"marked")
     elif v.software_fingerprint == target.recorded_fingerprint:
         outcome, reason = UNCONFIRMED, (f"re-tested under the software it was promoted on ({v.software_fingerprint}), "
                                         f"which says nothing about the new software ({v.verdict}: {v.reason}); the "

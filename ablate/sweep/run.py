@@ -52,7 +52,10 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 from ray.tune import Callback
 
-from ablate.config.load import flatten, lane_to_dict, load_sweep
+from ablate.config.auto_device import cluster_device, planned_device
+from ablate.config.features import FEATURES
+from ablate.config.lane_shape import AUTO
+from ablate.config.load import Defaults, apply_defaults, flatten, lane_to_dict, load_sweep, read_yaml
 from ablate.config.schema import ConfigError, SweepConfig
 from ablate.receipts.outline import ArmOutline, outline
 from ablate.receipts.schema import SIMULATED_EXECUTOR, InvalidReceipt, Receipt, Status, validate_receipt
@@ -547,8 +550,9 @@ def _parent_params(sweep: SweepConfig, plan: SweepPlan, capacity: Capacity, camp
 
 
 def _sweep_identity(path: Path, resume: bool, storage: Optional[str]
-                    ) -> tuple[SweepConfig, Layout, SweepPlan, dict[str, Any]]:
-    """The campaign, where it lives, its plan and (resume) the metadata of the sweep being continued."""
+                    ) -> tuple[SweepConfig, Defaults, Layout, SweepPlan, dict[str, Any]]:
+    """The campaign, its defaults, where it lives, its plan and (resume) the metadata of the sweep being
+    continued."""
     sweep, defaults = load_sweep(path)
     layout = Layout.for_campaign(sweep.name, storage or sweep.tracking.storage)
     meta: dict[str, Any] = {}
@@ -564,7 +568,25 @@ def _sweep_identity(path: Path, resume: bool, storage: Optional[str]
     if resume and meta.get("plan_fingerprint") != plan.fingerprint():
         raise ConfigError("--resume", str(path), f"the campaign as it was when sweep {plan.sweep_id} started (its "
                                                  f"blocks changed since; start a new sweep without --resume)")
-    return sweep, layout, plan, meta
+    return sweep, defaults, layout, plan, meta
+
+
+def _check_auto_device(path: Path, sweep: SweepConfig, defaults: Defaults, cluster_gpus: float) -> None:
+    """Refuse a lane with ``hardware.device: auto`` that was planned for this machine's device when the cluster
+    runs its arms on another and defaults.yaml gives that device other baselines (a lane override is won on one
+    device class: ``ablate.config.lane_shape``). Before anything is written or run."""
+    planned, resolved = planned_device(sweep.lane), cluster_device(sweep.lane, cluster_gpus)
+    if planned == resolved:
+        return
+    explicit = (read_yaml(path) or {}).get("lane") or {}
+    there = apply_defaults(sweep.lane, defaults, explicit, device=resolved)
+    moved = [f"{name}: {spec.get(sweep.lane)!r} planned, {spec.get(there)!r} on {resolved}"
+             for name, spec in sorted(FEATURES.items()) if spec.get(there) != spec.get(sweep.lane)]
+    if moved:
+        raise ConfigError("lane.hardware.device", AUTO,
+                          f"cpu or cuda written out: this machine plans the lane for {planned}, but the cluster "
+                          f"runs its arms on {resolved}, where {defaults.path or 'defaults.yaml'} gives other "
+                          f"baselines ({'; '.join(moved)}); a lane override holds on the device it was won on")
 
 
 def _targets_record(placement: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -821,7 +843,7 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
     """
     started = time.monotonic()
     path = Path(path)
-    sweep, layout, plan, meta = _sweep_identity(path, resume, storage)
+    sweep, defaults, layout, plan, meta = _sweep_identity(path, resume, storage)
     started_as = (meta.get("params") or {}).get("schedule", "fixed")
     if resume and started_as == "until_decided" and searcher_factory is None:
         # Tune would restore the round's searcher anyway; without the flag its receipts would claim a fixed
@@ -841,7 +863,8 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
                               + (["--tracking-uri", shown(uri)] if tracking_uri else []))
     try:
         with _faults_in_one_line(), _quiet_libraries():
-            return _run_locked(path, sweep, layout, plan, meta, uri, resume=resume, progress=progress,
+            return _run_locked(path, sweep, layout, plan, meta, uri, defaults=defaults, resume=resume,
+                               progress=progress,
                                inject=inject, started=started, resume_command=resume_command,
                                searcher_factory=searcher_factory, simulate_arms=simulate_arms)
     finally:
@@ -849,8 +872,8 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
 
 
 def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan, meta: dict[str, Any], uri: str, *,
-                resume: bool, progress: bool, inject: Optional[Mapping[str, dict[str, Any]]], started: float,
-                resume_command: str, searcher_factory: Optional[Callable[[SweepPlan], Any]] = None,
+                defaults: Defaults, resume: bool, progress: bool, inject: Optional[Mapping[str, dict[str, Any]]],
+                started: float, resume_command: str, searcher_factory: Optional[Callable[[SweepPlan], Any]] = None,
                 simulate_arms: bool = False) -> SweepSummary:
     import ray
     from ray import tune
@@ -862,7 +885,9 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
     store: Optional[MlflowStore] = None
     recorder: Optional[_Recorder] = None
     try:
-        sweep.resources = gpu_resources(sweep.lane, sweep.resources, ray.cluster_resources().get("GPU", 0.0))
+        cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
+        _check_auto_device(path, sweep, defaults, cluster_gpus)
+        sweep.resources = gpu_resources(sweep.lane, sweep.resources, cluster_gpus)
         need = block_need(plan.blocks, sweep.resources)
         capacity = check_cluster(need, campaign=sweep.name, max_concurrent_blocks=sweep.resources.max_concurrent_blocks,
                                  num_blocks=len(plan.blocks))

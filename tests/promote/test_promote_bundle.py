@@ -254,7 +254,7 @@ def test_a_global_flip_onto_a_lane_override_an_earlier_write_made_is_held_until_
     first = promote(simulate(Sim(features=[mamba], lane=cpu_lane, device="cpu", block_prefix="B-", **quiet), 0),
                     policy_path=policy, defaults_path=defaults_file)
     write_defaults(first, defaults_file)
-    shape = lane_shape(cpu_lane)
+    shape = lane_shape(cpu_lane, "cpu")  # the lane says device auto; its arms ran on CPU
     assert load_defaults(defaults_file).for_shape(shape)["mamba_scan"] == "chunked"
     assert load_defaults(defaults_file).values["mamba_scan"] == "sequential"
 

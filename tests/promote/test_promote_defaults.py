@@ -506,3 +506,23 @@ def test_a_win_that_holds_only_for_short_runs_never_flips_the_global_default(pol
         assert change.scope == "lane" and list(change.overrides.values()) == ["jagged"]
         assert any(why.startswith("it wins only for runs shorter than ") and "horizon of 200 steps" in why
                    for why in change.not_global), change.not_global
+
+
+def test_an_auto_lane_won_on_cpu_gets_an_override_for_its_cpu_runs_only(policy: Policy, defaults_file: Path) -> None:
+    """``hardware.device: auto`` runs on CUDA where a cluster has GPUs: a win measured on CPU is the lane's baseline
+    on CPU only (before, the override was keyed by the lane as written, ``auto``, and reached its GPU runs)."""
+    from ablate.config.lane_shape import lane_shape
+
+    lane = base_lane()
+    assert lane["hardware.device"] == "auto"
+    result = promote(simulate(Sim(features=[moe(1.05)], lane=lane, device="cpu", **QUIET), 0), policy_path=policy,
+                     defaults_path=defaults_file)
+    [change] = result.changes
+    assert change.scope == "lane"  # CPU evidence never flips a global value (scope.global_device_classes)
+    assert change.overrides == {lane_shape(lane, "cpu"): "jagged"}
+    write_defaults(result, defaults_file)
+    defaults = load_defaults(defaults_file)
+    assert defaults.effective(lane, "cpu")["moe_dispatch"] == "jagged"
+    assert defaults.effective(lane, "cuda")["moe_dispatch"] == "padded"
+    # The same lane with its device written out is the lane its CPU arms ran.
+    assert defaults.effective({**lane, "hardware.device": "cpu"})["moe_dispatch"] == "jagged"

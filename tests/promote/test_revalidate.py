@@ -179,6 +179,20 @@ def test_a_retest_with_a_clear_win_confirms_the_value_and_resolves_the_mark(poli
     assert result.changes == []  # nothing in the defaults diff: the value stays
 
 
+def test_a_retest_on_another_device_neither_demotes_nor_confirms(policy: Policy, tmp_path: Path) -> None:
+    """The tiny lane says hardware.device: auto and its win was measured on CUDA: a re-test whose cluster ran it on
+    CPU measured another lane (before, its REJECT demoted the GPU win)."""
+    m = mark_jagged(tmp_path, policy)
+    assert m.flat["hardware.device"] == "auto" and record(m.defaults)["device_class"] == "cuda"
+    result = retest(m, policy, tmp_path, retest_sim(m, moe(0.95), device="cpu"))
+    [v] = result.verdicts
+    assert (v.verdict, v.device_class) == (REJECT, "cpu")
+    [o] = result.revalidations
+    assert o.outcome == UNCONFIRMED and "re-tested on cpu (REJECT), but the value was won on cuda" in o.reason
+    assert load_defaults(m.defaults).values["moe_dispatch"] == "jagged"
+    assert record(m.defaults)["revalidate"]["required"] is True  # still marked: a re-test on CUDA can settle it
+
+
 def test_a_confirmed_global_value_is_still_demoted_when_a_later_retest_finds_the_win_gone(
         policy: Policy, tmp_path: Path) -> None:
     # Hole: the confirming record was written without ``replaced``, so after the next software change a re-test
@@ -718,7 +732,7 @@ def test_one_lanes_lost_win_puts_back_that_lane_only_while_another_lane_still_ho
     reached GPU lanes too (found in review). Now B's shape goes back to padded, the global value stays, and A is
     marked for a re-test; once A's win is gone too, the global value goes back."""
     defaults, keys, flats = two_marked_lanes(tmp_path, policy, again="B")
-    shapes = {k: shape_key(flats[k], policy) for k in "AB"}
+    shapes = {k: shape_key(flats[k], policy, "cuda") for k in "AB"}  # the simulated arms ran on CUDA
 
     def retest_lane(k: str, seed: int) -> object:
         targets, refused, _ = find_targets(defaults)
@@ -759,7 +773,7 @@ def test_a_lane_that_confirmed_under_the_retests_software_holds_the_value_up_wit
     record holds the global value up, and is not marked for a sw-2 re-test: that re-test could only end "still
     unconfirmed", which is sticky and would block the re-test a later software needs (found in review)."""
     defaults, keys, flats = two_marked_lanes(tmp_path, policy)
-    shapes = {k: shape_key(flats[k], policy) for k in "AB"}
+    shapes = {k: shape_key(flats[k], policy, "cuda") for k in "AB"}  # the simulated arms ran on CUDA
     for seed, (k, effect, outcome) in enumerate((("A", 1.05, CONFIRMED), ("B", 0.95, DEMOTED)), start=7):
         targets = [t for t in find_targets(defaults)[0] if t.lane_key == keys[k]]
         sim = Sim(features=[moe(effect)], lane=flats[k], horizon=flats[k]["budget.horizon_steps"],

@@ -190,9 +190,9 @@ def _promote(defaults_path: Path, feature: str, value: str, lanes: dict[str, dic
     from ablate.promote.policy import load_policy
 
     defaults = load_defaults(defaults_path)
-    verdicts = [FeatureVerdict(feature=feature, value=value, baseline_value=defaults.effective(lane)[feature],
+    verdicts = [FeatureVerdict(feature=feature, value=value, baseline_value=defaults.effective(lane, device)[feature],
                                kind="speed", lane_key=f"lane-{device}", software_fingerprint="sw-1",
-                               lane_shape=lane_shape(lane), device_class=device, verdict=PROMOTE, speedup=1.1,
+                               lane_shape=lane_shape(lane, device), device_class=device, verdict=PROMOTE, speedup=1.1,
                                ci95=(1.05, 1.15), n_blocks=12, n_hosts=3)
                 for device, lane in lanes.items()]
     changes = plan_changes(verdicts, defaults, load_policy(POLICY), report_id=report, campaign="test",

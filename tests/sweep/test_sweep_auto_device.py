@@ -1,0 +1,109 @@
+"""A lane with ``hardware.device: auto`` runs the lane overrides won on the device its arms run on, never those won on
+another: a sweep plans for this machine's device and refuses, before anything is written, a cluster that runs the
+arms elsewhere when that changes a baseline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from sweeps_common import fresh_mlflow_uri, tiny_smoke
+
+from ablate.config import auto_device
+from ablate.config.load import lane_shape_of, load_sweep
+from ablate.config.schema import ConfigError
+from ablate.sweep.run import _check_auto_device, run_sweep
+
+
+def _with_override(campaign: Path, device: str, value: str = "jagged") -> None:
+    """A moe_dispatch lane override for the campaign's lane shape as it runs on ``device``, in its defaults.yaml."""
+    shape = lane_shape_of(load_sweep(campaign)[0].lane, device)
+    defaults = campaign.parent / "defaults.yaml"
+    override = (f"    lane_overrides:\n      - lane_shape: {shape}\n        value: {value}\n"
+                f"        report: promote-test-1\n")
+    defaults.write_text(defaults.read_text().replace("  moe_dispatch:\n", "  moe_dispatch:\n" + override, 1))
+
+
+@pytest.fixture
+def planned_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(auto_device, "local_device_class", lambda: "cpu")
+
+
+def test_the_check_refuses_only_a_cluster_whose_device_changes_a_baseline(tmp_path: Path,
+                                                                          planned_on_cpu: None) -> None:
+    campaign = tiny_smoke(tmp_path / "c", name="auto", features={"mamba_scan": ["chunked"]}, aa_blocks=0)
+    _with_override(campaign, "cpu")
+    sweep, defaults = load_sweep(campaign)
+    assert sweep.lane.hardware.device.value == "auto"
+    assert sweep.lane.features.moe_dispatch.value == "jagged"  # planned on CPU, where the override was won
+    _check_auto_device(campaign, sweep, defaults, cluster_gpus=0)  # the cluster runs it on CPU too
+    with pytest.raises(ConfigError) as refused:
+        _check_auto_device(campaign, sweep, defaults, cluster_gpus=1)
+    message = str(refused.value)
+    assert refused.value.key == "lane.hardware.device" and "cpu or cuda written out" in message
+    assert "moe_dispatch: 'jagged' planned, 'padded' on cuda" in message, message
+    # The reverse: an override won on CUDA is not planned here, and the GPU cluster would run it.
+    won_on_cuda = tiny_smoke(tmp_path / "cuda", name="auto", features={"mamba_scan": ["chunked"]}, aa_blocks=0)
+    _with_override(won_on_cuda, "cuda")
+    sweep, defaults = load_sweep(won_on_cuda)
+    with pytest.raises(ConfigError, match="moe_dispatch: 'padded' planned, 'jagged' on cuda"):
+        _check_auto_device(won_on_cuda, sweep, defaults, cluster_gpus=1)
+    # No refusal where no baseline changes: the device written out, the feature pinned by the campaign, or no
+    # override at all.
+    for name, lane, override in (("written", {"hardware": {"device": "cpu"}}, True),
+                                 ("pinned", {"features": {"moe_dispatch": "jagged"}}, True), ("none", {}, False)):
+        other = tiny_smoke(tmp_path / name, name="auto", lane=lane, features={"mamba_scan": ["chunked"]}, aa_blocks=0)
+        if override:
+            _with_override(other, "cpu")
+        sweep, defaults = load_sweep(other)
+        _check_auto_device(other, sweep, defaults, cluster_gpus=1)
+
+
+@pytest.fixture
+def one_gpu_cluster() -> Iterator[None]:
+    """A real local Ray runtime that offers one GPU (a logical resource: no arm is meant to reach it)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.ray
+def test_a_sweep_planned_on_cpu_is_refused_on_a_gpu_cluster_before_anything_is_written(
+        tmp_path: Path, planned_on_cpu: None, one_gpu_cluster: None) -> None:
+    campaign = tiny_smoke(tmp_path / "c", name="auto", features={"mamba_scan": ["chunked"]}, aa_blocks=0)
+    _with_override(campaign, "cpu")
+    storage = tmp_path / "runs"
+    uri = fresh_mlflow_uri(tmp_path / "store")
+    with pytest.raises(ConfigError, match="lane.hardware.device"):
+        run_sweep(campaign, tracking_uri=uri, storage=str(storage), progress=False)
+    from mlflow import MlflowClient
+
+    assert not list(storage.rglob("sweeps/*.json")), "no sweep metadata is written"
+    experiments = MlflowClient(uri).search_experiments()
+    assert not MlflowClient(uri).search_runs([e.experiment_id for e in experiments]), "no MLflow run is opened"
+
+
+def test_auto_resolves_as_the_trainer_resolves_it() -> None:
+    from ablate.config.schema import Device, LaneConfig
+
+    lane = LaneConfig()
+    assert lane.hardware.device is Device.auto
+    assert (auto_device.cluster_device(lane, 0), auto_device.cluster_device(lane, 1)) == ("cpu", "cuda")
+    written = LaneConfig(hardware=type(lane.hardware)(device=Device.cpu))
+    assert auto_device.cluster_device(written, 1) == auto_device.planned_device(written) == "cpu"
+
+
+def test_a_machine_that_hides_its_gpus_plans_auto_lanes_for_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    auto_device.local_device_class.cache_clear()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    try:
+        assert auto_device.local_device_class() == "cpu"
+    finally:
+        auto_device.local_device_class.cache_clear()
