@@ -464,7 +464,10 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
     verdict = FeatureVerdict(feature=test.feature, value=test.value, baseline_value=test.baseline_value,
                              kind=test.kind, lane_key=test.lane_key, software_fingerprint=test.software_fingerprint)
     blocks = test.blocks
-    verdict.lane_shape = shape_key(blocks[0].lane, policy, blocks[0].device_class) if blocks else ""
+    # The device most blocks ran on (an arm that died unobserved names none): an auto lane's shape resolves to it.
+    devices = Counter(b.device_class for b in blocks if b.device_class)
+    verdict.device_class = devices.most_common(1)[0][0] if devices else ""
+    verdict.lane_shape = shape_key(blocks[0].lane, policy, verdict.device_class) if blocks else ""
     verdict.receipt_ids = [rid for b in blocks for rid in b.receipt_ids()]
     verdict.until_decided_rounds = sorted({b.round_id for b in blocks if b.schedule == "until_decided"})
     verdict.delta = calibration.delta(policy)
@@ -500,7 +503,6 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
     baseline_gated = test.refused_baseline_gated + sum(b.earlier_baseline_gated for b in blocks)
     verdict.gate_fisher_p = fisher_more_failures(len({block_id for block_id, _ in own}), total, baseline_gated, total)
     verdict.throughput = _throughput(blocks)
-    verdict.device_class = Counter(b.device_class for b in blocks).most_common(1)[0][0] if blocks else ""
     verdict.horizon_steps = blocks[0].horizon_steps if blocks else 0
     verdict.bias_bound = calibration.bias_bound
     if calibration.aa_interval_log is not None:

@@ -413,7 +413,11 @@ def _current_state(record: Mapping[str, Any], lanes: Mapping[str, LaneState],
     under other software than the record's: that one, since the record is not known to describe the current one."""
     pool = list(by_shape.get(str(record.get("lane_shape")), ()))
     exact = lanes.get(str(record.get("lane_key")))
-    if exact is not None and all(state is not exact for state in pool):
+    # A lane key hashes hardware.device: auto as written: the same lane on another device (a GPU cluster's runs of
+    # a lane whose value was won on CPU) says nothing of the software the record's device runs.
+    device = record.get("device_class")
+    if exact is not None and all(state is not exact for state in pool) and \
+            (not device or not exact.device_class or exact.device_class == device):
         pool.append(exact)
     if not pool:
         return None

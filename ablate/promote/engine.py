@@ -30,6 +30,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 import numpy as np
 
+from ablate.config.lane_shape import AUTO, DEVICE_CLASSES, DEVICE_KEY
 from ablate.config.load import load_defaults
 from ablate.config.schema import ConfigError
 from ablate.parallel import fork_map
@@ -251,7 +252,9 @@ def _unjudged_lanes(unread: list[UnreadArm], left_out: list[Receipt], refusals: 
     def note(feature: str, lane_key: str, kind: str, cause: str, receipt_ids: Iterable[str]) -> None:
         causes[feature, lane_key].setdefault(kind, cause)  # the first refusal of a lane, in block order
         if (feature, lane_key) not in lane_shapes:  # one shape per lane, hashed only for the lanes noted
-            known = next((readable[rid] for rid in receipt_ids if rid in readable), None)
+            # A receipt of an auto lane that names no device (its arm died unobserved) cannot say which shape the
+            # lane ran as: with none that can, the shape stays unknown and blocks every override of the feature.
+            known = next((readable[rid] for rid in receipt_ids if rid in readable and _placed(readable[rid])), None)
             if known is not None:
                 lane_shapes[feature, lane_key] = shape_key(known.requested.lane, policy, device_class(known))
 
@@ -271,6 +274,11 @@ def _unjudged_lanes(unread: list[UnreadArm], left_out: list[Receipt], refusals: 
             why=" and ".join(by_kind[kind] for kind in (LEFT_OUT, UNREADABLE, REFUSED) if kind in by_kind),
             left_out=LEFT_OUT in by_kind, shape=lane_shapes.get((feature, lane_key)))
     return lanes
+
+
+def _placed(receipt: Receipt) -> bool:
+    """Whether the receipt says which lane shape it ran as: its lane names its device, or its arm observed it."""
+    return receipt.requested.lane.get(DEVICE_KEY) != AUTO or device_class(receipt) in DEVICE_CLASSES
 
 
 def _quoted(reason: str) -> str:

@@ -167,6 +167,8 @@ class LaneState:
     """Every fingerprint seen on the lane, oldest first."""
     lane: dict[str, Any]
     hosts: list[str]
+    device_class: str = ""
+    """The device its newest block that names one ran on ("" when none does)."""
 
 
 @dataclass
@@ -337,11 +339,13 @@ def _lane_states(blocks: list[Block], policy: Policy) -> dict[str, LaneState]:
         current = members[-1].software_fingerprint
         fingerprints.remove(current)
         fingerprints.append(current)
-        states[lane_key] = LaneState(lane_key=lane_key, shape_key=shape_key(members[-1].lane, policy,
-                                                                               members[-1].device_class),
+        # The newest block that names its device (an arm that died unobserved names none) resolves an auto lane.
+        device = next((b.device_class for b in reversed(members) if b.device_class), "")
+        states[lane_key] = LaneState(lane_key=lane_key, shape_key=shape_key(members[-1].lane, policy, device),
                                      last_at=members[-1].created_at, current_fingerprint=current,
                                      fingerprints=fingerprints,
-                                     lane=members[-1].lane, hosts=sorted({b.host for b in members}))
+                                     lane=members[-1].lane, hosts=sorted({b.host for b in members}),
+                                     device_class=device)
     return states
 
 

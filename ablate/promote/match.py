@@ -35,6 +35,7 @@ import numpy as np
 
 from ablate.config.backends import fell_back
 from ablate.config.features import BUNDLE, FEATURES
+from ablate.config.lane_shape import DEVICE_CLASSES
 from ablate.config.load import default_lane_with
 from ablate.config.schema import ConfigError
 from ablate.parallel import fork_map
@@ -286,8 +287,12 @@ def _threads(hardware: dict[str, Any]) -> Optional[int]:
 
 
 def device_class(receipt: Receipt) -> str:
-    """The device type the arm ran on (``observed.hardware.kind``), else the one it asked for."""
-    return str(receipt.observed.hardware.get("kind") or receipt.requested.device)
+    """The device type the arm ran on (``observed.hardware.kind``), else the one its lane names; "" when neither says
+    (an arm that died before it observed its hardware, in a lane with ``hardware.device: auto``)."""
+    observed = receipt.observed.hardware.get("kind")
+    if observed:
+        return str(observed)
+    return receipt.requested.device if receipt.requested.device in DEVICE_CLASSES else ""
 
 
 def _arm_view(receipt: Receipt, policy: Policy) -> ArmView:

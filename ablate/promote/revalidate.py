@@ -151,7 +151,9 @@ def find_targets(defaults_path: str | Path, repeat: bool = False) -> tuple[list[
                 notes.append(f"{target.where}: {target.value!r} is no longer what the lane runs ({running!r}); "
                              f"not re-tested")
                 continue
-            earlier = [t for t in mark.get("retests") or [] if isinstance(t, Mapping)]
+            # A re-test on another device than the value was won on measured another lane: it settled nothing.
+            earlier = [t for t in mark.get("retests") or [] if isinstance(t, Mapping)
+                       and not _on_another_device(t, target)]
             if earlier and not repeat:
                 last = earlier[-1]
                 notes.append(f"{target.where}: re-tested already ({last.get('verdict')} under "
@@ -161,6 +163,11 @@ def find_targets(defaults_path: str | Path, repeat: bool = False) -> tuple[list[
                 continue
             targets.append(target)
     return targets, refused, notes
+
+
+def _on_another_device(retest: Mapping[str, Any], target: Target) -> bool:
+    ran_on = retest.get("device_class")
+    return bool(target.device_class and ran_on and ran_on != target.device_class)
 
 
 def _target(feature: str, record: Mapping[str, Any], mark: Mapping[str, Any]) -> Target:
@@ -337,7 +344,8 @@ def run_retests(plans: list[RetestPlan], policy: Policy, *, tracking_uri: Option
                     time.sleep(wait)
             started = time.monotonic()
             say(f"{plan.name}: round {index + 1} of {plan.rounds}")
-            summary = run_sweep(plan.campaign_path, tracking_uri=tracking_uri, storage=storage, progress=progress)
+            summary = run_sweep(plan.campaign_path, tracking_uri=tracking_uri, storage=storage, progress=progress,
+                                device=plan.target.device_class)
             summaries.append(summary)
             if summary.interrupted or summary.fatal:
                 raise RuntimeError(f"sweep {summary.sweep_id} of {plan.campaign_path} stopped "
@@ -439,6 +447,13 @@ def outcome_of(target: Target, v: Optional[FeatureVerdict], policy: Policy, *, r
                                         f"{target.device_class}: re-test it where its arms ran (a machine whose "
                                         f"cluster runs the lane on {target.device_class}); the value stays, still "
                                         f"marked")
+    elif target.lane_shape and v.lane_shape and v.lane_shape != target.lane_shape:
+        # One lane key, two shapes: the record hashed the lane's hardware.device: auto as written, as records did
+        # before a shape named the device its arms ran on; an override or demotion keyed by it is applied nowhere.
+        outcome, reason = UNCONFIRMED, (f"the record names lane shape {target.lane_shape} and the re-test measured "
+                                        f"the lane as {v.lane_shape} (a record keyed by hardware.device: auto as "
+                                        f"written): set its lane_shape, and its lane override's, to {v.lane_shape}, "
+                                        f"then re-test; the value stays, still marked")
     elif v.software_fingerprint == target.recorded_fingerprint:
         outcome, reason = UNCONFIRMED, (f"re-tested under the software it was promoted on ({v.software_fingerprint}), "
                                         f"which says nothing about the new software ({v.verdict}: {v.reason}); the "
@@ -459,7 +474,8 @@ def outcome_of(target: Target, v: Optional[FeatureVerdict], policy: Policy, *, r
         outcome, reason = UNCONFIRMED, f"inconclusive ({v.verdict}): {v.reason}; the value stays, still marked"
     retest = {"report": report_id, "date": date, "sweeps": sweeps, "verdict": v.verdict if v else None,
               "outcome": outcome, "reason": reason, "policy": policy.ref,
-              "software_fingerprint": v.software_fingerprint if v else None}
+              "software_fingerprint": v.software_fingerprint if v else None,
+              "device_class": (v.device_class or None) if v else None}
     evidence = None
     if v is not None:
         retest.update(speedup=None if v.speedup is None else round(float(v.speedup), 4),

@@ -825,7 +825,8 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
               storage: Optional[str] = None, progress: bool = True,
               inject: Optional[Mapping[str, dict[str, Any]]] = None, lock_wait_s: float = 0.0,
               searcher_factory: Optional[Callable[[SweepPlan], Any]] = None,
-              resume_flags: tuple[str, ...] = (), simulate_arms: bool = False) -> SweepSummary:
+              resume_flags: tuple[str, ...] = (), simulate_arms: bool = False,
+              device: Optional[str] = None) -> SweepSummary:
     """Run (or, with ``resume``, continue) the campaign in ``path``; see the module docstring.
 
     ``searcher_factory``: plan -> a Tune ``Searcher`` that chooses which planned blocks run (``--until-decided``,
@@ -840,6 +841,9 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
     ``simulate_arms`` is for tests and benchmarks only (no CLI flag, campaign key or environment variable sets
     it): every arm is a no-op (``trainers.simulate``) whose receipt says ``executor: simulated``, which promotion
     refuses, so the orchestration (Tune, recorder, disk, MLflow) can be measured alone.
+
+    ``device`` (``cpu``, ``cuda``): the device class the arms must run on; a cluster that runs the lane elsewhere is
+    refused before anything is written (a re-test measures the value on the device it was won on).
     """
     started = time.monotonic()
     path = Path(path)
@@ -863,7 +867,7 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
                               + (["--tracking-uri", shown(uri)] if tracking_uri else []))
     try:
         with _faults_in_one_line(), _quiet_libraries():
-            return _run_locked(path, sweep, layout, plan, meta, uri, defaults=defaults, resume=resume,
+            return _run_locked(path, sweep, layout, plan, meta, uri, defaults=defaults, device=device, resume=resume,
                                progress=progress,
                                inject=inject, started=started, resume_command=resume_command,
                                searcher_factory=searcher_factory, simulate_arms=simulate_arms)
@@ -872,8 +876,9 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
 
 
 def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan, meta: dict[str, Any], uri: str, *,
-                defaults: Defaults, resume: bool, progress: bool, inject: Optional[Mapping[str, dict[str, Any]]],
-                started: float, resume_command: str, searcher_factory: Optional[Callable[[SweepPlan], Any]] = None,
+                defaults: Defaults, device: Optional[str], resume: bool, progress: bool,
+                inject: Optional[Mapping[str, dict[str, Any]]], started: float, resume_command: str,
+                searcher_factory: Optional[Callable[[SweepPlan], Any]] = None,
                 simulate_arms: bool = False) -> SweepSummary:
     import ray
     from ray import tune
@@ -887,6 +892,10 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
     try:
         cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
         _check_auto_device(path, sweep, defaults, cluster_gpus)
+        if device and cluster_device(sweep.lane, cluster_gpus) != device:
+            raise ConfigError("lane.hardware.device", sweep.lane.hardware.device.value,
+                              f"a lane this cluster runs on {device}, where the value it re-tests was won (this "
+                              f"cluster runs it on {cluster_device(sweep.lane, cluster_gpus)})")
         sweep.resources = gpu_resources(sweep.lane, sweep.resources, cluster_gpus)
         need = block_need(plan.blocks, sweep.resources)
         capacity = check_cluster(need, campaign=sweep.name, max_concurrent_blocks=sweep.resources.max_concurrent_blocks,

@@ -526,3 +526,94 @@ def test_an_auto_lane_won_on_cpu_gets_an_override_for_its_cpu_runs_only(policy: 
     assert defaults.effective(lane, "cuda")["moe_dispatch"] == "padded"
     # The same lane with its device written out is the lane its CPU arms ran.
     assert defaults.effective({**lane, "hardware.device": "cpu"})["moe_dispatch"] == "jagged"
+
+
+def _died_unobserved(receipt: object) -> None:
+    """The arm's process died before it observed its hardware (a killed trial): no device kind in its receipt,
+    and its lane's ``requested.device`` is ``auto``, as the trainer writes it."""
+    from ablate.receipts.schema import Code, Disqualifier, Status
+    from trainers.provenance import evidence_fingerprint
+
+    ident = receipt.identity  # type: ignore[attr-defined]
+    ident.status, receipt.projection = Status.failed, None  # type: ignore[attr-defined]
+    receipt.disqualifiers += [Disqualifier(code=Code.ARM_FAILED)]  # type: ignore[attr-defined]
+    receipt.observed.hardware, ident.hardware_fingerprint = {}, None  # type: ignore[attr-defined]
+    ident.software_fingerprint = evidence_fingerprint(ident.software, ident.code_fingerprint, None)
+
+
+def _auto_cpu_receipts(lane: dict, seed: int, **knobs: object) -> list:
+    receipts = simulate(Sim(features=[moe(1.05)], lane=lane, device="cpu", blocks_per_host=3, **QUIET, **knobs), seed)
+    for r in receipts:
+        r.requested.device = "auto"  # trainers/receipt.py writes the lane's own hardware.device
+    return receipts
+
+
+def test_an_arm_that_died_unobserved_does_not_key_the_override_by_the_lane_as_written(
+        policy: Policy, defaults_file: Path) -> None:
+    """Found in review: a block whose baseline died before it observed its device resolved the shape to ``auto``
+    as written, an override no sweep applies."""
+    from ablate.config.lane_shape import lane_shape
+
+    lane = base_lane()
+    receipts = _auto_cpu_receipts(lane, 0)
+    _died_unobserved(next(r for r in receipts if r.identity.arm.value == "baseline"))
+    result = promote(receipts, policy_path=policy, defaults_path=defaults_file)
+    [v] = result.verdicts
+    assert (v.verdict, v.device_class, v.lane_shape) == (PROMOTE, "cpu", lane_shape(lane, "cpu"))
+    assert result.changes[0].overrides == {lane_shape(lane, "cpu"): "jagged"}
+
+
+def test_an_unjudged_lane_whose_arms_name_no_device_blocks_every_override(policy: Policy,
+                                                                          defaults_file: Path) -> None:
+    """Lane B (the same shape as lane A) had every block refused, and its readable arms died unobserved: which
+    device it ran on is unknown, so it may be lane A's shape, and no override is written (found in review)."""
+    lane_a, lane_b = base_lane(), base_lane(**{"features.mamba_scan": "chunked"})
+    b = [r for r in _auto_cpu_receipts(lane_b, 1, block_prefix="B-", campaign="simb")
+         if r.identity.arm.value != "candidate" and r.identity.feature]  # every block of B lost its candidate
+    for r in b:
+        _died_unobserved(r)
+    result = promote(_auto_cpu_receipts(lane_a, 0) + b, policy_path=policy, defaults_path=defaults_file)
+    [change] = result.changes
+    assert change.overrides == {}
+    assert any("whose shape no readable receipt names" in why for why in change.not_global), change.not_global
+
+
+def _days_later(receipts: list, days: int) -> list:
+    from datetime import datetime, timedelta
+
+    for r in receipts:
+        r.identity.created_at = (datetime.fromisoformat(r.identity.created_at) + timedelta(days=days)).isoformat()
+    return receipts
+
+
+@pytest.mark.parametrize("died_unobserved", [False, True])
+def test_new_software_on_the_device_a_lane_override_was_won_on_marks_it_for_revalidation(
+        policy: Policy, defaults_file: Path, died_unobserved: bool) -> None:
+    """The newest block naming no device (its baseline died unobserved) still places the lane on its device
+    (found in review: the lane was then the auto shape as written, and the record went unmarked)."""
+    lane = base_lane()
+    first = _auto_cpu_receipts(lane, 0, fingerprints=["sw-1"] * 2)
+    write_defaults(promote(first, policy_path=policy, defaults_path=defaults_file), defaults_file)
+    later = _days_later(_auto_cpu_receipts(base_lane(**{"features.moe_dispatch": "jagged"}), 3,
+                                           fingerprints=["sw-2"] * 2, campaign="later", block_prefix="L-"), 5)
+    if died_unobserved:
+        _died_unobserved(max((r for r in later if r.identity.arm.value == "baseline"),
+                             key=lambda r: r.identity.created_at))
+    result = promote(first + later, policy_path=policy, defaults_path=defaults_file)
+    assert [(r.recorded_fingerprint, r.current_fingerprint) for r in result.revalidations] == [("sw-1", "sw-2")]
+
+
+def test_the_same_auto_lane_on_another_device_does_not_mark_an_override_won_on_cpu(
+        policy: Policy, defaults_file: Path) -> None:
+    """The lane key hashes hardware.device: auto as written, so a GPU cluster's runs of the lane share it: their
+    software says nothing of what the CPU runs, and a mark would ask for a re-test no device can settle."""
+    lane = base_lane()
+    cpu = _auto_cpu_receipts(lane, 0, fingerprints=["sw-cpu"] * 2)
+    write_defaults(promote(cpu, policy_path=policy, defaults_path=defaults_file), defaults_file)
+    gpu = _days_later(simulate(Sim(features=[moe(1.0)], lane=lane, device="cuda", fingerprints=["sw-gpu"] * 2,
+                                   campaign="gpu", block_prefix="G-", **QUIET), 1), 10)
+    for r in gpu:
+        r.requested.device = "auto"
+    assert {r.identity.lane_key for r in gpu} == {r.identity.lane_key for r in cpu}  # padded on CUDA: the same key
+    result = promote(cpu + gpu, policy_path=policy, defaults_path=defaults_file)
+    assert result.revalidations == []

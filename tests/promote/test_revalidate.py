@@ -43,9 +43,10 @@ def keyed(receipts: list[Receipt], key: str) -> list[Receipt]:
     return [r.model_copy(update={"identity": r.identity.model_copy(update={"lane_key": key})}) for r in receipts]
 
 
-def mark_jagged(tmp_path: Path, policy: Policy) -> Marked:
+def mark_jagged(tmp_path: Path, policy: Policy, device: str = "cuda") -> Marked:
     """moe_dispatch=jagged promoted globally on the tiny smoke lane under software sw-1, then marked for
-    revalidation by a later campaign on that lane under sw-2: the state `ablate revalidate` starts from."""
+    revalidation by a later campaign on that lane under sw-2, both on ``device``: the state `ablate revalidate`
+    starts from."""
     campaign = tiny_smoke(tmp_path / "campaign", name="tiny")
     defaults = campaign.parent / "defaults.yaml"
     lane = load_sweep(campaign)[0].lane
@@ -53,23 +54,24 @@ def mark_jagged(tmp_path: Path, policy: Policy) -> Marked:
     key = lane_key(lane)
     horizon = flat["budget.horizon_steps"]
     anywhere = with_overrides(policy, {"scope.global_device_classes": []})
-    first = promote(keyed(simulate(Sim(features=[moe(1.05)], lane=flat, horizon=horizon, campaign="tiny", **QUIET),
-                                   0), key), policy_path=anywhere, defaults_path=defaults)
+    first = promote(keyed(simulate(Sim(features=[moe(1.05)], lane=flat, horizon=horizon, campaign="tiny",
+                                       device=device, **QUIET), 0), key), policy_path=anywhere, defaults_path=defaults)
     assert first.verdicts[0].verdict == PROMOTE
     write_defaults(first, defaults)
-    marked = later_campaign(defaults, lane, policy, software="sw-2", seed=4)
+    marked = later_campaign(defaults, lane, policy, software="sw-2", seed=4, device=device)
     assert [(r.feature, r.recorded_fingerprint, r.current_fingerprint) for r in marked.revalidations] == [
         ("moe_dispatch", "sw-1", "sw-2")]
     return Marked(defaults=defaults, campaign=campaign, lane_key=key, flat=flat, report=first.report_id)
 
 
-def later_campaign(defaults: Path, lane: object, policy: Policy, software: str, seed: int) -> object:
+def later_campaign(defaults: Path, lane: object, policy: Policy, software: str, seed: int,
+                   device: str = "cuda") -> object:
     """Another feature's campaign on the lane (its baseline now runs jagged) under ``software``, written: it marks
     jagged's newest record when the software changed."""
     later = Sim(features=[FeatureTruth("mamba_scan", "chunked", "sequential", 1.0)],
                 lane=flat_lane(with_feature(lane, "moe_dispatch", "jagged")),
                 horizon=flat_lane(lane)["budget.horizon_steps"], fingerprints=[software, software],
-                campaign=f"later-{software}", block_prefix=f"L-{software}-", **QUIET)
+                campaign=f"later-{software}", block_prefix=f"L-{software}-", device=device, **QUIET)
     marked = promote(simulate(later, seed), policy_path=policy, defaults_path=defaults)
     write_defaults(marked, defaults)
     return marked
@@ -191,6 +193,36 @@ def test_a_retest_on_another_device_neither_demotes_nor_confirms(policy: Policy,
     assert o.outcome == UNCONFIRMED and "re-tested on cpu (REJECT), but the value was won on cuda" in o.reason
     assert load_defaults(m.defaults).values["moe_dispatch"] == "jagged"
     assert record(m.defaults)["revalidate"]["required"] is True  # still marked: a re-test on CUDA can settle it
+    # ... and it is planned again without --repeat: the CPU re-test measured another lane, it settled nothing.
+    [target], _, notes = find_targets(m.defaults)
+    assert (target.lane_key, target.device_class, notes) == (m.lane_key, "cuda", [])
+    result = retest(m, policy, tmp_path, retest_sim(m, moe(0.95), software="sw-3"), seed=8)  # its own report
+    assert [o.outcome for o in result.revalidations] == [DEMOTED]
+
+
+def test_a_record_keyed_by_an_auto_lane_as_written_is_neither_demoted_nor_confirmed(policy: Policy,
+                                                                                   tmp_path: Path) -> None:
+    """Records written before a shape named its device hashed hardware.device: auto: a demotion keyed by such a
+    shape would be an override no sweep applies, and the lane would keep running the lost win (found in review)."""
+    from ablate.config.lane_shape import lane_shape
+
+    defaults, keys, flats = two_marked_lanes(tmp_path, policy, again="B")
+    yaml = YAML()
+    doc = yaml.load(defaults.read_text())
+    for rec in doc["features"]["moe_dispatch"]["evidence"]:
+        rec["lane_shape"] = lane_shape(flats["A" if rec["lane_key"] == keys["A"] else "B"])  # as written: auto
+    with defaults.open("w") as handle:
+        yaml.dump(doc, handle)
+    targets, _, _ = find_targets(defaults)
+    sim = Sim(features=[moe(0.95)], lane=flats["B"], horizon=flats["B"]["budget.horizon_steps"],
+              fingerprints=["sw-2"] * 2, campaign="reval-sw-2", block_prefix="RB-", **QUIET)
+    result = judge(targets, keyed(simulate(sim, 7), keys["B"]), policy, defaults, workdir=tmp_path / "B")
+    [o] = result.revalidations
+    wanted = shape_key(flats["B"], policy, "cuda")
+    assert o.outcome == UNCONFIRMED and f"set its lane_shape, and its lane override's, to {wanted}" in o.reason
+    write_defaults(result, defaults)
+    assert load_defaults(defaults).values["moe_dispatch"] == "jagged" and "lane_overrides" not in \
+        load_defaults(defaults).raw["features"]["moe_dispatch"]
 
 
 def test_a_confirmed_global_value_is_still_demoted_when_a_later_retest_finds_the_win_gone(
@@ -336,7 +368,7 @@ def test_write_without_run_is_refused(policy: Policy, tmp_path: Path) -> None:
 
 @pytest.mark.ray
 def test_revalidate_run_write_end_to_end(ray_address: str, policy: Policy, tmp_path: Path) -> None:
-    m = mark_jagged(tmp_path, policy)
+    m = mark_jagged(tmp_path, policy, device="cpu")  # the re-test runs here, where the value was won: on CPU
     uri = fresh_mlflow_uri(tmp_path / "mlflow")
     started = time.monotonic()
     result = invoke("--defaults", m.defaults, "--campaign", m.campaign, "--campaign-dir", tmp_path / "retests",

@@ -88,6 +88,12 @@ def test_a_sweep_planned_on_cpu_is_refused_on_a_gpu_cluster_before_anything_is_w
     assert not list(storage.rglob("sweeps/*.json")), "no sweep metadata is written"
     experiments = MlflowClient(uri).search_experiments()
     assert not MlflowClient(uri).search_runs([e.experiment_id for e in experiments]), "no MLflow run is opened"
+    # A re-test (``ablate revalidate --run``) names the device its value was won on: the cluster must run it there,
+    # whatever the defaults say.
+    plain = tiny_smoke(tmp_path / "plain", name="plain", features={"mamba_scan": ["chunked"]}, aa_blocks=0)
+    with pytest.raises(ConfigError, match="a lane this cluster runs on cpu, where the value it re-tests was won"):
+        run_sweep(plain, tracking_uri=uri, storage=str(storage), progress=False, device="cpu")
+    assert not list(storage.rglob("sweeps/*.json"))
 
 
 def test_auto_resolves_as_the_trainer_resolves_it() -> None:
