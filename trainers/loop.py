@@ -50,9 +50,14 @@ from trainers.result import Geometry, WorkerContext, WorkerResult
 from trainers.spec import ALLOTTED_CPUS_ENV, ArmSpec
 
 
-def resolve_device(hardware: HardwareConfig, cuda_index: Optional[int]) -> torch.device:
-    """The device that will run: auto -> CUDA when present; cuda without CUDA -> CPU only with cpu_fallback."""
+def resolve_device(hardware: HardwareConfig, cuda_index: Optional[int], planned: Optional[str] = None
+                   ) -> torch.device:
+    """The device that will run: auto -> CUDA when present, unless the driver planned the arm for CPU (``planned``:
+    it then reserved no GPU, and its defaults were chosen for the lane on CPU); cuda without CUDA -> CPU only with
+    cpu_fallback."""
     requested = hardware.device.value
+    if requested == "auto" and planned == "cpu":
+        return torch.device("cpu")
     has_cuda = torch.cuda.is_available()
     if requested == "cuda" and not has_cuda:
         if not hardware.cpu_fallback:
@@ -289,7 +294,7 @@ def run_worker(spec: ArmSpec, ctx: WorkerContext, finalize: Optional[Callable[[W
         node_doc = read_document(spec.node_check_path, ctx.node_id or "") if ctx.rank == 0 else None
         if node_doc is not None:
             result.node_check = node_doc.summary()
-        device = resolve_device(lane.hardware, ctx.cuda_index)
+        device = resolve_device(lane.hardware, ctx.cuda_index, spec.device)
         result.device = device.type
         torch.set_num_threads(_threads(lane.hardware, ctx.local_world_size, _allotted_cpus()))
         if device.type == "cuda":

@@ -55,6 +55,9 @@ class ArmSpec:
     node_check_path: str = "~/.ablate/node_check.json"
     """Where this node keeps its ``ablate doctor --deep`` document (the campaign's ``node_check.path``); the
     receipt names the document the arm ran under."""
+    device: Optional[str] = None
+    """The device class (cpu, cuda) the driver planned the arm for: what ``hardware.device: auto`` resolves to on its
+    cluster, whose GPUs it reserved or not (``ablate.config.auto_device``); None: the trainer resolves it."""
     inject: dict[str, Any] = field(default_factory=dict)
     """Fault injection for tests only (raise_at_step, nan_at_step, oom_at_step, kill_at_step, transition_sleep_s...)."""
 

@@ -975,7 +975,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
                    "inject": dict(inject or {}),
                    "completed": completed, "next_attempt": next_attempt, "hashes": _file_hashes(path, sweep),
                    "block_mode": sweep.block_mode.value, "node_check_path": sweep.node_check.path,
-                   "schedule": params["schedule"],
+                   "schedule": params["schedule"], "device": cluster_device(sweep.lane, cluster_gpus),
                    "run_arm": _run_arm_options(sweep, layout, sweep_id), "simulate_arms": simulate_arms is True}
         trainable = tune.with_resources(tune.with_parameters(run_block, context=context),
                                         TrialResources(need.trial_resources(), aa_placement) if aa_placement

@@ -113,3 +113,26 @@ def test_a_machine_that_hides_its_gpus_plans_auto_lanes_for_cpu(monkeypatch: pyt
         assert auto_device.local_device_class() == "cpu"
     finally:
         auto_device.local_device_class.cache_clear()
+
+
+def test_an_auto_lane_planned_on_cpu_trains_on_cpu_where_cuda_is_visible(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray does not hide GPUs from a process that reserved none: an arm of an auto lane the driver planned (and
+    reserved) for CPU would otherwise train on whatever GPU it sees, against defaults chosen for the lane on CPU."""
+    import torch
+
+    from ablate.config.schema import LaneConfig
+    from ablate.sweep.plan import ArmPlan, Block
+    from ablate.sweep.trial import make_arm_spec
+    from trainers.loop import resolve_device
+    from trainers.spec import ArmSpec
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a worker that sees a GPU (CI has none)
+    hardware = LaneConfig().hardware
+    assert resolve_device(hardware, 0, planned="cpu").type == "cpu"
+    assert resolve_device(hardware, 0).type == resolve_device(hardware, 0, planned="cuda").type == "cuda"
+    # The plan's device reaches the trainer: the sweep puts it in the trial context, the spec carries it.
+    lane = LaneConfig()
+    block = Block(block_id="b000", feature=None, candidate_value=None, baseline_value=None, kind="aa",
+                  lane_key="k", arms=(ArmPlan("aa", 0, lane, None), ArmPlan("aa", 1, lane, None)), order=(0, 1))
+    spec = make_arm_spec(block, 0, block.arms[0], sweep_id="s", campaign="c", receipt_dir="/tmp", device="cpu")
+    assert ArmSpec.from_json(spec.to_json()).device == "cpu"
