@@ -536,6 +536,11 @@ def revalidate(
     from ablate.sweep.node_check import NodeCheckRefused
     from ablate.tracking.uri import TrackingStoreError
 
+    plans, skipped = reval.runnable(plans)
+    for line in skipped:
+        err.print(f"note: {line}", markup=False, highlight=False)
+    if not plans:
+        _fail("no re-test can run on this cluster: every marked value was won on another device")
     try:
         summaries = reval.run_retests(plans, rule, tracking_uri=tracking_uri, storage=storage, progress=progress,
                                       say=lambda line: console.print(line, markup=False, highlight=False))

@@ -59,6 +59,12 @@ def resolve_device(hardware: HardwareConfig, cuda_index: Optional[int], planned:
     if requested == "auto" and planned == "cpu":
         return torch.device("cpu")
     has_cuda = torch.cuda.is_available()
+    if requested == "auto" and planned == "cuda" and not has_cuda:
+        # Its GPU is reserved and its baseline chosen for the lane on CUDA: trained on CPU, it would be evidence for
+        # a lane it was not planned as.
+        raise ConfigError("lane.hardware.device", "auto", "a node where torch sees CUDA: the sweep planned this arm "
+                                                         "for cuda (its cluster has GPUs), but this process sees "
+                                                         "none (a CPU-only torch build?)")
     if requested == "cuda" and not has_cuda:
         if not hardware.cpu_fallback:
             raise ConfigError("lane.hardware.device", "cuda", "auto or cpu on a machine without CUDA, or set "

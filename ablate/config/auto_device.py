@@ -48,9 +48,9 @@ def planned_device(lane: LaneConfig) -> str:
 def cluster_device(lane: LaneConfig, cluster_gpus: float) -> str:
     """The device class the lane's arms run on in a Ray cluster with ``cluster_gpus`` GPUs: ``auto`` is CUDA when
     there are any (``ablate.sweep.resources.gpu_resources`` then gives each worker one), as the trainer resolves
-    it (``trainers.loop.resolve_device``)."""
+    it (``trainers.loop.resolve_device``); ``cuda`` with ``cpu_fallback`` on a cluster without GPUs runs on CPU."""
     device = lane.hardware.device.value
-    if device != AUTO:
-        return device
-    return "cuda" if cluster_gpus >= 1 else "cpu"
+    if device == AUTO or (device == "cuda" and lane.hardware.cpu_fallback):
+        return "cuda" if cluster_gpus >= 1 else "cpu"
+    return device
 

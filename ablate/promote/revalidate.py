@@ -151,9 +151,10 @@ def find_targets(defaults_path: str | Path, repeat: bool = False) -> tuple[list[
                 notes.append(f"{target.where}: {target.value!r} is no longer what the lane runs ({running!r}); "
                              f"not re-tested")
                 continue
-            # A re-test on another device than the value was won on measured another lane: it settled nothing.
+            # A re-test that measured another lane (another device than the value was won on, or a record keyed by
+            # an auto lane as written, re-keyed since) settled nothing.
             earlier = [t for t in mark.get("retests") or [] if isinstance(t, Mapping)
-                       and not _on_another_device(t, target)]
+                       and t.get("another_lane") is not True and not _on_another_device(t, target)]
             if earlier and not repeat:
                 last = earlier[-1]
                 notes.append(f"{target.where}: re-tested already ({last.get('verdict')} under "
@@ -323,6 +324,29 @@ def plan_retests(defaults_path: str | Path, policy: Policy, *, campaigns: Iterab
 # --- 3. running it ---
 
 
+def runnable(plans: list[RetestPlan]) -> tuple[list[RetestPlan], list[str]]:
+    """The plans the Ray cluster (started here when none is) runs on the device their value was won on, and a line
+    for each other one: its re-test would measure another lane, so it is left marked for a cluster that runs the
+    lane there, and the others still run and are judged."""
+    import ray
+
+    from ablate.config.auto_device import cluster_device
+    from ablate.sweep.run import ensure_ray
+
+    ensure_ray()
+    gpus = ray.cluster_resources().get("GPU", 0.0)
+    kept, skipped = [], []
+    for plan in plans:
+        runs_on = cluster_device(load_sweep(plan.campaign_path)[0].lane, gpus)
+        if plan.target.device_class and runs_on != plan.target.device_class:
+            skipped.append(f"{plan.name}: not run: {plan.target.feature}={plan.target.value!r} was won on "
+                           f"{plan.target.device_class} and this cluster runs its lane on {runs_on}; it stays marked "
+                           f"for a cluster that runs it on {plan.target.device_class}")
+        else:
+            kept.append(plan)
+    return kept, skipped
+
+
 def run_retests(plans: list[RetestPlan], policy: Policy, *, tracking_uri: Optional[str] = None,
                 storage: Optional[str] = None, progress: bool = False,
                 say: Callable[[str], None] = print) -> list[Any]:
@@ -438,22 +462,27 @@ def outcome_of(target: Target, v: Optional[FeatureVerdict], policy: Policy, *, r
     """PROMOTE confirms, REJECT demotes, anything else keeps the value with the mark (see the module docstring)."""
     keep, demoted_because = (_why_a_reject_keeps(target, v, policy) if v is not None and v.verdict == REJECT
                              else (None, ""))
+    other_device = bool(v and target.device_class and v.device_class and v.device_class != target.device_class)
+    other_shape = bool(v and target.lane_shape and v.lane_shape and v.lane_shape != target.lane_shape)
+    another_lane = other_device or other_shape  # measured another lane: it settles nothing (find_targets)
     if v is None:
         outcome, reason = UNCONFIRMED, "the re-test gave no verdict for this value on this lane (no usable block)"
-    elif target.device_class and v.device_class and v.device_class != target.device_class:
+    elif other_device:
         # A lane with hardware.device: auto runs where its cluster puts it: a CUDA re-test of a value won on CPU
         # measures another lane, and must neither confirm it nor demote it.
         outcome, reason = UNCONFIRMED, (f"re-tested on {v.device_class} ({v.verdict}), but the value was won on "
                                         f"{target.device_class}: re-test it where its arms ran (a machine whose "
                                         f"cluster runs the lane on {target.device_class}); the value stays, still "
                                         f"marked")
-    elif target.lane_shape and v.lane_shape and v.lane_shape != target.lane_shape:
+    elif other_shape:
         # One lane key, two shapes: the record hashed the lane's hardware.device: auto as written, as records did
         # before a shape named the device its arms ran on; an override or demotion keyed by it is applied nowhere.
         outcome, reason = UNCONFIRMED, (f"the record names lane shape {target.lane_shape} and the re-test measured "
-                                        f"the lane as {v.lane_shape} (a record keyed by hardware.device: auto as "
-                                        f"written): set its lane_shape, and its lane override's, to {v.lane_shape}, "
-                                        f"then re-test; the value stays, still marked")
+                                        f"the lane as {v.lane_shape} on {v.device_class or 'an unknown device'} (a "
+                                        f"record keyed by hardware.device: auto as written): set its lane_shape, "
+                                        f"and its lane override's, to the lane's on the device its evidence ran on "
+                                        f"({v.lane_shape} if that is {v.device_class or 'it'}), then re-test; the "
+                                        f"value stays, still marked")
     elif v.software_fingerprint == target.recorded_fingerprint:
         outcome, reason = UNCONFIRMED, (f"re-tested under the software it was promoted on ({v.software_fingerprint}), "
                                         f"which says nothing about the new software ({v.verdict}: {v.reason}); the "
@@ -475,7 +504,8 @@ def outcome_of(target: Target, v: Optional[FeatureVerdict], policy: Policy, *, r
     retest = {"report": report_id, "date": date, "sweeps": sweeps, "verdict": v.verdict if v else None,
               "outcome": outcome, "reason": reason, "policy": policy.ref,
               "software_fingerprint": v.software_fingerprint if v else None,
-              "device_class": (v.device_class or None) if v else None}
+              "device_class": (v.device_class or None) if v else None, **({"another_lane": True} if another_lane
+                                                                          else {})}
     evidence = None
     if v is not None:
         retest.update(speedup=None if v.speedup is None else round(float(v.speedup), 4),

@@ -892,10 +892,15 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
     try:
         cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
         _check_auto_device(path, sweep, defaults, cluster_gpus)
-        if device and cluster_device(sweep.lane, cluster_gpus) != device:
+        ran_on = cluster_device(sweep.lane, cluster_gpus)
+        if device and ran_on != device:
             raise ConfigError("lane.hardware.device", sweep.lane.hardware.device.value,
                               f"a lane this cluster runs on {device}, where the value it re-tests was won (this "
-                              f"cluster runs it on {cluster_device(sweep.lane, cluster_gpus)})")
+                              f"cluster runs it on {ran_on})")
+        if resume and meta.get("device") not in (None, ran_on):
+            raise ConfigError("--resume", str(path), f"a cluster that runs the lane on {meta['device']}, as sweep "
+                                                     f"{sweep_id} did when it started (this one runs it on {ran_on}): "
+                                                     f"one round measures one device")
         sweep.resources = gpu_resources(sweep.lane, sweep.resources, cluster_gpus)
         need = block_need(plan.blocks, sweep.resources)
         capacity = check_cluster(need, campaign=sweep.name, max_concurrent_blocks=sweep.resources.max_concurrent_blocks,
@@ -927,7 +932,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
                     "orders": ORDERS_IN_PAIRS,
                     "blocks": [b.label() for b in plan.blocks], "skipped": plan.skipped,
                     "created_at": datetime.now(timezone.utc).isoformat(), "params": params,
-                    "node_checks": node_checks,
+                    "node_checks": node_checks, "device": ran_on,
                     "aa_turn": turn, "aa_targets": _targets_record(aa_placement)}
             layout.write(f"{SWEEPS_DIR}/{sweep_id}.json", json.dumps(meta, indent=2, default=str))
             layout.write(LATEST, sweep_id + "\n")
@@ -975,7 +980,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
                    "inject": dict(inject or {}),
                    "completed": completed, "next_attempt": next_attempt, "hashes": _file_hashes(path, sweep),
                    "block_mode": sweep.block_mode.value, "node_check_path": sweep.node_check.path,
-                   "schedule": params["schedule"], "device": cluster_device(sweep.lane, cluster_gpus),
+                   "schedule": params["schedule"], "device": ran_on,
                    "run_arm": _run_arm_options(sweep, layout, sweep_id), "simulate_arms": simulate_arms is True}
         trainable = tune.with_resources(tune.with_parameters(run_block, context=context),
                                         TrialResources(need.trial_resources(), aa_placement) if aa_placement

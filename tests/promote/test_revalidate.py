@@ -219,10 +219,25 @@ def test_a_record_keyed_by_an_auto_lane_as_written_is_neither_demoted_nor_confir
     result = judge(targets, keyed(simulate(sim, 7), keys["B"]), policy, defaults, workdir=tmp_path / "B")
     [o] = result.revalidations
     wanted = shape_key(flats["B"], policy, "cuda")
-    assert o.outcome == UNCONFIRMED and f"set its lane_shape, and its lane override's, to {wanted}" in o.reason
+    assert o.outcome == UNCONFIRMED and f"({wanted} if that is cuda), then re-test" in o.reason
     write_defaults(result, defaults)
     assert load_defaults(defaults).values["moe_dispatch"] == "jagged" and "lane_overrides" not in \
         load_defaults(defaults).raw["features"]["moe_dispatch"]
+    # Re-keyed as the reason says, the record is re-tested without --repeat (that re-test measured another lane)
+    # and the lost win is put back on lane B.
+    doc = yaml.load(defaults.read_text())
+    [b_record] = [r for r in doc["features"]["moe_dispatch"]["evidence"] if r["lane_key"] == keys["B"]]
+    b_record["lane_shape"] = wanted
+    with defaults.open("w") as handle:
+        yaml.dump(doc, handle)
+    targets, _, notes = find_targets(defaults)
+    assert keys["B"] in [t.lane_key for t in targets], notes
+    sim.campaign, sim.block_prefix = "reval-sw-2b", "RB2-"
+    result = judge([t for t in targets if t.lane_key == keys["B"]], keyed(simulate(sim, 8), keys["B"]), policy,
+                   defaults, workdir=tmp_path / "B2")
+    assert [o.outcome for o in result.revalidations] == [DEMOTED]
+    write_defaults(result, defaults)
+    assert load_defaults(defaults).lane_default("moe_dispatch", wanted) == "padded"
 
 
 def test_a_confirmed_global_value_is_still_demoted_when_a_later_retest_finds_the_win_gone(

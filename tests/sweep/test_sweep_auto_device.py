@@ -60,7 +60,7 @@ def test_the_check_refuses_only_a_cluster_whose_device_changes_a_baseline(tmp_pa
         _check_auto_device(other, sweep, defaults, cluster_gpus=1)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def one_gpu_cluster() -> Iterator[None]:
     """A real local Ray runtime that offers one GPU (a logical resource: no arm is meant to reach it)."""
     import ray
@@ -96,6 +96,48 @@ def test_a_sweep_planned_on_cpu_is_refused_on_a_gpu_cluster_before_anything_is_w
     assert not list(storage.rglob("sweeps/*.json"))
 
 
+@pytest.mark.ray
+def test_a_round_started_on_one_device_is_not_resumed_on_another(tmp_path: Path, planned_on_cpu: None,
+                                                                  one_gpu_cluster: None) -> None:
+    import json
+
+    from ablate.sweep.layout import LATEST, Layout
+    from ablate.sweep.plan import ORDERS_IN_PAIRS, plan_sweep
+
+    campaign = tiny_smoke(tmp_path / "c", name="resumed", features={"mamba_scan": ["chunked"]}, aa_blocks=0)
+    storage = tmp_path / "runs"
+    sweep, defaults = load_sweep(campaign)
+    plan = plan_sweep(sweep, "resumed-r1", defaults, orders_scheme=ORDERS_IN_PAIRS)
+    layout = Layout.for_campaign(sweep.name, str(storage))
+    # What a sweep that started on a CPU-only cluster left (its metadata names the device it ran the lane on).
+    layout.write("sweeps/resumed-r1.json", json.dumps({"sweep_id": plan.sweep_id, "orders": ORDERS_IN_PAIRS,
+                                                        "plan_fingerprint": plan.fingerprint(), "device": "cpu"}))
+    layout.write(LATEST, "resumed-r1\n")
+    with pytest.raises(ConfigError, match="a cluster that runs the lane on cpu, as sweep resumed-r1 did"):
+        run_sweep(campaign, resume=True, tracking_uri=fresh_mlflow_uri(tmp_path / "store"), storage=str(storage),
+                  progress=False)
+
+
+@pytest.mark.ray
+def test_revalidate_runs_only_the_retests_this_cluster_runs_where_their_value_was_won(
+        tmp_path: Path, one_gpu_cluster: None) -> None:
+    from ablate.promote.revalidate import RetestPlan, Target, runnable
+
+    campaign = tiny_smoke(tmp_path / "c", name="tiny", features={"mamba_scan": ["chunked"]}, aa_blocks=0)
+
+    def plan(device: object) -> RetestPlan:
+        target = Target(feature="moe_dispatch", value="jagged", previous="padded", scope="global", lane_key="k",
+                        lane_shape=None, report="r1", campaign="tiny", recorded_fingerprint="sw-1",
+                        current_fingerprint="sw-2", policy=None, device_class=device)  # type: ignore[arg-type]
+        return RetestPlan(target=target, campaign_path=campaign, source=campaign, name=f"won-on-{device}", blocks=1,
+                          aa_blocks=1, rounds=1)
+
+    kept, skipped = runnable([plan("cpu"), plan("cuda"), plan(None)])
+    assert [p.name for p in kept] == ["won-on-cuda", "won-on-None"]  # this cluster runs the auto lane on CUDA
+    [line] = skipped
+    assert line.startswith("won-on-cpu: not run") and "this cluster runs its lane on cuda" in line
+
+
 def test_auto_resolves_as_the_trainer_resolves_it() -> None:
     from ablate.config.schema import Device, LaneConfig
 
@@ -104,6 +146,10 @@ def test_auto_resolves_as_the_trainer_resolves_it() -> None:
     assert (auto_device.cluster_device(lane, 0), auto_device.cluster_device(lane, 1)) == ("cpu", "cuda")
     written = LaneConfig(hardware=type(lane.hardware)(device=Device.cpu))
     assert auto_device.cluster_device(written, 1) == auto_device.planned_device(written) == "cpu"
+    cuda = LaneConfig(hardware=type(lane.hardware)(device=Device.cuda))
+    fallback = LaneConfig(hardware=type(lane.hardware)(device=Device.cuda, cpu_fallback=True))
+    assert auto_device.cluster_device(cuda, 0) == "cuda"  # refused by gpu_resources, never run on CPU
+    assert (auto_device.cluster_device(fallback, 0), auto_device.cluster_device(fallback, 1)) == ("cpu", "cuda")
 
 
 def test_a_machine_that_hides_its_gpus_plans_auto_lanes_for_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,6 +176,11 @@ def test_an_auto_lane_planned_on_cpu_trains_on_cpu_where_cuda_is_visible(monkeyp
     hardware = LaneConfig().hardware
     assert resolve_device(hardware, 0, planned="cpu").type == "cpu"
     assert resolve_device(hardware, 0).type == resolve_device(hardware, 0, planned="cuda").type == "cuda"
+    # Planned (and reserved) for CUDA where torch sees none (a CPU-only build): refused, never trained on CPU.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="planned this arm for cuda"):
+        resolve_device(hardware, 0, planned="cuda")
+    assert resolve_device(hardware, None).type == "cpu"
     # The plan's device reaches the trainer: the sweep puts it in the trial context, the spec carries it.
     lane = LaneConfig()
     block = Block(block_id="b000", feature=None, candidate_value=None, baseline_value=None, kind="aa",
