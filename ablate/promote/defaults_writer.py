@@ -28,7 +28,7 @@ import re
 import stat
 import tempfile
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
 
@@ -381,7 +381,8 @@ def find_revalidations(defaults_raw: Mapping[str, Any], lanes: Mapping[str, Lane
     """
     by_shape: dict[str, list[LaneState]] = defaultdict(list)
     for state in lanes.values():
-        by_shape[state.shape_key].append(state)
+        for shape in {state.shape_key, *(runs.shape_key for runs in state.devices.values())}:
+            by_shape[shape].append(state)
     found = []
     for feature, entry in (defaults_raw.get("features") or {}).items():
         if not isinstance(entry, Mapping):
@@ -413,12 +414,17 @@ def _current_state(record: Mapping[str, Any], lanes: Mapping[str, LaneState],
     under other software than the record's: that one, since the record is not known to describe the current one."""
     pool = list(by_shape.get(str(record.get("lane_shape")), ()))
     exact = lanes.get(str(record.get("lane_key")))
-    # A lane key hashes hardware.device: auto as written: the same lane on another device (a GPU cluster's runs of
-    # a lane whose value was won on CPU) says nothing of the software the record's device runs.
-    device = record.get("device_class")
-    if exact is not None and all(state is not exact for state in pool) and \
-            (not device or not exact.device_class or exact.device_class == device):
+    if exact is not None and all(state is not exact for state in pool):
         pool.append(exact)
+    # A lane key hashes hardware.device: auto as written: its runs on another device (a GPU cluster's, of a lane
+    # whose value was won on CPU) say nothing of the software the record's device runs. Each lane is seen as it
+    # ran on the record's device, and a lane that never ran there is not the record's.
+    device = record.get("device_class")
+    if device:
+        pool = [replace(state, shape_key=runs.shape_key, last_at=runs.last_at,
+                                    current_fingerprint=runs.current_fingerprint, device_class=device)
+                if (runs := state.devices.get(device)) is not None else state
+                for state in pool if not state.devices or device in state.devices]
     if not pool:
         return None
     latest = max(epoch_s(state.last_at) for state in pool)

@@ -7,6 +7,7 @@ import os
 import re
 import stat
 from pathlib import Path
+from typing import Optional
 from types import SimpleNamespace
 
 import pytest
@@ -541,8 +542,10 @@ def _died_unobserved(receipt: object) -> None:
     ident.software_fingerprint = evidence_fingerprint(ident.software, ident.code_fingerprint, None)
 
 
-def _auto_cpu_receipts(lane: dict, seed: int, **knobs: object) -> list:
-    receipts = simulate(Sim(features=[moe(1.05)], lane=lane, device="cpu", blocks_per_host=3, **QUIET, **knobs), seed)
+def _auto_cpu_receipts(lane: dict, seed: int, features: Optional[list] = None, device: str = "cpu",
+                       **knobs: object) -> list:
+    receipts = simulate(Sim(features=features or [moe(1.05)], lane=lane, device=device, blocks_per_host=3, **QUIET,
+                            **knobs), seed)
     for r in receipts:
         r.requested.device = "auto"  # trainers/receipt.py writes the lane's own hardware.device
     return receipts
@@ -586,19 +589,28 @@ def _days_later(receipts: list, days: int) -> list:
     return receipts
 
 
-@pytest.mark.parametrize("died_unobserved", [False, True])
+@pytest.mark.parametrize("then", ["", "died_unobserved", "gpu_runs_later"])
 def test_new_software_on_the_device_a_lane_override_was_won_on_marks_it_for_revalidation(
-        policy: Policy, defaults_file: Path, died_unobserved: bool) -> None:
-    """The newest block naming no device (its baseline died unobserved) still places the lane on its device
-    (found in review: the lane was then the auto shape as written, and the record went unmarked)."""
+        policy: Policy, defaults_file: Path, then: str) -> None:
+    """The newest block naming no device (its baseline died unobserved) still places the lane on its device, and
+    the lane's runs on a GPU cluster a day later (the same lane key: auto as written) do not hide its CPU runs'
+    new software (both found in review: the record went unmarked)."""
     lane = base_lane()
     first = _auto_cpu_receipts(lane, 0, fingerprints=["sw-1"] * 2)
     write_defaults(promote(first, policy_path=policy, defaults_path=defaults_file), defaults_file)
-    later = _days_later(_auto_cpu_receipts(base_lane(**{"features.moe_dispatch": "jagged"}), 3,
-                                           fingerprints=["sw-2"] * 2, campaign="later", block_prefix="L-"), 5)
-    if died_unobserved:
+    # Another feature's campaign on the lane, whose baseline now runs jagged (another lane key).
+    jagged, mamba = base_lane(**{"features.moe_dispatch": "jagged"}), [FeatureTruth("mamba_scan", "chunked",
+                                                                                     "sequential", 1.0)]
+    later = _days_later(_auto_cpu_receipts(jagged, 3, mamba, fingerprints=["sw-2"] * 2, campaign="later",
+                                           block_prefix="L-"), 5)
+    if then == "died_unobserved":
         _died_unobserved(max((r for r in later if r.identity.arm.value == "baseline"),
                              key=lambda r: r.identity.created_at))
+    if then == "gpu_runs_later":
+        gpu = _days_later(_auto_cpu_receipts(jagged, 4, mamba, device="cuda", fingerprints=["sw-2g"] * 2,
+                                             campaign="later-gpu", block_prefix="G-"), 6)
+        assert {r.identity.lane_key for r in gpu} == {r.identity.lane_key for r in later}
+        later += gpu
     result = promote(first + later, policy_path=policy, defaults_path=defaults_file)
     assert [(r.recorded_fingerprint, r.current_fingerprint) for r in result.revalidations] == [("sw-1", "sw-2")]
 
