@@ -221,6 +221,8 @@ class FeatureVerdict:
     """Arms of this test (or A/A arms of its lane) whose receipts could not be read, named with where they are."""
     left_out_arms: list[str] = field(default_factory=list)
     """Arms of this test in sweeps a ``promote --sweep`` selection left out, named with their sweep."""
+    refused_arms: list[str] = field(default_factory=list)
+    """Candidate arms of newer software than this test's blocks, in blocks that were refused, named with why."""
     work: Optional[Work] = field(default=None, repr=False, compare=False)
 
     @property
@@ -512,8 +514,9 @@ def analyse(test: TestEvidence, calibration: Calibration, policy: Policy,
     verdict.contended_blocks = [b.block_id for b in blocks if b.baseline.contended or b.candidate.contended]
     verdict.gated_arms = [f"{block_id} candidate {view.receipt_id[:8]}{note}: "
                           + "; ".join(view.gate_details or view.gated_codes) for block_id, view, note in gated_views]
-    verdict.unread_arms = [arm.describe() for arm in test.unread if not arm.left_out]
+    verdict.unread_arms = [arm.describe() for arm in test.unread if not arm.left_out and not arm.refused]
     verdict.left_out_arms = [arm.describe() for arm in test.unread if arm.left_out]
+    verdict.refused_arms = [arm.describe() for arm in test.unread if arm.refused]
     verdict.inert_reason = inert_reason(test) if test.kind == "speed" else None
     # The registry's reason (no arm flagged) holds for every arm; observed flags must be on every arm that ran.
     flagged = [b for b in blocks if "INERT_TOGGLE" in b.candidate.codes]

@@ -207,7 +207,7 @@ def _refused_newer(refusals: list[Refusal], valid: list[Receipt], blocks: list[B
                 continue
             arms.append(UnreadArm(origin=f"block {ident.block_id} of sweep {ident.sweep_id}, refused: {why}",
                                   lane_key=ident.lane_key, feature=ident.feature, software_fingerprint=None,
-                                  receipt_id=ident.receipt_id, created_at=ident.created_at))
+                                  receipt_id=ident.receipt_id, created_at=ident.created_at, refused=True))
     return arms
 
 

@@ -662,6 +662,8 @@ def _lane_detail(result: PromotionResult, lane: LaneSummary) -> list[str]:
             lines.append(f"- Amdahl: {_t(v.amdahl['note'])}")
         for what, items in (("arms that could not be read (the test holds until they are)", v.unread_arms),
                             ("arms in sweeps the --sweep selection left out (the test holds)", v.left_out_arms),
+                            ("arms of newer software in refused blocks (the test holds until that software is "
+                             "measured)", v.refused_arms),
                             ("gated candidate arms", v.gated_arms),
                             ("blocks whose arms' start-up differ beyond the lane's usual spread", v.startup_flags),
                             ("blocks measured under foreign CPU load (HOST_CONTENDED)", v.contended_blocks)):

@@ -249,6 +249,14 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
                           f"{len(left)} arm(s) of this feature in this lane are in sweeps the --sweep selection "
                           f"left out ({named}): "
                           f"promote with them (name their sweeps too, or drop --sweep)")
+        if not unread and v.refused_arms:
+            # Readable receipts: "restore or repair them" would send the user after files that are fine.
+            refused = v.refused_arms
+            named = "; ".join(refused[:2]) + (f"; and {len(refused) - 2} more" if len(refused) > 2 else "")
+            return Clause("every_arm_read", False,
+                          f"{len(refused)} candidate arm(s) of newer software than this test's blocks are in blocks "
+                          f"that were refused ({named}): nothing measured that software on this lane, so the older "
+                          f"evidence is not current; run the round again once what refused it is fixed")
         named = "; ".join(unread[:2]) + (f"; and {len(unread) - 2} more" if len(unread) > 2 else "")
         return Clause("every_arm_read", not unread,
                       f"{len(unread)} arm(s) of this test or its lane's A/A blocks could not be read ({named}): "

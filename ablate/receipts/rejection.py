@@ -36,6 +36,9 @@ class UnreadArm:
     lane's newest read block (``ablate.promote.engine``)."""
     left_out: bool = False
     """Readable, but outside the sweeps a ``promote --sweep`` selection kept (``from_left_out``)."""
+    refused: bool = False
+    """Readable, but in a block that was refused, and of software no matched block of its lane ran
+    (``ablate.promote.engine``): nothing measured that software there."""
     block: Optional[tuple[str, str, int]] = None
     """(sweep id, block id, attempt) of an arm that died unobserved: its partner's (same attempt) fingerprint, when
     read, is its own (``ablate.promote.engine``), so a crash of superseded software does not hold the current

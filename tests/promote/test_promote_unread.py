@@ -366,6 +366,11 @@ def test_a_newest_round_whose_blocks_were_all_refused_leaves_no_older_software_c
     verdicts = {v.lane_key: v for v in result.verdicts}
     assert verdicts[lane_b_key].verdict == "HOLD" and _failing(verdicts[lane_b_key])[0] == "every_arm_read"
     assert "refused: the baseline arm is disqualified (LOW_PRIORITY)" in verdicts[lane_b_key].reason
+    # Its receipts are fine: the clause says what holds the test, not "restore or repair them".
+    assert "are in blocks that were refused" in verdicts[lane_b_key].reason
+    assert "could not be read" not in verdicts[lane_b_key].reason
+    assert verdicts[lane_b_key].refused_arms and not verdicts[lane_b_key].unread_arms
+    assert "arms of newer software in refused blocks" in result.markdown
     (change,) = result.changes
     assert change.scope == "lane" and "not every measured lane promoted it" in change.not_global
     # The control: the refused round ran the software lane B's matched blocks ran: it measured nothing, holds nothing.
