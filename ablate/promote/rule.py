@@ -238,30 +238,26 @@ def _promote_clauses(v: FeatureVerdict, policy: Policy, defaults: Mapping[str, A
     def every_arm_read() -> Clause:
         # An arm whose receipt is unreadable may be the failure or the gated candidate that decides this test; the
         # arms that remain cannot say it was not (ablate.receipts.rejection).
-        unread = v.unread_arms
-        if not unread and v.left_out_arms:
+        unread, left, refused = v.unread_arms, v.left_out_arms, v.refused_arms
+        if unread:
+            return Clause("every_arm_read", False,
+                          f"{len(unread)} arm(s) of this test or its lane's A/A blocks could not be read "
+                          f"({_named(unread)}): restore, sync or repair them (see the rejected lines), then promote "
+                          f"again")
+        if left:
             # Choosing the sweeps to promote on must not choose the verdict: a test with evidence in sweeps the
             # selection left out is decided on all of it or not at all (found in review: --sweep r1 --sweep r3
             # promoted on the winning rounds of a test whose r2 lost).
-            left = v.left_out_arms
-            named = "; ".join(left[:2]) + (f"; and {len(left) - 2} more" if len(left) > 2 else "")
             return Clause("every_arm_read", False,
                           f"{len(left)} arm(s) of this feature in this lane are in sweeps the --sweep selection "
-                          f"left out ({named}): "
-                          f"promote with them (name their sweeps too, or drop --sweep)")
-        if not unread and v.refused_arms:
+                          f"left out ({_named(left)}): promote with them (name their sweeps too, or drop --sweep)")
+        if refused:
             # Readable receipts: "restore or repair them" would send the user after files that are fine.
-            refused = v.refused_arms
-            named = "; ".join(refused[:2]) + (f"; and {len(refused) - 2} more" if len(refused) > 2 else "")
             return Clause("every_arm_read", False,
                           f"{len(refused)} candidate arm(s) of newer software than this test's blocks are in blocks "
-                          f"that were refused ({named}): nothing measured that software on this lane, so the older "
-                          f"evidence is not current; run the round again once what refused it is fixed")
-        named = "; ".join(unread[:2]) + (f"; and {len(unread) - 2} more" if len(unread) > 2 else "")
-        return Clause("every_arm_read", not unread,
-                      f"{len(unread)} arm(s) of this test or its lane's A/A blocks could not be read ({named}): "
-                      f"restore, sync or repair them (see the rejected lines), then promote again" if unread else
-                      "every arm of this test and its lane's A/A blocks was read")
+                          f"that were refused ({_named(refused)}): nothing measured that software on this lane, so "
+                          f"the older evidence is not current; run the round again once what refused it is fixed")
+        return Clause("every_arm_read", True, "every arm of this test and its lane's A/A blocks was read")
 
     def current_baseline() -> Clause:
         # The lane's own default: a lane override (keyed by lane shape) beats the global value, or a lane that
@@ -594,3 +590,7 @@ def decide_all(measured: list[FeatureVerdict], policy: Policy, defaults: Mapping
     resolve_competition(measured)
     return family
 
+
+def _named(arms: list[str]) -> str:
+    """The first two arms a clause names, and how many more."""
+    return "; ".join(arms[:2]) + (f"; and {len(arms) - 2} more" if len(arms) > 2 else "")
