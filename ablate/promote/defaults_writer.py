@@ -422,7 +422,7 @@ def _current_state(record: Mapping[str, Any], lanes: Mapping[str, LaneState],
     device = record.get("device_class")
     if device:
         pool = [replace(state, shape_key=runs.shape_key, last_at=runs.last_at,
-                                    current_fingerprint=runs.current_fingerprint, device_class=device)
+                        current_fingerprint=runs.current_fingerprint)
                 if (runs := state.devices.get(device)) is not None else state
                 for state in pool if not state.devices or device in state.devices]
     if not pool:

@@ -154,7 +154,7 @@ def find_targets(defaults_path: str | Path, repeat: bool = False) -> tuple[list[
             # A re-test that measured another lane (another device than the value was won on, or a record keyed by
             # an auto lane as written, re-keyed since) settled nothing.
             earlier = [t for t in mark.get("retests") or [] if isinstance(t, Mapping)
-                       and t.get("another_lane") is not True and not _on_another_device(t, target)]
+                       and t.get("another_lane") is not True]
             if earlier and not repeat:
                 last = earlier[-1]
                 notes.append(f"{target.where}: re-tested already ({last.get('verdict')} under "
@@ -164,11 +164,6 @@ def find_targets(defaults_path: str | Path, repeat: bool = False) -> tuple[list[
                 continue
             targets.append(target)
     return targets, refused, notes
-
-
-def _on_another_device(retest: Mapping[str, Any], target: Target) -> bool:
-    ran_on = retest.get("device_class")
-    return bool(target.device_class and ran_on and ran_on != target.device_class)
 
 
 def _target(feature: str, record: Mapping[str, Any], mark: Mapping[str, Any]) -> Target:

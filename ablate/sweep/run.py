@@ -868,8 +868,7 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
     try:
         with _faults_in_one_line(), _quiet_libraries():
             return _run_locked(path, sweep, layout, plan, meta, uri, defaults=defaults, device=device, resume=resume,
-                               progress=progress,
-                               inject=inject, started=started, resume_command=resume_command,
+                               progress=progress, inject=inject, started=started, resume_command=resume_command,
                                searcher_factory=searcher_factory, simulate_arms=simulate_arms)
     finally:
         lock.release()
