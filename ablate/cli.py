@@ -13,9 +13,12 @@ Heavy imports (torch, Ray, MLflow) happen inside the commands so `ablate validat
 
 from __future__ import annotations
 
+import atexit
 import functools
 import gc
+import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -264,6 +267,39 @@ def _print_rejected(rejected: list[tuple[str, str]]) -> None:
         err.print(redact(f"rejected {origin}: {reason}"), markup=False, highlight=False, soft_wrap=True)
 
 
+_exit_keeps: Optional[list[Any]] = None
+"""Set by ``main`` (the installed command, never a test's in-process runner): what commands left to the exit."""
+
+
+def _keep_until_exit(objects: Any) -> None:
+    """Leave what a command read to the process's exit instead of freeing it on return. 10,000 receipts and the
+    report built on them are millions of objects: freeing them one by one on return and again at the interpreter's
+    teardown was ~0.3 s of a promotion, and ``main`` ends the process without either (``_exit_now``). Outside
+    ``main`` (a test's runner, a library call) nothing is kept."""
+    if _exit_keeps is not None:
+        _exit_keeps.append(objects)
+
+
+def _exit_now(code: Any) -> None:
+    """End the process with ``code`` after everything a normal exit does that anyone could see, in the
+    interpreter's order (other threads joined, MLflow's idle artifact-upload workers among them; the atexit
+    callbacks, MLflow's and logging's flushes; stdout and stderr flushed), skipping the teardown that frees every
+    object, as mypy's ``hard_exit`` does. Returns, leaving the caller to exit normally, when it cannot be the same
+    exit: a non-integer code (``SystemExit`` prints it), or a stream that cannot be flushed (the interpreter
+    reports it)."""
+    shutdown = getattr(threading, "_shutdown", None)  # what the interpreter's own exit calls first (CPython)
+    if not (code is None or isinstance(code, int)) or shutdown is None:
+        return
+    shutdown()  # both run once: a normal exit after this one skips them
+    atexit._run_exitfuncs()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        return
+    os._exit(code or 0)
+
+
 def _owns_its_process(command: Callable[..., Any]) -> Callable[..., Any]:
     """A command whose pure CPU work (checking receipts, analysing tests, drawing plots) may be split over the
     CPUs by forking (``ablate.parallel``): it runs alone in its process, with no other thread at work."""
@@ -300,6 +336,7 @@ def receipts_list(
                       ident.status.value, f"{tps:.1f}" if tps else "-", f"{r.time.goodput_fraction:.1%}",
                       ",".join(sorted(r.codes())) or "-")
     console.print(table)
+    _keep_until_exit(locals())
 
 
 @receipts_app.command("show")
@@ -469,6 +506,7 @@ def promote(
             console.print("open the pull request with:", highlight=False)
             for command in outcome.pr_commands:
                 console.print(f"  {command}", markup=False, highlight=False)
+    _keep_until_exit(locals())
 
 
 # --- revalidate ---
@@ -666,6 +704,17 @@ def _doctor_deep(device_name: str, json_out: Optional[Path], ops: Optional[list[
 
 
 def main() -> None:
+    global _exit_keeps
+    _exit_keeps = []
+    try:
+        _main()
+    except SystemExit as exc:
+        _exit_now(exc.code)
+        raise
+    _exit_now(0)
+
+
+def _main() -> None:
     # The boundary: user errors are one `error:` line, never a traceback. ConfigError (bad campaign, policy or
     # defaults) exits 2 like typer's usage errors; any other ValueError or OSError that reaches here (a file that
     # cannot be written, a branch that exists) exits 1 and names its type, so a bug stays traceable.

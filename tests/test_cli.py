@@ -262,3 +262,48 @@ def test_what_a_command_loads_is_frozen_and_the_collector_is_left_as_it_was(tmp_
     finally:
         gc.enable()
         gc.unfreeze()
+
+
+EXIT_PROBE = """
+import atexit, sys, threading, time
+from pathlib import Path
+
+out = Path(sys.argv[1])
+def late() -> None:  # a thread still at work when the command returns: the exit waits for it, as Python's does
+    time.sleep(0.3)
+    (out / "thread").write_text("done")
+threading.Thread(target=late).start()
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+atexit.register(print, "printed at exit", flush=False)
+sys.argv = ["ablate", *sys.argv[2:]]
+from ablate.cli import main
+main()
+"""
+
+
+@pytest.mark.parametrize("args, code", [(["validate", "search_spaces/smoke.yaml"], 0),
+                                        (["validate", "search_spaces/no-such.yaml"], 1)])
+def test_the_exit_does_what_a_normal_exit_does_before_it_skips_the_teardown(tmp_path: Path, args: list[str],
+                                                                           code: int) -> None:
+    """``main`` ends the process without freeing every object (``cli._exit_now``); first it joins other threads,
+    runs the atexit callbacks and flushes what was printed, and exits with the command's code."""
+    done = subprocess.run([sys.executable, "-c", EXIT_PROBE, str(tmp_path), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
+                                                       "PYTHONPATH": str(REPO)})
+    assert done.returncode == code, done.stderr
+    assert (tmp_path / "thread").read_text() == "done" and (tmp_path / "atexit").read_text() == "ran"
+    assert done.stdout.endswith("printed at exit\n"), done.stdout
+    assert ("ok   search_spaces/smoke.yaml" in done.stdout) if code == 0 else ("no-such.yaml" in done.stderr)
+
+
+def test_only_main_keeps_what_a_command_read_until_the_exit(tmp_path: Path) -> None:
+    """A command run in process (a test's runner, a library call) frees what it read on return: only ``main``, which
+    ends the process right after, keeps it; and an exit code that is not a number is left to Python's exit."""
+    from typer.testing import CliRunner
+
+    from ablate import cli
+
+    out = CliRunner().invoke(cli.app, ["receipts", "list", "--source", str(SMOKE_RECEIPTS)])
+    assert out.exit_code == 0, out.output
+    assert cli._exit_keeps is None
+    cli._exit_now("not a number")  # returns: SystemExit prints the text and exits 1

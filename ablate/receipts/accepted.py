@@ -82,6 +82,11 @@ class AcceptedPayloads:
             return cls(None)
         return cls(directory / f"accepted-{fingerprint}.bin", read=read)
 
+    @property
+    def empty(self) -> bool:
+        """Nothing remembered: every payload will be checked in full."""
+        return not self._known
+
     def __contains__(self, key: bytes) -> bool:
         return key in self._known
 

@@ -28,7 +28,7 @@ from ablate.receipts.schema import InvalidReceipt, Receipt, in_the_future, valid
 from ablate.receipts.store import digest_problem
 from ablate.redact import redact_text
 from ablate.tracking.mapping import TAG
-from ablate.tracking.payload import WHERE, PayloadError, check_against_run, payload_json
+from ablate.tracking.payload import WHERE, PayloadError, check_against_run, has_payload, payload_json
 
 RECEIPT_ARTIFACT = "receipt.json"
 DOWNLOAD_THREADS = 8
@@ -130,14 +130,24 @@ def _already_accepted(run: Any, data: bytes) -> Optional[Outcome]:
     return Outcome(run, receipt=receipt)
 
 
-def _check_result(item: tuple[Any, bytes]) -> tuple[Optional[Receipt], Optional[str], bool]:
-    """(receipt, reason, whether ``data`` may be remembered as accepted): only a payload that is exactly the
-    model's own JSON (what every writer puts there) is; one with other spacing, key order or duplicate keys is
-    checked in full every time. In a forked child such a receipt is not sent back: the parent rebuilds it from the
-    bytes as a remembered one is (``_rebuilt``), in about half the time of pickling it there and unpickling it here."""
-    outcome = _checked(*item)
-    canonical = _is_canonical(outcome.receipt, item[1])
-    return None if canonical and in_forked_child() else outcome.receipt, outcome.reason, canonical
+def _check_result(item: tuple[Any, Optional[bytes]]) -> tuple[Optional[Receipt], Optional[str], bool, Optional[bytes]]:
+    """(receipt, reason, whether the payload may be remembered as accepted, the payload when it may be) for a run and
+    its payload bytes, or for a run alone (``None``), whose payload is then decoded here, in the process that checks
+    it: with nothing remembered to look payloads up in, decoding them (~0.035 ms each) is split over the CPUs too.
+    Only a payload that is exactly the model's own JSON (what every writer puts there) may be remembered; one with
+    other spacing, key order or duplicate keys is checked in full every time. In a forked child such a receipt is
+    not sent back, only its payload: the parent rebuilds it from the bytes as a remembered one is (``_rebuilt``), in
+    about half the time of pickling it there and unpickling it here."""
+    run, data = item
+    if data is None:
+        decoded = _payload(run)
+        if not isinstance(decoded, bytes):  # damaged payload tags (the reader sent only runs that have them)
+            return None, decoded.reason if decoded is not None else "no payload", False, None
+        data = decoded
+    outcome = _checked(run, data)
+    canonical = _is_canonical(outcome.receipt, data)
+    return None if canonical and in_forked_child() else outcome.receipt, outcome.reason, canonical, \
+        data if canonical else None
 
 
 def logged_payload_key(data: bytes, tags: Mapping[str, str]) -> Optional[bytes]:
@@ -149,9 +159,9 @@ def logged_payload_key(data: bytes, tags: Mapping[str, str]) -> Optional[bytes]:
     return payload_key(data) if _is_canonical(receipt, data) else None
 
 
-def _rebuilt(run: Any, data: bytes, result: tuple[Optional[Receipt], Optional[str], bool]) -> Outcome:
-    receipt, reason, canonical = result
-    if receipt is None and canonical:
+def _rebuilt(run: Any, result: tuple[Optional[Receipt], Optional[str], bool, Optional[bytes]]) -> Outcome:
+    receipt, reason, canonical, data = result
+    if receipt is None and canonical and data is not None:
         try:
             receipt = Receipt.model_validate_json(data)  # checked in full by the child: the very model it accepted
         except Exception:  # noqa: BLE001 - cannot happen to the model's own JSON; if it does, check it here
@@ -180,37 +190,40 @@ def read_arm_runs(runs: list[Any], tracking_uri: str, use_payload: bool = True,
     reads every receipt from its ``receipt.json`` (the authoritative copy)."""
     outcomes: list[Optional[Outcome]] = []
     pending: list[tuple[int, Any]] = []
-    to_check: list[tuple[int, Any, bytes]] = []
+    to_check: list[tuple[int, Any, Optional[bytes]]] = []
     # Opening the cache reads all of it (100,000 remembered receipts: 3 MB, ~30 ms): a read of a few runs (the
     # sweep driver answering a block, after each arm) checks them instead, as before the cache.
     remember = use_payload and len(runs) >= CACHE_MIN_RUNS
     accepted = AcceptedPayloads.open(CHECKING_FINGERPRINT) if remember else None
+    # With nothing remembered, every payload is checked: it is decoded where it is checked (_check_result).
+    look_up = accepted is not None and not accepted.empty
     for run in runs:
         if run.data.tags.get(TAG + "logged") != "1":
             outcomes.append(Outcome(run, reason="incomplete run (logging was interrupted); run a sync"))
             continue
-        data = _payload(run) if use_payload else None
-        if data is None:
+        if not use_payload or not has_payload(run.data.tags):
             pending.append((len(outcomes), run))
-        elif isinstance(data, Outcome):
+            outcomes.append(None)
+            continue
+        data = _payload(run) if look_up else None
+        if isinstance(data, Outcome):
             outcomes.append(data)
             continue
-        elif accepted is not None and payload_key(data) in accepted:
+        if data is not None and accepted is not None and payload_key(data) in accepted:
             outcome = _already_accepted(run, data)
             if outcome is None:
                 to_check.append((len(outcomes), run, data))
             outcomes.append(outcome)
             continue
-        else:
-            to_check.append((len(outcomes), run, data))
+        to_check.append((len(outcomes), run, data))
         outcomes.append(None)
-    # Checking a receipt (schema, re-derived figures, digest) is ~0.8 ms of pure Python: the ones not accepted
+    # Checking a receipt (schema, re-derived figures, digest) is ~0.5 ms of pure Python: the ones not accepted
     # before are split over the CPUs. Only the receipt or the reason comes back, never the run with its payload tags.
     checked = fork_map(_check_result, [(run, data) for _, run, data in to_check], min_share=PARALLEL_MIN_SHARE)
-    for (index, run, data), result in zip(to_check, checked):
-        outcomes[index] = _rebuilt(run, data, result)
+    for (index, run, _), result in zip(to_check, checked):
+        outcomes[index] = _rebuilt(run, result)
     if accepted is not None:
-        accepted.add(payload_key(data) for (_, _, data), (_, _, canonical) in zip(to_check, checked) if canonical)
+        accepted.add(payload_key(data) for _, _, canonical, data in checked if canonical and data is not None)
         accepted.save()
     if pending:
         with tempfile.TemporaryDirectory(prefix="ablate-receipts-") as tmp, \

@@ -63,12 +63,17 @@ def encode_json(data: bytes) -> dict[str, str]:
     return tags
 
 
+def has_payload(tags: Mapping[str, str]) -> bool:
+    """Whether the run was logged with a payload (``payload_json`` then returns its bytes or says why it cannot)."""
+    return COUNT_TAG in tags
+
+
 def payload_json(tags: Mapping[str, str]) -> Optional[bytes]:
     """The receipt JSON bytes carried by a run's tags, None when the run has no payload (logged before it
     existed, or too large); ``PayloadError`` when the tags are there but damaged."""
-    count = tags.get(COUNT_TAG)
-    if count is None:
+    if not has_payload(tags):
         return None
+    count = tags[COUNT_TAG]
     if not (count.isascii() and count.isdigit()) or not 0 < int(count) <= MAX_CHUNKS:
         raise PayloadError(f"{COUNT_TAG} = {count[:20]!r}: not a chunk count in 1..{MAX_CHUNKS}")
     try:

@@ -5,11 +5,14 @@
 - ``engine._validated`` dumps receipts only when an id has several copies, and still keeps identical copies
   once and refuses differing ones;
 - ``schema._all_finite`` and ``schema._none_negative`` (C-speed checks of whole lists) answer as the number by
-  number walk they replace, on any tree of numbers, NaN, infinities, huge integers, bools, strings and None.
+  number walk they replace, on any tree of numbers, NaN, infinities, huge integers, bools, strings and None;
+- ``report._json_ready`` (the report's JSON data in one pass) gives what ``dataclasses.asdict`` followed by the
+  walk that made inf and NaN null gave, on any tree of dataclasses, dicts, lists, tuples and scalars.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any
@@ -19,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from promote_sim import Sim, moe, simulate
 
-from ablate.promote import engine, match
+from ablate.promote import engine, match, report
 from ablate.receipts import schema
 from ablate.receipts.store import seal
 
@@ -270,3 +273,46 @@ def test_a_measurement_key_is_its_four_series_exactly() -> None:
     moved = with_steps(step_s=list(steps.step_s), cadence_s=[1.0], data_s=[], phase_s=[])
     assert match._measurement_key(joined) != match._measurement_key(moved)
     assert match._measurement_key(with_steps(step_s=[0.5, 0.0, 0.0])) is None
+
+
+@dataclasses.dataclass
+class _Leafy:
+    number: Any
+    pair: tuple[Any, ...] = ()
+
+
+@dataclasses.dataclass
+class _Nested:
+    items: list[Any]
+    table: dict[Any, Any]
+    leafy: _Leafy
+
+
+def _finite_walk(value: Any) -> Any:
+    """The report's former pass over ``asdict``'s result: inf and NaN as null, keys as strings, tuples as lists."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _finite_walk(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_walk(v) for v in value]
+    return value
+
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True, allow_infinity=True),
+                     st.text(max_size=4))
+_leafy = st.builds(_Leafy, _scalars, st.tuples(_scalars, _scalars))
+_values = st.recursive(st.one_of(_scalars, _leafy), lambda inner: st.one_of(
+    st.lists(inner, max_size=3), st.tuples(inner, inner),
+    st.dictionaries(st.one_of(st.text(max_size=3), st.integers(), st.booleans()), inner, max_size=3)), max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.builds(_Nested, st.lists(_values, max_size=4), st.dictionaries(st.text(max_size=3), _values, max_size=3),
+                 _leafy))
+def test_json_ready_gives_what_asdict_and_the_finite_walk_gave(tree: _Nested) -> None:
+    expected = _finite_walk(dataclasses.asdict(tree))
+    got = report._json_ready(tree)
+    assert json.dumps(got, allow_nan=False) == json.dumps(expected, allow_nan=False)
+    assert report._json_ready({"list": [tree, (tree.leafy,)]}) == _finite_walk(
+        {"list": [dataclasses.asdict(tree), [dataclasses.asdict(tree.leafy)]]})

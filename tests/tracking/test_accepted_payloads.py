@@ -209,10 +209,10 @@ def test_payloads_checked_in_forked_children_are_remembered_too(store, monkeypat
     from_children: list[str] = []
     real = bulk_read._rebuilt
 
-    def recording(run, data, result):
-        if result[0] is None and result[2]:  # sent back as nothing by a child: re-parsed here
+    def recording(run, result):
+        if result[0] is None and result[2]:  # sent back as its payload alone by a child: re-parsed here
             from_children.append(run.data.tags["ablate.receipt_id"])
-        return real(run, data, result)
+        return real(run, result)
 
     monkeypatch.setattr(bulk_read, "_rebuilt", recording)
     with parallel.forking():
