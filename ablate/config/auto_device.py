@@ -2,9 +2,9 @@
 
 Why the planner needs it: a lane override in defaults.yaml is keyed by the lane's shape with ``auto`` resolved to
 the device its evidence ran on (``ablate.config.lane_shape``), so the baseline an ``auto`` lane runs depends on
-where it runs. The sweep plans on this machine's answer and, once Ray is up, refuses to start when the cluster
-resolves ``auto`` otherwise and that changes a default (``ablate.sweep.run``): a value won on CPU never becomes
-the baseline of GPU arms, nor the reverse.
+where it runs. The sweep plans on this machine's answer and, once Ray is up, plans again when the cluster resolves
+``auto`` otherwise (or refuses to start, where a round cannot be planned again: ``ablate.sweep.run``): a value won
+on CPU never becomes the baseline of GPU arms, nor the reverse.
 
 The answer is this machine's: CUDA when NVML sees a GPU this process may use (``CUDA_VISIBLE_DEVICES`` empty or
 ``-1`` hides them all), which is what a local Ray runtime, the embedded default, gives its arms. NVML, not torch:

@@ -459,8 +459,10 @@ def check_data_path(lane: LaneConfig) -> None:
                           f"one file (relative paths start at {Path.cwd()})")
 
 
-def load_sweep(path: str | Path) -> tuple[SweepConfig, Defaults]:
-    """Read a campaign file, type it, put the defaults under its lane, and validate every planned arm."""
+def load_sweep(path: str | Path, device: Optional[str] = None) -> tuple[SweepConfig, Defaults]:
+    """Read a campaign file, type it, put the defaults under its lane, and validate every planned arm. ``device``:
+    the device class an ``auto`` lane runs on, whose lane overrides it gets (default: this machine's,
+    ``ablate.config.auto_device.planned_device``)."""
     path = Path(path)
     data = read_yaml(path)
     if data is None or data == {}:
@@ -474,7 +476,7 @@ def load_sweep(path: str | Path) -> tuple[SweepConfig, Defaults]:
         defaults_path = path.parent / defaults_path
     defaults = load_defaults(defaults_path)
     explicit_lane = (data or {}).get("lane") or {}
-    sweep.lane = apply_defaults(sweep.lane, defaults, explicit_lane)
+    sweep.lane = apply_defaults(sweep.lane, defaults, explicit_lane, device=device)
     for line in unresolved_overrides(sweep.lane, defaults):
         log.warning("%s", line)
     validate_features(sweep, defaults, explicit_lane)

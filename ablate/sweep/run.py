@@ -54,7 +54,7 @@ from ray.tune import Callback
 
 from ablate.config.auto_device import cluster_device, planned_device
 from ablate.config.features import FEATURES
-from ablate.config.lane_shape import AUTO
+from ablate.config.lane_shape import AUTO, DEVICE_CLASSES
 from ablate.config.load import Defaults, apply_defaults, flatten, lane_to_dict, load_sweep, read_yaml
 from ablate.config.schema import ConfigError, SweepConfig
 from ablate.receipts.outline import ArmOutline, outline
@@ -549,11 +549,13 @@ def _parent_params(sweep: SweepConfig, plan: SweepPlan, capacity: Capacity, camp
     return params
 
 
-def _sweep_identity(path: Path, resume: bool, storage: Optional[str]
-                    ) -> tuple[SweepConfig, Defaults, Layout, SweepPlan, dict[str, Any]]:
-    """The campaign, its defaults, where it lives, its plan and (resume) the metadata of the sweep being
-    continued."""
-    sweep, defaults = load_sweep(path)
+def _sweep_identity(path: Path, resume: bool, storage: Optional[str], device: Optional[str] = None,
+                    sweep_id: Optional[str] = None
+                    ) -> tuple[SweepConfig, Defaults, Layout, SweepPlan, dict[str, Any], str]:
+    """The campaign, its defaults, where it lives, its plan, (resume) the metadata of the sweep being continued,
+    and the device class the plan is for: ``device``, else the one a resumed sweep ran its lane on, else this
+    machine's (``planned_device``; an ``auto`` lane's baselines depend on it)."""
+    sweep, defaults = load_sweep(path, device=device)
     layout = Layout.for_campaign(sweep.name, storage or sweep.tracking.storage)
     meta: dict[str, Any] = {}
     if resume:
@@ -563,19 +565,32 @@ def _sweep_identity(path: Path, resume: bool, storage: Optional[str]
         if not meta:
             raise ConfigError("--resume", str(path), f"a campaign with an earlier sweep under {layout.local_dir} "
                                                      f"(none found: start it without --resume)")
-    plan = plan_sweep(sweep, meta.get("sweep_id") or _new_sweep_id(layout.campaign), defaults,
+        ran_on = meta.get("device")
+        if device is None and ran_on in DEVICE_CLASSES and ran_on != planned_device(sweep.lane):
+            device = ran_on  # planned as it ran: on another machine than this one, perhaps
+            sweep, defaults = load_sweep(path, device=device)
+    plan = plan_sweep(sweep, meta.get("sweep_id") or sweep_id or _new_sweep_id(layout.campaign), defaults,
                       orders_scheme=meta.get("orders", ORDERS_SHUFFLED) if resume else ORDERS_IN_PAIRS)
     if resume and meta.get("plan_fingerprint") != plan.fingerprint():
         raise ConfigError("--resume", str(path), f"the campaign as it was when sweep {plan.sweep_id} started (its "
                                                  f"blocks changed since; start a new sweep without --resume)")
-    return sweep, defaults, layout, plan, meta
+    return sweep, defaults, layout, plan, meta, device or planned_device(sweep.lane)
 
 
-def _check_auto_device(path: Path, sweep: SweepConfig, defaults: Defaults, cluster_gpus: float) -> None:
-    """Refuse a lane with ``hardware.device: auto`` that was planned for this machine's device when the cluster
-    runs its arms on another and defaults.yaml gives that device other baselines (a lane override is won on one
-    device class: ``ablate.config.lane_shape``). Before anything is written or run."""
-    planned, resolved = planned_device(sweep.lane), cluster_device(sweep.lane, cluster_gpus)
+def _baselines_moved(before: SweepConfig, after: SweepConfig) -> list[str]:
+    return [f"{name}: {spec.get(before.lane)!r} -> {spec.get(after.lane)!r}" for name, spec in sorted(FEATURES.items())
+            if spec.get(after.lane) != spec.get(before.lane)]
+
+
+def _check_auto_device(path: Path, sweep: SweepConfig, defaults: Defaults, cluster_gpus: float,
+                       planned: Optional[str] = None) -> None:
+    """Refuse a lane with ``hardware.device: auto`` that was planned for another device (``planned``, by default
+    this machine's) than the cluster runs its arms on, when defaults.yaml gives that device other baselines (a lane
+    override is won on one device class: ``ablate.config.lane_shape``). Before anything is written or run. A new
+    sweep is planned again instead (``_planned_for_cluster``); this holds a round that cannot be: an
+    ``--until-decided`` round, whose tests were chosen from this machine's plan, and the resume of a sweep that
+    did not record its device."""
+    planned, resolved = planned or planned_device(sweep.lane), cluster_device(sweep.lane, cluster_gpus)
     if planned == resolved:
         return
     explicit = (read_yaml(path) or {}).get("lane") or {}
@@ -587,6 +602,24 @@ def _check_auto_device(path: Path, sweep: SweepConfig, defaults: Defaults, clust
                           f"cpu or cuda written out: this machine plans the lane for {planned}, but the cluster "
                           f"runs its arms on {resolved}, where {defaults.path or 'defaults.yaml'} gives other "
                           f"baselines ({'; '.join(moved)}); a lane override holds on the device it was won on")
+
+
+def _planned_for_cluster(path: Path, storage: Optional[str], sweep: SweepConfig, defaults: Defaults,
+                         plan: SweepPlan, planned: str, ran_on: str
+                         ) -> tuple[SweepConfig, Defaults, SweepPlan]:
+    """A new sweep of an ``auto`` lane planned for this machine's device, planned again for the one the cluster runs
+    its arms on (a head node without a GPU in front of GPU workers): a lane override holds on the device it was won
+    on (``ablate.config.lane_shape``), so the arms get that device's baselines. Same sweep id; before anything is
+    written or run. Says so when a baseline changes."""
+    if sweep.lane.hardware.device.value != AUTO or planned == ran_on:
+        return sweep, defaults, plan
+    again, defaults, _, replanned, _, _ = _sweep_identity(path, False, storage, device=ran_on, sweep_id=plan.sweep_id)
+    moved = _baselines_moved(sweep, again)
+    if moved:
+        log.warning("this machine planned the lane (hardware.device: auto) for %s, but the cluster runs its arms on "
+                    "%s: planned again with the baselines %s gives %s (%s)", planned, ran_on,
+                    defaults.path or "defaults.yaml", ran_on, "; ".join(moved))
+    return again, defaults, replanned
 
 
 def _targets_record(placement: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -847,7 +880,7 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
     """
     started = time.monotonic()
     path = Path(path)
-    sweep, defaults, layout, plan, meta = _sweep_identity(path, resume, storage)
+    sweep, defaults, layout, plan, meta, planned = _sweep_identity(path, resume, storage, device)
     started_as = (meta.get("params") or {}).get("schedule", "fixed")
     if resume and started_as == "until_decided" and searcher_factory is None:
         # Tune would restore the round's searcher anyway; without the flag its receipts would claim a fixed
@@ -867,7 +900,8 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
                               + (["--tracking-uri", shown(uri)] if tracking_uri else []))
     try:
         with _faults_in_one_line(), _quiet_libraries():
-            return _run_locked(path, sweep, layout, plan, meta, uri, defaults=defaults, device=device, resume=resume,
+            return _run_locked(path, sweep, layout, plan, meta, uri, defaults=defaults, device=device, planned=planned,
+                               storage=storage, resume=resume,
                                progress=progress, inject=inject, started=started, resume_command=resume_command,
                                searcher_factory=searcher_factory, simulate_arms=simulate_arms)
     finally:
@@ -875,7 +909,8 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
 
 
 def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan, meta: dict[str, Any], uri: str, *,
-                defaults: Defaults, device: Optional[str], resume: bool, progress: bool,
+                defaults: Defaults, device: Optional[str], planned: str, storage: Optional[str], resume: bool,
+                progress: bool,
                 inject: Optional[Mapping[str, dict[str, Any]]], started: float, resume_command: str,
                 searcher_factory: Optional[Callable[[SweepPlan], Any]] = None,
                 simulate_arms: bool = False) -> SweepSummary:
@@ -890,7 +925,6 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
     recorder: Optional[_Recorder] = None
     try:
         cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
-        _check_auto_device(path, sweep, defaults, cluster_gpus)
         ran_on = cluster_device(sweep.lane, cluster_gpus)
         if device and ran_on != device:
             raise ConfigError("lane.hardware.device", sweep.lane.hardware.device.value,
@@ -900,6 +934,10 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
             raise ConfigError("--resume", str(path), f"a cluster that runs the lane on {meta['device']}, as sweep "
                                                      f"{sweep_id} did when it started (this one runs it on {ran_on}): "
                                                      f"one round measures one device")
+        if resume or searcher_factory is not None:
+            _check_auto_device(path, sweep, defaults, cluster_gpus, planned)
+        else:
+            sweep, defaults, plan = _planned_for_cluster(path, storage, sweep, defaults, plan, planned, ran_on)
         sweep.resources = gpu_resources(sweep.lane, sweep.resources, cluster_gpus)
         need = block_need(plan.blocks, sweep.resources)
         capacity = check_cluster(need, campaign=sweep.name, max_concurrent_blocks=sweep.resources.max_concurrent_blocks,

@@ -1,6 +1,7 @@
 """A lane with ``hardware.device: auto`` runs the lane overrides won on the device its arms run on, never those won on
-another: a sweep plans for this machine's device and refuses, before anything is written, a cluster that runs the
-arms elsewhere when that changes a baseline."""
+another: a sweep plans for this machine's device and, once Ray is up and before anything is written, plans again
+for the device the cluster runs the arms on; what cannot be planned again (an ``--until-decided`` round, a re-test)
+is refused when that device changes a baseline."""
 
 from __future__ import annotations
 
@@ -75,14 +76,40 @@ def one_gpu_cluster() -> Iterator[None]:
 
 
 @pytest.mark.ray
-def test_a_sweep_planned_on_cpu_is_refused_on_a_gpu_cluster_before_anything_is_written(
+def test_a_sweep_planned_on_cpu_runs_the_gpu_baselines_on_a_gpu_cluster(
+        tmp_path: Path, planned_on_cpu: None, one_gpu_cluster: None, caplog: pytest.LogCaptureFixture) -> None:
+    """A head node without a GPU plans an ``auto`` lane for CPU; its GPU workers run it on CUDA, so the sweep is
+    planned again, before anything is written, with the baselines defaults.yaml gives CUDA: the override won on CPU
+    is not the GPU arms' baseline."""
+    import json
+    import logging
+
+    campaign = tiny_smoke(tmp_path / "c", name="auto", features={"mamba_scan": ["chunked"]}, aa_blocks=0)
+    _with_override(campaign, "cpu")
+    assert load_sweep(campaign)[0].lane.features.moe_dispatch.value == "jagged"  # as this machine plans it
+    storage = tmp_path / "runs"
+    with caplog.at_level(logging.WARNING, logger="ablate.sweep.run"):
+        summary = run_sweep(campaign, tracking_uri=fresh_mlflow_uri(tmp_path / "store"), storage=str(storage),
+                            progress=False, simulate_arms=True)
+    assert summary.exit_code == 0, summary.render()
+    (meta,) = [json.loads(p.read_text()) for p in storage.rglob("sweeps/*.json")]
+    assert meta["device"] == "cuda" and meta["sweep_id"] == summary.sweep_id
+    assert meta["params"]["lane.features.moe_dispatch"] == "padded", "the CUDA baseline, not the CPU override"
+    assert "planned again with the baselines" in caplog.text and "moe_dispatch: 'jagged' -> 'padded'" in caplog.text
+
+
+@pytest.mark.ray
+def test_what_cannot_be_planned_again_is_refused_before_anything_is_written(
         tmp_path: Path, planned_on_cpu: None, one_gpu_cluster: None) -> None:
+    """An ``--until-decided`` round chose its tests from this machine's plan, and a re-test names the device its
+    value was won on: neither is planned again for the cluster's device."""
     campaign = tiny_smoke(tmp_path / "c", name="auto", features={"mamba_scan": ["chunked"]}, aa_blocks=0)
     _with_override(campaign, "cpu")
     storage = tmp_path / "runs"
     uri = fresh_mlflow_uri(tmp_path / "store")
     with pytest.raises(ConfigError, match="lane.hardware.device"):
-        run_sweep(campaign, tracking_uri=uri, storage=str(storage), progress=False)
+        run_sweep(campaign, tracking_uri=uri, storage=str(storage), progress=False,
+                  searcher_factory=lambda plan: pytest.fail("no round may start"))
     from mlflow import MlflowClient
 
     assert not list(storage.rglob("sweeps/*.json")), "no sweep metadata is written"
@@ -116,6 +143,32 @@ def test_a_round_started_on_one_device_is_not_resumed_on_another(tmp_path: Path,
     with pytest.raises(ConfigError, match="a cluster that runs the lane on cpu, as sweep resumed-r1 did"):
         run_sweep(campaign, resume=True, tracking_uri=fresh_mlflow_uri(tmp_path / "store"), storage=str(storage),
                   progress=False)
+
+
+@pytest.mark.ray
+def test_a_round_is_resumed_with_the_plan_of_the_device_it_ran_on(tmp_path: Path, planned_on_cpu: None,
+                                                                   one_gpu_cluster: None) -> None:
+    """A sweep that ran an ``auto`` lane on GPU workers is resumed from a head node without a GPU: it is planned for
+    the device its metadata names, as it was when it started, not refused as a changed campaign."""
+    import json
+
+    from ablate.sweep.layout import LATEST, Layout
+    from ablate.sweep.plan import ORDERS_IN_PAIRS, plan_sweep
+
+    campaign = tiny_smoke(tmp_path / "c", name="resumed", features={"mamba_scan": ["chunked"]}, aa_blocks=0)
+    _with_override(campaign, "cpu")
+    storage = tmp_path / "runs"
+    sweep, defaults = load_sweep(campaign, device="cuda")
+    plan = plan_sweep(sweep, "resumed-r1", defaults, orders_scheme=ORDERS_IN_PAIRS)
+    here, here_defaults = load_sweep(campaign)  # as this machine plans it: with the override won on CPU
+    assert plan.fingerprint() != plan_sweep(here, "resumed-r1", here_defaults, orders_scheme=ORDERS_IN_PAIRS).fingerprint()
+    layout = Layout.for_campaign(sweep.name, str(storage))
+    layout.write("sweeps/resumed-r1.json", json.dumps({"sweep_id": plan.sweep_id, "orders": ORDERS_IN_PAIRS,
+                                                        "plan_fingerprint": plan.fingerprint(), "device": "cuda"}))
+    layout.write(LATEST, "resumed-r1\n")
+    summary = run_sweep(campaign, resume=True, tracking_uri=fresh_mlflow_uri(tmp_path / "store"),
+                        storage=str(storage), progress=False, simulate_arms=True)
+    assert summary.exit_code == 0 and summary.sweep_id == "resumed-r1", summary.render()
 
 
 @pytest.mark.ray
