@@ -268,14 +268,15 @@ def _print_rejected(rejected: list[tuple[str, str]]) -> None:
 
 
 _exit_keeps: Optional[list[Any]] = None
-"""Set by ``main`` (the installed command, never a test's in-process runner): what commands left to the exit."""
+"""Set by ``entry`` (the installed command, never code that runs the CLI in its own process): what commands left
+to the exit."""
 
 
 def _keep_until_exit(objects: Any) -> None:
     """Leave what a command read to the process's exit instead of freeing it on return. 10,000 receipts and the
     report built on them are millions of objects: freeing them one by one on return and again at the interpreter's
-    teardown was ~0.3 s of a promotion, and ``main`` ends the process without either (``_exit_now``). Outside
-    ``main`` (a test's runner, a library call) nothing is kept."""
+    teardown was ~0.3 s of a promotion, and ``entry`` ends the process without either (``_exit_now``). Outside
+    ``entry`` (a test's runner, a library call, ``main`` itself) nothing is kept."""
     if _exit_keeps is not None:
         _exit_keeps.append(objects)
 
@@ -703,18 +704,21 @@ def _doctor_deep(device_name: str, json_out: Optional[Path], ops: Optional[list[
         raise typer.Exit(1)
 
 
-def main() -> None:
+def entry() -> None:
+    """The installed ``ablate`` command and ``python -m ablate``: ``main``, then the process ends without its
+    teardown (``_exit_now``). Code that runs the CLI inside its own process (a test) calls ``main``, which raises
+    ``SystemExit`` as any command line does."""
     global _exit_keeps
     _exit_keeps = []
     try:
-        _main()
+        main()
     except SystemExit as exc:
         _exit_now(exc.code)
         raise
     _exit_now(0)
 
 
-def _main() -> None:
+def main() -> None:
     # The boundary: user errors are one `error:` line, never a traceback. ConfigError (bad campaign, policy or
     # defaults) exits 2 like typer's usage errors; any other ValueError or OSError that reaches here (a file that
     # cannot be written, a branch that exists) exits 1 and names its type, so a bug stays traceable.

@@ -2,7 +2,7 @@
 is allowed; never a traceback, never minutes of work first.
 
 Grouped by theme: lane values, campaign structure, planning bounds, YAML itself, policy files, and the CLI
-boundary (in-process through ``ablate.cli.main``, the function the ``ablate`` script runs).
+boundary (in-process through ``ablate.cli.main``, what the ``ablate`` script runs before it ends the process).
 """
 
 from __future__ import annotations

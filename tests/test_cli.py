@@ -276,8 +276,8 @@ threading.Thread(target=late).start()
 atexit.register(lambda: (out / "atexit").write_text("ran"))
 atexit.register(print, "printed at exit", flush=False)
 sys.argv = ["ablate", *sys.argv[2:]]
-from ablate.cli import main
-main()
+from ablate.cli import entry
+entry()
 """
 
 
@@ -285,7 +285,7 @@ main()
                                         (["validate", "search_spaces/no-such.yaml"], 1)])
 def test_the_exit_does_what_a_normal_exit_does_before_it_skips_the_teardown(tmp_path: Path, args: list[str],
                                                                            code: int) -> None:
-    """``main`` ends the process without freeing every object (``cli._exit_now``); first it joins other threads,
+    """``entry`` ends the process without freeing every object (``cli._exit_now``); first it joins other threads,
     runs the atexit callbacks and flushes what was printed, and exits with the command's code."""
     done = subprocess.run([sys.executable, "-c", EXIT_PROBE, str(tmp_path), *args], cwd=REPO, capture_output=True,
                           text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
@@ -296,9 +296,10 @@ def test_the_exit_does_what_a_normal_exit_does_before_it_skips_the_teardown(tmp_
     assert ("ok   search_spaces/smoke.yaml" in done.stdout) if code == 0 else ("no-such.yaml" in done.stderr)
 
 
-def test_only_main_keeps_what_a_command_read_until_the_exit(tmp_path: Path) -> None:
-    """A command run in process (a test's runner, a library call) frees what it read on return: only ``main``, which
-    ends the process right after, keeps it; and an exit code that is not a number is left to Python's exit."""
+def test_only_the_installed_command_keeps_what_a_command_read_until_the_exit(tmp_path: Path) -> None:
+    """A command run in process (a test's runner, a library call, ``main``) frees what it read on return and exits
+    by ``SystemExit``: only ``entry``, which ends the process right after, keeps it; and an exit code that is not
+    a number is left to Python's exit."""
     from typer.testing import CliRunner
 
     from ablate import cli
@@ -306,4 +307,12 @@ def test_only_main_keeps_what_a_command_read_until_the_exit(tmp_path: Path) -> N
     out = CliRunner().invoke(cli.app, ["receipts", "list", "--source", str(SMOKE_RECEIPTS)])
     assert out.exit_code == 0, out.output
     assert cli._exit_keeps is None
+    argv = sys.argv
+    sys.argv = ["ablate", "receipts", "list", "--source", str(SMOKE_RECEIPTS)]
+    try:
+        with pytest.raises(SystemExit) as exited:
+            cli.main()  # the process goes on: this test's code after it runs
+    finally:
+        sys.argv = argv
+    assert exited.value.code == 0 and cli._exit_keeps is None
     cli._exit_now("not a number")  # returns: SystemExit prints the text and exits 1

@@ -479,7 +479,7 @@ def load_sweep(path: str | Path, device: Optional[str] = None) -> tuple[SweepCon
     sweep.lane = apply_defaults(sweep.lane, defaults, explicit_lane, device=device)
     for line in unresolved_overrides(sweep.lane, defaults):
         log.warning("%s", line)
-    validate_features(sweep, defaults, explicit_lane)
+    validate_features(sweep, defaults, explicit_lane, device)
     return sweep, defaults
 
 
@@ -505,17 +505,19 @@ def already_default_reason(moved: Optional[str] = None) -> str:
 
 
 def validate_features(sweep: SweepConfig, defaults: Optional[Defaults] = None,
-                      explicit: Optional[dict[str, Any]] = None) -> list[tuple[str, str]]:
+                      explicit: Optional[dict[str, Any]] = None, device: Optional[str] = None
+                      ) -> list[tuple[str, str]]:
     """Each tested value must be allowed and differ from the baseline.
 
     A value that is the baseline only because defaults.yaml moved it there (it was promoted after the campaign
     was written) is skipped, not refused; otherwise a promotion would break every campaign that tested it. A
     value that is inert in the lane (it provably runs the baseline's code here) is refused *before any arm runs*:
     ``plan_sweep`` leaves it out and records why, so the sweep, ``ablate validate`` and the promotion report show
-    it instead of spending arms on it. Returns the default-collision skips as (what, why).
+    it instead of spending arms on it. Returns the default-collision skips as (what, why). ``device``: as for
+    ``apply_defaults``.
     """
     pinned = set(flatten(explicit or {}))
-    shape = lane_shape_of(sweep.lane)
+    shape = lane_shape_of(sweep.lane, device)
     skipped: list[tuple[str, str]] = []
     for name, values in sweep.features.items():
         spec = feature(name)

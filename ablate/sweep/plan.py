@@ -157,13 +157,13 @@ def _normalised(name: str, lane: LaneConfig) -> Any:
 
 
 def _tested_values(sweep: SweepConfig, defaults: Optional[Defaults],
-                   skipped: list[tuple[str, str]]) -> dict[str, list[Any]]:
+                   skipped: list[tuple[str, str]], device: Optional[str] = None) -> dict[str, list[Any]]:
     """Feature -> the candidate values that still differ from the lane's baseline.
 
     A value equal to the baseline reaches the plan only when ``load_sweep`` found it promoted into the defaults
     since the campaign was written: it is skipped with a notice (a block would compare the value with itself).
     """
-    shape = lane_shape_of(sweep.lane)
+    shape = lane_shape_of(sweep.lane, device)
     tested: dict[str, list[Any]] = {}
     for name, values in sweep.features.items():
         baseline = str(_normalised(name, sweep.lane))
@@ -213,10 +213,11 @@ def _check_size(sweep: SweepConfig, tested_values: dict[str, list[Any]]) -> None
                           f"or use design: one_at_a_time")
 
 
-def _groups(sweep: SweepConfig, skipped: list[tuple[str, str]], defaults: Optional[Defaults]) -> list[_Group]:
+def _groups(sweep: SweepConfig, skipped: list[tuple[str, str]], defaults: Optional[Defaults],
+            device: Optional[str] = None) -> list[_Group]:
     groups: list[_Group] = []
     aa_lanes: dict[str, tuple[LaneConfig, dict[str, Any]]] = {}
-    tested_values = _tested_values(sweep, defaults, skipped)
+    tested_values = _tested_values(sweep, defaults, skipped, device)
     _check_size(sweep, tested_values)
     for name, values in tested_values.items():
         if not values:
@@ -308,12 +309,13 @@ def _balanced_orders(rng: random.Random, count: int, scheme: str = ORDERS_IN_PAI
 
 
 def plan_sweep(sweep: SweepConfig, sweep_id: str, defaults: Optional[Defaults] = None,
-               orders_scheme: str = ORDERS_IN_PAIRS) -> SweepPlan:
+               orders_scheme: str = ORDERS_IN_PAIRS, device: Optional[str] = None) -> SweepPlan:
     """Every block of the campaign, in the order they are submitted.
 
     ``sweep`` comes from ``load_sweep``, so its lane already runs the lane's effective defaults (an override
     for its shape included): that is every baseline arm. ``defaults`` (the second value ``load_sweep``
-    returns) only enriches skip notices with where a promoted value came from.
+    returns) only enriches skip notices with where a promoted value came from; ``device`` is the one ``load_sweep``
+    was given (an ``auto`` lane's overrides are those won on it).
 
     Blocks are interleaved round-robin by repetition (round 0 of every comparison, then round 1, ...) so slow
     drift of a node (thermal, neighbours) spreads over all features instead of landing on one. Arm orders are
@@ -321,7 +323,7 @@ def plan_sweep(sweep: SweepConfig, sweep_id: str, defaults: Optional[Defaults] =
     round draws fresh orders.
     """
     skipped: list[tuple[str, str]] = []
-    groups = _groups(sweep, skipped, defaults)
+    groups = _groups(sweep, skipped, defaults, device)
     rng = random.Random(hashlib.sha256(f"{sweep.seed}/{sweep_id}".encode()).hexdigest())
     orders = [_balanced_orders(rng, group.repeats, orders_scheme) for group in groups]
     rounds = max((group.repeats for group in groups), default=0)

@@ -502,7 +502,7 @@ def _file_hashes(campaign_file: Path, sweep: SweepConfig) -> dict[str, Optional[
     defaults = Path(sweep.defaults)
     if not defaults.is_absolute():
         defaults = campaign_file.parent / defaults
-    # load_sweep has just read both files, so a missing one here is a race worth a traceback.
+    # Taken right after load_sweep read both files, so a missing one here is a race worth a traceback.
     return {"campaign": file_sha256(campaign_file), "defaults": file_sha256(defaults)}
 
 
@@ -570,7 +570,7 @@ def _sweep_identity(path: Path, resume: bool, storage: Optional[str], device: Op
             device = ran_on  # planned as it ran: on another machine than this one, perhaps
             sweep, defaults = load_sweep(path, device=device)
     plan = plan_sweep(sweep, meta.get("sweep_id") or sweep_id or _new_sweep_id(layout.campaign), defaults,
-                      orders_scheme=meta.get("orders", ORDERS_SHUFFLED) if resume else ORDERS_IN_PAIRS)
+                      orders_scheme=meta.get("orders", ORDERS_SHUFFLED) if resume else ORDERS_IN_PAIRS, device=device)
     if resume and meta.get("plan_fingerprint") != plan.fingerprint():
         raise ConfigError("--resume", str(path), f"the campaign as it was when sweep {plan.sweep_id} started (its "
                                                  f"blocks changed since; start a new sweep without --resume)")
@@ -605,15 +605,20 @@ def _check_auto_device(path: Path, sweep: SweepConfig, defaults: Defaults, clust
 
 
 def _planned_for_cluster(path: Path, storage: Optional[str], sweep: SweepConfig, defaults: Defaults,
-                         plan: SweepPlan, planned: str, ran_on: str
+                         plan: SweepPlan, planned: str, ran_on: str, hashes: dict[str, Optional[str]]
                          ) -> tuple[SweepConfig, Defaults, SweepPlan]:
     """A new sweep of an ``auto`` lane planned for this machine's device, planned again for the one the cluster runs
     its arms on (a head node without a GPU in front of GPU workers): a lane override holds on the device it was won
     on (``ablate.config.lane_shape``), so the arms get that device's baselines. Same sweep id; before anything is
-    written or run. Says so when a baseline changes."""
+    written or run. Says so when a baseline changes. The files are read again: refused when they changed since
+    the first read (``hashes``; the sweep may have waited for another one's lock), as one sweep reads one campaign."""
     if sweep.lane.hardware.device.value != AUTO or planned == ran_on:
         return sweep, defaults, plan
     again, defaults, _, replanned, _, _ = _sweep_identity(path, False, storage, device=ran_on, sweep_id=plan.sweep_id)
+    if _file_hashes(path, again) != hashes:
+        raise ConfigError(str(path), "changed since this sweep read it",
+                          "the campaign and its defaults file as they were when the sweep started (it read them "
+                          "again to plan for the cluster's device, after Ray started); run the sweep again")
     moved = _baselines_moved(sweep, again)
     if moved:
         log.warning("this machine planned the lane (hardware.device: auto) for %s, but the cluster runs its arms on "
@@ -881,6 +886,7 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
     started = time.monotonic()
     path = Path(path)
     sweep, defaults, layout, plan, meta, planned = _sweep_identity(path, resume, storage, device)
+    hashes = _file_hashes(path, sweep)  # before the lock: a wait for another sweep may last hours
     started_as = (meta.get("params") or {}).get("schedule", "fixed")
     if resume and started_as == "until_decided" and searcher_factory is None:
         # Tune would restore the round's searcher anyway; without the flag its receipts would claim a fixed
@@ -901,7 +907,7 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
     try:
         with _faults_in_one_line(), _quiet_libraries():
             return _run_locked(path, sweep, layout, plan, meta, uri, defaults=defaults, device=device, planned=planned,
-                               storage=storage, resume=resume,
+                               hashes=hashes, storage=storage, resume=resume,
                                progress=progress, inject=inject, started=started, resume_command=resume_command,
                                searcher_factory=searcher_factory, simulate_arms=simulate_arms)
     finally:
@@ -909,8 +915,8 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
 
 
 def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan, meta: dict[str, Any], uri: str, *,
-                defaults: Defaults, device: Optional[str], planned: str, storage: Optional[str], resume: bool,
-                progress: bool,
+                defaults: Defaults, device: Optional[str], planned: str, hashes: dict[str, Optional[str]],
+                storage: Optional[str], resume: bool, progress: bool,
                 inject: Optional[Mapping[str, dict[str, Any]]], started: float, resume_command: str,
                 searcher_factory: Optional[Callable[[SweepPlan], Any]] = None,
                 simulate_arms: bool = False) -> SweepSummary:
@@ -937,7 +943,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         if resume or searcher_factory is not None:
             _check_auto_device(path, sweep, defaults, cluster_gpus, planned)
         else:
-            sweep, defaults, plan = _planned_for_cluster(path, storage, sweep, defaults, plan, planned, ran_on)
+            sweep, defaults, plan = _planned_for_cluster(path, storage, sweep, defaults, plan, planned, ran_on, hashes)
         sweep.resources = gpu_resources(sweep.lane, sweep.resources, cluster_gpus)
         need = block_need(plan.blocks, sweep.resources)
         capacity = check_cluster(need, campaign=sweep.name, max_concurrent_blocks=sweep.resources.max_concurrent_blocks,
@@ -1015,7 +1021,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         context = {"sweep_id": sweep_id, "campaign": sweep.name, "receipt_dir": layout.trial_receipt_dir(),
                    "blocks": ray.put({b.block_id: b.to_dict() for b in plan.blocks}),  # read: trial.plan_blocks
                    "inject": dict(inject or {}),
-                   "completed": completed, "next_attempt": next_attempt, "hashes": _file_hashes(path, sweep),
+                   "completed": completed, "next_attempt": next_attempt, "hashes": hashes,
                    "block_mode": sweep.block_mode.value, "node_check_path": sweep.node_check.path,
                    "schedule": params["schedule"], "device": ran_on,
                    "run_arm": _run_arm_options(sweep, layout, sweep_id), "simulate_arms": simulate_arms is True}

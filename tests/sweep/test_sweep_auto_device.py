@@ -61,6 +61,31 @@ def test_the_check_refuses_only_a_cluster_whose_device_changes_a_baseline(tmp_pa
         _check_auto_device(other, sweep, defaults, cluster_gpus=1)
 
 
+def test_planned_again_a_value_the_other_devices_override_made_the_baseline_is_skipped_not_refused(
+        tmp_path: Path, planned_on_cpu: None) -> None:
+    """Planned again for CUDA, a tested value that CUDA's lane override made the baseline is skipped with the notice
+    naming the override, as a GPU head plans it, and the files read again must be the ones read first."""
+    from ablate.sweep.plan import plan_sweep
+    from ablate.sweep.run import _file_hashes, _planned_for_cluster
+
+    campaign = tiny_smoke(tmp_path / "c", name="auto", features={"moe_dispatch": ["jagged"],
+                                                                "mamba_scan": ["chunked"]}, aa_blocks=0)
+    _with_override(campaign, "cuda")
+    sweep, defaults = load_sweep(campaign)  # this machine: CPU, where jagged is still a candidate
+    plan = plan_sweep(sweep, "auto-r1", defaults)
+    assert not plan.skipped and {b.feature for b in plan.blocks} == {"moe_dispatch", "mamba_scan"}
+    hashes = _file_hashes(campaign, sweep)
+    again, _, replanned = _planned_for_cluster(campaign, str(tmp_path / "runs"), sweep, defaults, plan, "cpu", "cuda",
+                                               hashes)
+    assert replanned.sweep_id == "auto-r1" and again.lane.features.moe_dispatch.value == "jagged"
+    assert {b.feature for b in replanned.blocks} == {"mamba_scan"}
+    [(what, why)] = replanned.skipped
+    assert what == "moe_dispatch=jagged" and "already this lane's default (lane override" in why, why
+    campaign.write_text(campaign.read_text() + "\n# edited while the sweep waited\n")
+    with pytest.raises(ConfigError, match="changed since this sweep read it"):
+        _planned_for_cluster(campaign, str(tmp_path / "runs"), sweep, defaults, plan, "cpu", "cuda", hashes)
+
+
 @pytest.fixture(scope="module")
 def one_gpu_cluster() -> Iterator[None]:
     """A real local Ray runtime that offers one GPU (a logical resource: no arm is meant to reach it)."""
