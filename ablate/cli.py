@@ -705,17 +705,20 @@ def _doctor_deep(device_name: str, json_out: Optional[Path], ops: Optional[list[
 
 
 def entry() -> None:
-    """The installed ``ablate`` command and ``python -m ablate``: ``main``, then the process ends without its
-    teardown (``_exit_now``). Code that runs the CLI inside its own process (a test) calls ``main``, which raises
-    ``SystemExit`` as any command line does."""
+    """The installed ``ablate`` command and ``python -m ablate``: ``main``; after a command that left what it read to
+    the exit (``_keep_until_exit``), the process ends without its teardown (``_exit_now``). Every other command
+    exits as Python does: their teardown is short, and a library's C-level buffers (Ray's, torch's) are flushed by
+    it. Code that runs the CLI inside its own process (a test) calls ``main``, which raises ``SystemExit``."""
     global _exit_keeps
     _exit_keeps = []
     try:
         main()
     except SystemExit as exc:
-        _exit_now(exc.code)
+        if _exit_keeps:
+            _exit_now(exc.code)
         raise
-    _exit_now(0)
+    if _exit_keeps:
+        _exit_now(0)
 
 
 def main() -> None:

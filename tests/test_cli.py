@@ -265,7 +265,7 @@ def test_what_a_command_loads_is_frozen_and_the_collector_is_left_as_it_was(tmp_
 
 
 EXIT_PROBE = """
-import atexit, sys, threading, time
+import atexit, os, sys, threading, time
 from pathlib import Path
 
 out = Path(sys.argv[1])
@@ -275,25 +275,34 @@ def late() -> None:  # a thread still at work when the command returns: the exit
 threading.Thread(target=late).start()
 atexit.register(lambda: (out / "atexit").write_text("ran"))
 atexit.register(print, "printed at exit", flush=False)
+hard_exit = os._exit
+def recorded(code: int) -> None:
+    (out / "hard_exit").write_text(str(code))
+    hard_exit(code)
+os._exit = recorded
 sys.argv = ["ablate", *sys.argv[2:]]
 from ablate.cli import entry
 entry()
 """
 
 
-@pytest.mark.parametrize("args, code", [(["validate", "search_spaces/smoke.yaml"], 0),
-                                        (["validate", "search_spaces/no-such.yaml"], 1)])
+@pytest.mark.parametrize("args, code, hard", [
+    (["receipts", "list", "--source", str(SMOKE_RECEIPTS)], 0, True),  # it keeps what it read until the exit
+    (["validate", "search_spaces/smoke.yaml"], 0, False), (["validate", "search_spaces/no-such.yaml"], 1, False)])
 def test_the_exit_does_what_a_normal_exit_does_before_it_skips_the_teardown(tmp_path: Path, args: list[str],
-                                                                           code: int) -> None:
-    """``entry`` ends the process without freeing every object (``cli._exit_now``); first it joins other threads,
-    runs the atexit callbacks and flushes what was printed, and exits with the command's code."""
+                                                                           code: int, hard: bool) -> None:
+    """After a command that read receipts, ``entry`` ends the process without freeing every object
+    (``cli._exit_now``); first it joins other threads, runs the atexit callbacks and flushes what was printed, and
+    exits with the command's code. Every other command exits as Python does."""
     done = subprocess.run([sys.executable, "-c", EXIT_PROBE, str(tmp_path), *args], cwd=REPO, capture_output=True,
                           text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
-                                                       "PYTHONPATH": str(REPO)})
+                                                       "PYTHONPATH": str(REPO), "COLUMNS": "200"})
     assert done.returncode == code, done.stderr
     assert (tmp_path / "thread").read_text() == "done" and (tmp_path / "atexit").read_text() == "ran"
     assert done.stdout.endswith("printed at exit\n"), done.stdout
-    assert ("ok   search_spaces/smoke.yaml" in done.stdout) if code == 0 else ("no-such.yaml" in done.stderr)
+    assert (tmp_path / "hard_exit").exists() is hard
+    expected = {"receipts": "mamba_scan=chunked", "validate": "ok   search_spaces/smoke.yaml"}[args[0]] if code == 0 else "no-such"
+    assert expected in (done.stdout if code == 0 else done.stderr), done.stdout + done.stderr
 
 
 def test_only_the_installed_command_keeps_what_a_command_read_until_the_exit(tmp_path: Path) -> None:
