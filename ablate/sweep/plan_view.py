@@ -4,8 +4,8 @@ How to use::
 
     console.print(*render_plan(sweep, plan, path))      # rich renderables; no Ray, no MLflow, no torch
 
-Per lane: device (as requested, and what this machine would give it), precision, world size, pattern and its
-layer counts, tokens per step, steps per arm and the horizon. Per tested value: baseline and candidate, kind, blocks
+Per lane: device (as requested, and what this machine would give it; for ``auto``, the baselines a cluster that runs
+the arms on the other device class would plan), precision, world size, pattern and its layer counts, tokens per step, steps per arm and the horizon. Per tested value: baseline and candidate, kind, blocks
 per round. The A/A blocks, what was refused before any arm (inert toggles, values already the default), and the
 resources one block holds against what this machine offers (Ray is not started: a cluster may offer more, and
 ``ablate sweep`` re-checks against the cluster it runs on).
@@ -20,8 +20,12 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
+from ablate.config.auto_device import planned_device
+from ablate.config.features import FEATURES
+from ablate.config.lane_shape import AUTO
+from ablate.config.load import load_sweep
 from ablate.config.pattern import family_counts, parse_pattern
-from ablate.config.schema import LaneConfig, SweepConfig
+from ablate.config.schema import ConfigError, LaneConfig, SweepConfig
 from ablate.sweep.plan import SweepPlan
 from ablate.sweep.resources import NodeFit, block_need, detect_local, fit_node
 
@@ -39,6 +43,22 @@ def _lane_line(key: str, lane: LaneConfig, local_gpus: int) -> str:
             f"steps, compile {lane.compile.posture.value}")
 
 
+def _elsewhere_line(sweep: SweepConfig, path: Path) -> str:
+    """What an ``auto`` lane's plan becomes on a cluster that runs its arms on the other device class: ``ablate
+    sweep`` plans it again there, with the lane overrides won on that device (``ablate.sweep.run``)."""
+    here = planned_device(sweep.lane)
+    other = "cpu" if here == "cuda" else "cuda"
+    lead = f"device auto: planned for {here} (this machine); on a cluster that runs the arms on {other}, `ablate " \
+           f"sweep` plans it again"
+    try:
+        there, _ = load_sweep(path, device=other)
+    except ConfigError as exc:
+        return f"{lead}, and refuses it there: {exc}"
+    moved = [f"{name} {spec.get(sweep.lane)!r} -> {spec.get(there.lane)!r}" for name, spec in sorted(FEATURES.items())
+             if spec.get(there.lane) != spec.get(sweep.lane)]
+    return f"{lead} with other baselines: {'; '.join(moved)}" if moved else f"{lead}, with the same baselines"
+
+
 def render_plan(sweep: SweepConfig, plan: SweepPlan, path: Path) -> list[Any]:
     cpus, gpus = detect_local()
     out: list[Any] = [Text(f"plan of {path} (campaign {sweep.name}, design {plan.design}, "
@@ -47,6 +67,8 @@ def render_plan(sweep: SweepConfig, plan: SweepPlan, path: Path) -> list[Any]:
     for block in plan.blocks:
         lanes.setdefault(block.lane_key, block.arms[0].lane)
     out += [Text(_lane_line(key, lane, gpus)) for key, lane in sorted(lanes.items())]
+    if sweep.lane.hardware.device.value == AUTO:
+        out.append(Text(_elsewhere_line(sweep, path)))
 
     table = Table("lane", "feature", "baseline", "candidate", "kind", "blocks per round",
                   title="what each round measures")

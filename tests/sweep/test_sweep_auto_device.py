@@ -86,6 +86,30 @@ def test_planned_again_a_value_the_other_devices_override_made_the_baseline_is_s
         _planned_for_cluster(campaign, str(tmp_path / "runs"), sweep, defaults, plan, "cpu", "cuda", hashes)
 
 
+def test_validate_plan_says_what_the_other_device_would_run(tmp_path: Path, planned_on_cpu: None) -> None:
+    """``ablate validate --plan`` on a head node without a GPU shows the plan for CPU, and for an ``auto`` lane the
+    baselines a GPU cluster would plan instead."""
+    from ablate.sweep.plan import plan_sweep
+    from ablate.sweep.plan_view import render_plan
+
+    def line(campaign: Path) -> str:
+        sweep, defaults = load_sweep(campaign)
+        rendered = [str(r) for r in render_plan(sweep, plan_sweep(sweep, "validate", defaults), campaign)]
+        (found,) = [text for text in rendered if text.startswith("device auto:")]
+        return found
+
+    won_on_cpu = tiny_smoke(tmp_path / "c", name="auto", features={"mamba_scan": ["chunked"]}, aa_blocks=0)
+    _with_override(won_on_cpu, "cpu")
+    assert line(won_on_cpu).endswith("plans it again with other baselines: moe_dispatch 'jagged' -> 'padded'")
+    plain = tiny_smoke(tmp_path / "p", name="plain", features={"mamba_scan": ["chunked"]}, aa_blocks=0)
+    assert "planned for cpu (this machine)" in line(plain) and line(plain).endswith("with the same baselines")
+    written = tiny_smoke(tmp_path / "w", name="written", lane={"hardware": {"device": "cpu"}},
+                         features={"mamba_scan": ["chunked"]}, aa_blocks=0)
+    sweep, defaults = load_sweep(written)
+    assert not [r for r in render_plan(sweep, plan_sweep(sweep, "validate", defaults), written)
+                if str(r).startswith("device auto:")]
+
+
 @pytest.fixture(scope="module")
 def one_gpu_cluster() -> Iterator[None]:
     """A real local Ray runtime that offers one GPU (a logical resource: no arm is meant to reach it)."""
