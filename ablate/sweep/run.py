@@ -587,8 +587,9 @@ def _check_auto_device(path: Path, sweep: SweepConfig, defaults: Defaults, clust
     """Refuse a lane with ``hardware.device: auto`` that was planned for another device (``planned``, by default
     this machine's) than the cluster runs its arms on, when defaults.yaml gives that device other baselines (a lane
     override is won on one device class: ``ablate.config.lane_shape``). Before anything is written or run. A new
-    sweep is planned again instead (``_planned_for_cluster``); this holds the resume of a sweep that did not record
-    its device (one that started before sweeps recorded it), which must run the plan it started with."""
+    sweep is planned again instead (``_planned_for_cluster``); this holds a round that cannot be: an
+    ``--until-decided`` round, whose tests were chosen from this machine's plan, and the resume of a sweep that
+    did not record its device."""
     planned, resolved = planned or planned_device(sweep.lane), cluster_device(sweep.lane, cluster_gpus)
     if planned == resolved:
         return
@@ -939,7 +940,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
             raise ConfigError("--resume", str(path), f"a cluster that runs the lane on {meta['device']}, as sweep "
                                                      f"{sweep_id} did when it started (this one runs it on {ran_on}): "
                                                      f"one round measures one device")
-        if resume:
+        if resume or searcher_factory is not None:
             _check_auto_device(path, sweep, defaults, cluster_gpus, planned)
         else:
             sweep, defaults, plan = _planned_for_cluster(path, storage, sweep, defaults, plan, planned, ran_on, hashes)

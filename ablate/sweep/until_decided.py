@@ -223,11 +223,6 @@ def settled_blocks(receipts: Iterable[Receipt]) -> list[Receipt]:
     return [r for r in receipts if (r.identity.sweep_id, r.identity.block_id) in settled]
 
 
-def speed_keys(plan: SweepPlan) -> set[SpeedKey]:
-    """The plan's speed tests."""
-    return {key for _, key in block_keys(plan) if key is not None}
-
-
 def block_keys(plan: SweepPlan) -> list[tuple[str, Optional[SpeedKey]]]:
     """(block id, its speed test) in plan order; None for blocks that run every round (A/A, bundle, taxes)."""
     from ablate.config.features import BUNDLE
@@ -342,11 +337,8 @@ class UntilDecidedSummary:
     experiment: str
     rounds: list[RoundRecord]
     states: list[Standing]
-    """The standing of each planned test that has blocks judged."""
     stop_reason: str
     sweep_summaries: list[Any] = field(default_factory=list)
-    planned: list[SpeedKey] = field(default_factory=list)
-    """The speed tests the last round planned (on the device its cluster runs the lane on), judged or not."""
     defaults_path: str = ""
     """The campaign's defaults file, the judge's: the printed ``promote`` command names it so its verdicts and
     changes are read against the same defaults (the CLI's default is search_spaces/defaults.yaml)."""
@@ -388,9 +380,8 @@ def _latest_start(receipts: Iterable[Receipt]) -> Optional[float]:
 def run_until_decided(path: str | Path, *, policy_path: str | Path, resume: bool = False,
                       tracking_uri: Optional[str] = None, storage: Optional[str] = None, progress: bool = True,
                       lock_wait_s: float = 0.0, echo: Callable[[str], None] = print,
-                      sleep: Callable[[float], None] = time.sleep, simulate_arms: bool = False) -> UntilDecidedSummary:
-    """Rounds of ``run_sweep`` with ``UntilDecidedSearcher`` until every speed test is decided (module docstring).
-    ``simulate_arms``: tests only, as for ``run_sweep`` (no-op arms, refused by the rule: no test is ever decided)."""
+                      sleep: Callable[[float], None] = time.sleep) -> UntilDecidedSummary:
+    """Rounds of ``run_sweep`` with ``UntilDecidedSearcher`` until every speed test is decided (module docstring)."""
     from ablate.config.load import load_sweep
     from ablate.sweep.layout import Layout
     from ablate.sweep.run import run_sweep
@@ -405,16 +396,12 @@ def run_until_decided(path: str | Path, *, policy_path: str | Path, resume: bool
     summaries: list[Any] = []
     # The plan's speed tests (every round plans the same ones; ids and orders differ), known before any round so
     # a campaign already decided runs nothing.
-    planned = speed_keys(plan_sweep(sweep, "until-decided-preview", defaults))
+    planned = {k for _, k in block_keys(plan_sweep(sweep, "until-decided-preview", defaults)) if k is not None}
     if not planned:
         raise ConfigError("features", sorted(sweep.features), "at least one speed feature that can act in this lane: "
                                                               "--until-decided decides speed tests")
 
     def factory(plan: SweepPlan) -> UntilDecidedSearcher:
-        nonlocal planned
-        # The round's own tests: a sweep plans an auto lane again for the device its cluster runs the arms on (GPU
-        # workers behind a head node without a GPU), whose baselines, so lane keys, may differ from this machine's.
-        planned = speed_keys(plan)
         return UntilDecidedSearcher(block_keys(plan), judge)
 
     stop = ""
@@ -435,7 +422,6 @@ def run_until_decided(path: str | Path, *, policy_path: str | Path, resume: bool
         begun = time.time()
         summary = run_sweep(path, resume=resuming, tracking_uri=tracking_uri, storage=storage,
                             progress=progress, lock_wait_s=lock_wait_s, searcher_factory=factory,
-                            simulate_arms=simulate_arms,
                             resume_flags=("--until-decided", "--policy", str(policy_path)))
         summaries.append(summary)
         rounds.append(RoundRecord(sweep_id=summary.sweep_id, blocks_run=summary.blocks_total,
@@ -455,7 +441,7 @@ def run_until_decided(path: str | Path, *, policy_path: str | Path, resume: bool
         campaign=sweep.name, campaign_file=str(path), policy_path=str(policy_path), policy_ref=policy.ref,
         tracking_uri=shown(resolve_tracking_uri(tracking_uri or sweep.tracking.uri)), experiment=sweep.tracking.experiment,
         rounds=rounds, states=sorted((final[k] for k in planned if k in final), key=lambda s: s.key),
-        stop_reason=stop, sweep_summaries=summaries, defaults_path=judge.defaults_path, planned=sorted(planned))
+        stop_reason=stop, sweep_summaries=summaries, defaults_path=judge.defaults_path)
 
 
 def next_round(planned: Iterable[SpeedKey], states: dict[SpeedKey, Standing], *, aa_blocks: int,

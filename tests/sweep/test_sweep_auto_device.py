@@ -1,7 +1,7 @@
 """A lane with ``hardware.device: auto`` runs the lane overrides won on the device its arms run on, never those won on
 another: a sweep plans for this machine's device and, once Ray is up and before anything is written, plans again
-for the device the cluster runs the arms on; what cannot be planned again (a re-test, the resume of a sweep that
-recorded no device) is refused when that device changes a baseline."""
+for the device the cluster runs the arms on; what cannot be planned again (an ``--until-decided`` round, a re-test)
+is refused when that device changes a baseline."""
 
 from __future__ import annotations
 
@@ -148,49 +148,28 @@ def test_a_sweep_planned_on_cpu_runs_the_gpu_baselines_on_a_gpu_cluster(
 
 
 @pytest.mark.ray
-def test_an_until_decided_campaign_plans_its_rounds_and_its_tests_for_the_gpu_cluster(
+def test_what_cannot_be_planned_again_is_refused_before_anything_is_written(
         tmp_path: Path, planned_on_cpu: None, one_gpu_cluster: None) -> None:
-    """``--until-decided`` rounds are planned again for the cluster's device like any sweep, and the tests the loop
-    waits for are the rounds' own (other baselines, so other lane keys), not those of this machine's preview."""
-    import json
-
-    from ablate.sweep.plan import plan_sweep
-    from ablate.sweep.until_decided import run_until_decided, speed_keys
-
+    """An ``--until-decided`` round chose its tests from this machine's plan, and a re-test names the device its
+    value was won on: neither is planned again for the cluster's device."""
     campaign = tiny_smoke(tmp_path / "c", name="auto", features={"mamba_scan": ["chunked"]}, aa_blocks=0)
     _with_override(campaign, "cpu")
-    policy = tmp_path / "policy.yaml"
-    text = (Path(__file__).resolve().parents[2] / "search_spaces" / "policies" / "single_node_sequential.yaml")
-    policy.write_text(text.read_text().replace("max_rounds: 6", "max_rounds: 2"))
-    storage = tmp_path / "runs"
-    summary = run_until_decided(campaign, policy_path=policy, tracking_uri=fresh_mlflow_uri(tmp_path / "store"),
-                                storage=str(storage), progress=False, echo=lambda line: None, sleep=lambda s: None,
-                                simulate_arms=True)
-    assert [r.exit_code for r in summary.rounds] == [0, 0] and all(r.blocks_run for r in summary.rounds)
-    metas = [json.loads(p.read_text()) for p in storage.rglob("sweeps/*.json")]
-    assert len(metas) == 2 and all(m["device"] == "cuda" for m in metas)
-    assert all(m["params"]["lane.features.moe_dispatch"] == "padded" for m in metas)
-    here, on_gpu = load_sweep(campaign), load_sweep(campaign, device="cuda")
-    preview, rounds = speed_keys(plan_sweep(*here[:1], "p", here[1])), speed_keys(plan_sweep(on_gpu[0], "p", on_gpu[1]))
-    assert preview.isdisjoint(rounds), "the lane keys differ with the baselines"
-    assert set(summary.planned) == rounds, summary.render()
-
-
-@pytest.mark.ray
-def test_a_retest_on_another_device_is_refused_before_anything_is_written(
-        tmp_path: Path, one_gpu_cluster: None) -> None:
-    """A re-test (``ablate revalidate --run``) names the device its value was won on: the cluster must run it there,
-    whatever the defaults say; it is never planned again."""
     storage = tmp_path / "runs"
     uri = fresh_mlflow_uri(tmp_path / "store")
-    plain = tiny_smoke(tmp_path / "plain", name="plain", features={"mamba_scan": ["chunked"]}, aa_blocks=0)
-    with pytest.raises(ConfigError, match="a lane this cluster runs on cpu, where the value it re-tests was won"):
-        run_sweep(plain, tracking_uri=uri, storage=str(storage), progress=False, device="cpu")
+    with pytest.raises(ConfigError, match="lane.hardware.device"):
+        run_sweep(campaign, tracking_uri=uri, storage=str(storage), progress=False,
+                  searcher_factory=lambda plan: pytest.fail("no round may start"))
     from mlflow import MlflowClient
 
     assert not list(storage.rglob("sweeps/*.json")), "no sweep metadata is written"
     experiments = MlflowClient(uri).search_experiments()
     assert not MlflowClient(uri).search_runs([e.experiment_id for e in experiments]), "no MLflow run is opened"
+    # A re-test (``ablate revalidate --run``) names the device its value was won on: the cluster must run it there,
+    # whatever the defaults say.
+    plain = tiny_smoke(tmp_path / "plain", name="plain", features={"mamba_scan": ["chunked"]}, aa_blocks=0)
+    with pytest.raises(ConfigError, match="a lane this cluster runs on cpu, where the value it re-tests was won"):
+        run_sweep(plain, tracking_uri=uri, storage=str(storage), progress=False, device="cpu")
+    assert not list(storage.rglob("sweeps/*.json"))
 
 
 @pytest.mark.ray
