@@ -26,7 +26,7 @@ from ablate.config.lane_shape import AUTO
 from ablate.config.load import load_sweep
 from ablate.config.pattern import family_counts, parse_pattern
 from ablate.config.schema import ConfigError, LaneConfig, SweepConfig
-from ablate.sweep.plan import SweepPlan
+from ablate.sweep.plan import SweepPlan, plan_sweep
 from ablate.sweep.resources import NodeFit, block_need, detect_local, fit_node
 
 
@@ -34,7 +34,8 @@ def _lane_line(key: str, lane: LaneConfig, local_gpus: int) -> str:
     counts = family_counts(parse_pattern(lane.model.pattern))
     layers = " ".join(f"{letter}{n}" for letter, n in counts.items() if n)
     requested = lane.hardware.device.value
-    here = "cuda" if requested in ("cuda", "auto") and local_gpus else "cpu"
+    # auto: what the sweep plans for (NVML, which CUDA_VISIBLE_DEVICES=-1 hides from, unlike Ray's count)
+    here = planned_device(lane) if requested == AUTO else "cuda" if requested == "cuda" and local_gpus else "cpu"
     batch = lane.batch
     tokens = batch.micro_batch * batch.seq_len * batch.grad_accum * lane.engine.workers
     return (f"lane {key[:12]}: device {requested} (here: {here}), precision {lane.precision.value}, world size "
@@ -43,7 +44,7 @@ def _lane_line(key: str, lane: LaneConfig, local_gpus: int) -> str:
             f"steps, compile {lane.compile.posture.value}")
 
 
-def _elsewhere_line(sweep: SweepConfig, path: Path) -> str:
+def _elsewhere_line(sweep: SweepConfig, path: Path, plan_skipped: list[tuple[str, str]]) -> str:
     """What an ``auto`` lane's plan becomes on a cluster that runs its arms on the other device class: ``ablate
     sweep`` plans it again there, with the lane overrides won on that device (``ablate.sweep.run``)."""
     here = planned_device(sweep.lane)
@@ -51,12 +52,16 @@ def _elsewhere_line(sweep: SweepConfig, path: Path) -> str:
     lead = f"device auto: planned for {here} (this machine); on a cluster that runs the arms on {other}, `ablate " \
            f"sweep` plans it again"
     try:
-        there, _ = load_sweep(path, device=other)
+        there, defaults = load_sweep(path, device=other)
+        skipped = plan_sweep(there, "validate", defaults, device=other).skipped
     except ConfigError as exc:
         return f"{lead}, and refuses it there: {exc}"
     moved = [f"{name} {spec.get(sweep.lane)!r} -> {spec.get(there.lane)!r}" for name, spec in sorted(FEATURES.items())
              if spec.get(there.lane) != spec.get(sweep.lane)]
-    return f"{lead} with other baselines: {'; '.join(moved)}" if moved else f"{lead}, with the same baselines"
+    line = (f"{lead} with other baselines: {'; '.join(moved)} (an `--until-decided` round is refused there)" if moved
+            else f"{lead}, with the same baselines")
+    mine = set(plan_skipped)
+    return line + "".join(f"; not run there: {what} ({why})" for what, why in skipped if (what, why) not in mine)
 
 
 def render_plan(sweep: SweepConfig, plan: SweepPlan, path: Path) -> list[Any]:
@@ -68,7 +73,7 @@ def render_plan(sweep: SweepConfig, plan: SweepPlan, path: Path) -> list[Any]:
         lanes.setdefault(block.lane_key, block.arms[0].lane)
     out += [Text(_lane_line(key, lane, gpus)) for key, lane in sorted(lanes.items())]
     if sweep.lane.hardware.device.value == AUTO:
-        out.append(Text(_elsewhere_line(sweep, path)))
+        out.append(Text(_elsewhere_line(sweep, path, plan.skipped)))
 
     table = Table("lane", "feature", "baseline", "candidate", "kind", "blocks per round",
                   title="what each round measures")

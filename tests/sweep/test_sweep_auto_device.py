@@ -100,7 +100,16 @@ def test_validate_plan_says_what_the_other_device_would_run(tmp_path: Path, plan
 
     won_on_cpu = tiny_smoke(tmp_path / "c", name="auto", features={"mamba_scan": ["chunked"]}, aa_blocks=0)
     _with_override(won_on_cpu, "cpu")
-    assert line(won_on_cpu).endswith("plans it again with other baselines: moe_dispatch 'jagged' -> 'padded'")
+    assert line(won_on_cpu).endswith("plans it again with other baselines: moe_dispatch 'jagged' -> 'padded' (an "
+                                     "`--until-decided` round is refused there)")
+    # What the other device's plan leaves out, and a plan it refuses: the only tested value is CUDA's baseline.
+    won_on_cuda = tiny_smoke(tmp_path / "g", name="auto", features={"moe_dispatch": ["jagged"],
+                                                                    "mamba_scan": ["chunked"]}, aa_blocks=0)
+    _with_override(won_on_cuda, "cuda")
+    assert "; not run there: moe_dispatch=jagged (already this lane's default (lane override" in line(won_on_cuda)
+    only = tiny_smoke(tmp_path / "o", name="auto", features={"moe_dispatch": ["jagged"]}, aa_blocks=0)
+    _with_override(only, "cuda")
+    assert "plans it again, and refuses it there: " in line(only), line(only)
     plain = tiny_smoke(tmp_path / "p", name="plain", features={"mamba_scan": ["chunked"]}, aa_blocks=0)
     assert "planned for cpu (this machine)" in line(plain) and line(plain).endswith("with the same baselines")
     written = tiny_smoke(tmp_path / "w", name="written", lane={"hardware": {"device": "cpu"}},
