@@ -309,3 +309,10 @@ def feature(name: str, key: str = "features") -> FeatureSpec:
     except KeyError:
         raise ConfigError(f"{key}.{name}" if key else name, name,
                           f"one of {', '.join(sorted(FEATURES))}") from None
+
+
+def differing_features(before: LaneConfig, after: LaneConfig) -> list[tuple[str, Any, Any]]:
+    """(feature, value in ``before``, value in ``after``) for every feature the two lanes run differently: what a
+    lane's baselines become when it is planned on another device (``ablate.sweep.run``, ``ablate validate --plan``)."""
+    return [(name, spec.get(before), spec.get(after)) for name, spec in sorted(FEATURES.items())
+            if spec.get(after) != spec.get(before)]

@@ -5,8 +5,8 @@ How to use::
     console.print(*render_plan(sweep, plan, path))      # rich renderables; no Ray, no MLflow, no torch
 
 Per lane: device (as requested, and what this machine would give it; for ``auto``, the baselines a cluster that runs
-the arms on the other device class would plan), precision, world size, pattern and its layer counts, tokens per step, steps per arm and the horizon. Per tested value: baseline and candidate, kind, blocks
-per round. The A/A blocks, what was refused before any arm (inert toggles, values already the default), and the
+the arms on the other device class would plan), precision, world size, pattern and its layer counts, tokens per
+step, steps per arm and the horizon. Per tested value: baseline and candidate, kind, blocks per round. The A/A blocks, what was refused before any arm (inert toggles, values already the default), and the
 resources one block holds against what this machine offers (Ray is not started: a cluster may offer more, and
 ``ablate sweep`` re-checks against the cluster it runs on).
 """
@@ -21,7 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ablate.config.auto_device import planned_device
-from ablate.config.features import FEATURES
+from ablate.config.features import differing_features
 from ablate.config.lane_shape import AUTO
 from ablate.config.load import load_sweep
 from ablate.config.pattern import family_counts, parse_pattern
@@ -56,8 +56,7 @@ def _elsewhere_line(sweep: SweepConfig, path: Path, plan_skipped: list[tuple[str
         skipped = plan_sweep(there, "validate", defaults, device=other).skipped
     except ConfigError as exc:
         return f"{lead}, and refuses it there: {exc}"
-    moved = [f"{name} {spec.get(sweep.lane)!r} -> {spec.get(there.lane)!r}" for name, spec in sorted(FEATURES.items())
-             if spec.get(there.lane) != spec.get(sweep.lane)]
+    moved = [f"{name} {before!r} -> {after!r}" for name, before, after in differing_features(sweep.lane, there.lane)]
     line = (f"{lead} with other baselines: {'; '.join(moved)} (an `--until-decided` round is refused there)" if moved
             else f"{lead}, with the same baselines")
     mine = set(plan_skipped)

@@ -53,7 +53,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 from ray.tune import Callback
 
 from ablate.config.auto_device import cluster_device, planned_device
-from ablate.config.features import FEATURES
+from ablate.config.features import differing_features
 from ablate.config.lane_shape import AUTO, DEVICE_CLASSES
 from ablate.config.load import Defaults, apply_defaults, flatten, lane_to_dict, load_sweep, read_yaml
 from ablate.config.schema import ConfigError, SweepConfig
@@ -577,11 +577,6 @@ def _sweep_identity(path: Path, resume: bool, storage: Optional[str], device: Op
     return sweep, defaults, layout, plan, meta, device or planned_device(sweep.lane)
 
 
-def _baselines_moved(before: SweepConfig, after: SweepConfig) -> list[str]:
-    return [f"{name}: {spec.get(before.lane)!r} -> {spec.get(after.lane)!r}" for name, spec in sorted(FEATURES.items())
-            if spec.get(after.lane) != spec.get(before.lane)]
-
-
 def _check_auto_device(path: Path, sweep: SweepConfig, defaults: Defaults, cluster_gpus: float,
                        planned: Optional[str] = None) -> None:
     """Refuse a lane with ``hardware.device: auto`` that was planned for another device (``planned``, by default
@@ -595,8 +590,8 @@ def _check_auto_device(path: Path, sweep: SweepConfig, defaults: Defaults, clust
         return
     explicit = (read_yaml(path) or {}).get("lane") or {}
     there = apply_defaults(sweep.lane, defaults, explicit, device=resolved)
-    moved = [f"{name}: {spec.get(sweep.lane)!r} planned, {spec.get(there)!r} on {resolved}"
-             for name, spec in sorted(FEATURES.items()) if spec.get(there) != spec.get(sweep.lane)]
+    moved = [f"{name}: {planned_value!r} planned, {value!r} on {resolved}"
+             for name, planned_value, value in differing_features(sweep.lane, there)]
     if moved:
         raise ConfigError("lane.hardware.device", AUTO,
                           f"cpu or cuda written out: this machine plans the lane for {planned}, but the cluster "
@@ -619,7 +614,7 @@ def _planned_for_cluster(path: Path, storage: Optional[str], sweep: SweepConfig,
         raise ConfigError(str(path), "changed since this sweep read it",
                           "the campaign and its defaults file as they were when the sweep started (it read them "
                           "again to plan for the cluster's device, after Ray started); run the sweep again")
-    moved = _baselines_moved(sweep, again)
+    moved = [f"{name}: {before!r} -> {after!r}" for name, before, after in differing_features(sweep.lane, again.lane)]
     if moved:
         log.warning("this machine planned the lane (hardware.device: auto) for %s, but the cluster runs its arms on "
                     "%s: planned again with the baselines %s gives %s (%s)", planned, ran_on,

@@ -140,9 +140,9 @@ def _check_result(item: tuple[Any, Optional[bytes]]) -> tuple[Optional[Receipt],
     about half the time of pickling it there and unpickling it here."""
     run, data = item
     if data is None:
-        decoded = _payload(run)
-        if not isinstance(decoded, bytes):  # damaged payload tags (the reader sent only runs that have them)
-            return None, decoded.reason if decoded is not None else "no payload", False, None
+        decoded = _payload(run)  # never None: the reader sends only runs that have payload tags
+        if isinstance(decoded, Outcome):  # damaged payload tags
+            return None, decoded.reason, False, None
         data = decoded
     outcome = _checked(run, data)
     canonical = _is_canonical(outcome.receipt, data)
