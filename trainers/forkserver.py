@@ -51,11 +51,13 @@ from typing import Any, Optional
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PRELOAD = ("torch", "trainers.loop", "trainers.pairing", "trainers.result", "trainers.spec", "trainers.hostload",
-           "ablate.config.load")
+           "ablate.config.load", "trainers.model", "trainers.model.flops", "kernels.dispatch", "ablate.config.pattern")
 """Imports only: none of them runs an op or starts a thread pool at import time. ``trainers.worker`` itself is not
 preloaded: it runs as ``__main__`` in the child, as ``python -m`` would. ``ablate.config.load`` (OmegaConf, the
 lane schema) is what ``ArmSpec.from_json`` imports first thing in every arm: 0.08-0.1 s of each arm's start
-otherwise (measured in the forked child, 2 CPUs)."""
+otherwise (measured in the forked child, 2 CPUs). The model, its FLOP count and the kernel registry
+(``trainers.loop.run_worker``'s next imports; the kernels register their custom ops, which touches no device)
+were another 0.05 s of every arm's start-up."""
 PRELOAD_CPU_BUILD = ("torch._dynamo",)
 """Also preloaded where torch was built without CUDA/ROCm: every arm imports dynamo before its features are read
 (``trainers.loop``'s compile watch, ~1.5-2 s on 2 CPUs). It imports ``torch._inductor.config`` and triton, whose
@@ -252,6 +254,29 @@ class ArmProcess:
             self._kill_pid()
 
 
+def prestart(base_env: dict[str, str], code: Optional[str]) -> bool:
+    """Start the server an arm with ``base_env`` and ``code`` will fork from, if none listens yet, and return once
+    it listens; True when this call started it. Its imports then overlap the sweep's own start instead of the first
+    arms' (``ablate.sweep.run`` asks each node as soon as Ray is up). An arm still forks from a server that has run
+    nothing: the check that it listens is a connection closed before any request. False when one listened already
+    (this sweep's earlier round, or another sweep's arms with the same environment and code).
+
+    Raises ForkServerUnavailable, as ``fork_arm`` does."""
+    key = server_key(base_env, code)
+    try:
+        _connect(_server_dir() / f"{key}.sock").close()
+        return False
+    except OSError:
+        pass
+    try:
+        _ensure_server(base_env, key).close()
+    except ForkServerUnavailable:
+        raise
+    except Exception as exc:  # noqa: BLE001 - as fork_arm: any failure to get a server is "unavailable"
+        raise ForkServerUnavailable(f"{type(exc).__name__}: {exc}") from exc
+    return True
+
+
 def fork_arm(base_env: dict[str, str], overlay: dict[str, str], argv: list[str], log_path: Path, *,
              code: Optional[str], module: str = WORKER_MODULE, pass_fd: Optional[tuple[str, int]] = None,
              ) -> ArmProcess:
@@ -390,6 +415,9 @@ class _Server:
         conn.settimeout(10.0)
         try:
             header, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 1)
+            if not header and not fds:  # closed before any request: ``prestart`` checking that this server listens
+                conn.close()
+                return
             if len(header) < _HEADER.size:
                 header += _recv_exact(conn, _HEADER.size - len(header))
             request = json.loads(_recv_exact(conn, _HEADER.unpack(header)[0]))

@@ -80,6 +80,22 @@ def _private_caches(work: Path, restart: int = 0) -> dict[str, str]:
             "TRITON_CACHE_DIR": str(work / f"triton-cache{suffix}")}
 
 
+PER_ARM_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", ALLOTTED_CPUS_ENV, PAIR_CPUS_ENV)
+"""Variables an arm's launcher sets for that arm alone: its private caches, CPU allotment and pair slot."""
+LAUNCHER_ENV_PREFIXES = ("TUNE_",)
+"""Variables Ray Tune sets in a trial's own process (``TUNE_ORIG_WORKING_DIR``, the driver's working directory), so
+a Ray task on the same node has none: no module the fork server imports reads them."""
+
+
+def _split_env(env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(what the node's fork server is started with and keyed by, what only the forked arm gets on top): the arm
+    still sees all of ``env``, while every kind of arm, and ``prestart_fork_server`` in a plain Ray task, key the
+    same server."""
+    per_arm = {name: value for name, value in env.items()
+               if name in PER_ARM_ENV or name.startswith(LAUNCHER_ENV_PREFIXES)}
+    return {name: value for name, value in env.items() if name not in per_arm}, per_arm
+
+
 def _arm_env(work: Path, **extra: str) -> dict[str, str]:
     """A worker process's environment: allowlisted variables only (``ablate.redact.process_env``: no secret-named
     variable, no credentials inside a URI), this checkout on ``PYTHONPATH``, the arm's private caches. The arm's
@@ -126,16 +142,21 @@ def _full_disk(directory: Path) -> str:
     return f": the disk of {directory} is full (No space left on device)"
 
 
+def _worker_env(work: Path, overlay: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(the environment of the fork server an arm forks from, which keys it; the arm's own variables on top):
+    together, ``_arm_env(work)`` with ``overlay`` applied."""
+    base, own = _split_env(_arm_env(work))
+    overlay = {**own, **_private_caches(work), **overlay}
+    return {name: value for name, value in base.items() if name not in overlay}, overlay
+
+
 def _start_worker(argv: list[str], work: Path, log: Any, *, code: Optional[str], fork_server: bool = True,
                   pass_fd: Optional[tuple[str, int]] = None, **overlay: str) -> tuple[Any, dict[str, Any]]:
     """The arm's worker process, ``python -m trainers.worker <argv>``: forked from the node's fork server (imports
     already paid, ``trainers.forkserver``) or, when none can be had, a fresh interpreter. Either way a process
     that ran nothing before this arm. Returns it with how it was prepared (the receipt's ``identity.process``).
     ``overlay``: this arm's own variables, kept out of the server's key so arms share the server."""
-    base = _arm_env(work)
-    overlay = {**_private_caches(work), **overlay}
-    for name in overlay:
-        base.pop(name, None)
+    base, overlay = _worker_env(work, overlay)
     reason = "fork_server=False (asked for a fresh interpreter)"
     if fork_server:
         try:
@@ -148,6 +169,22 @@ def _start_worker(argv: list[str], work: Path, log: Any, *, code: Optional[str],
     proc = subprocess.Popen([sys.executable, "-m", "trainers.worker", *argv], cwd=REPO_ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT, pass_fds=(pass_fd[1],) if pass_fd else ())
     return proc, Prepared("fresh_interpreter", fallback_reason=reason).to_dict()
+
+
+def prestart_fork_server() -> str:
+    """Start this node's fork server for the arms a sweep is about to run here (``trainers.forkserver.prestart``),
+    keyed as ``_start_worker`` keys it from this process's environment; a Ray task on the node gets the environment
+    Ray gives the trials there. Never raises: what happened, in a line (the sweep logs it at debug level); an arm
+    that then finds no server starts one itself, as before."""
+    from trainers.forkserver import prestart, server_key
+
+    try:
+        base, _ = _split_env({**process_env(os.environ), "PYTHONPATH": _pythonpath()})
+        code = code_fingerprint(REPO_ROOT)
+        started = prestart(base, code)
+        return f"{host_name()}: fork server {server_key(base, code)} {'started' if started else 'already listening'}"
+    except Exception as exc:  # noqa: BLE001 - a head start only: the first arm starts the server, or falls back
+        return redact_text(f"{host_name()}: fork server not started ahead of the arms: {type(exc).__name__}: {exc}")
 
 
 def _wait(proc: Any, timeout_s: Optional[float]) -> Optional[int]:

@@ -153,6 +153,44 @@ def test_multi_worker_trial_shape_cannot_deadlock_on_two_cpus(ray_address: str, 
     assert run({"CPU": 1.0}, timeout=3) == 0, "control: the naive shape starves its own workers"
 
 
+def test_the_head_start_starts_the_server_a_trials_arms_fork_from(ray_address: str, tmp_path: Path) -> None:
+    """The sweep's head start runs in a plain Ray task on each node; a Tune trial's process has variables of its own
+    (``TUNE_ORIG_WORKING_DIR``): the server the task starts must still be the one the trial's arms ask for (found
+    measuring: a second server, started by the first arms, importing torch beside the first)."""
+    import ray
+    from ray import tune
+
+    from ablate.sweep.head_start import start_fork_servers
+    from ablate.sweep.resources import Capacity, NodeFit
+
+    node = ray.get_runtime_context().get_node_id()
+    one_worker = BlockNeed(workers=1, cpus_per_worker=1, gpus_per_worker=0)
+    nodes = [NodeFit(node, "here", {"CPU": 2.0}, arms=2), NodeFit("f" * 56, "full", {"CPU": 0.0}, arms=0)]
+    pending = start_fork_servers(Capacity(need=one_worker, nodes=nodes, max_concurrent=2))
+    assert len(pending) == 1, "only nodes that run arms"
+    line = ray.get(pending[0], timeout=180)
+    assert line.endswith((" started", " already listening")), line
+    started_key = line.split()[-2] if line.endswith(" started") else line.split()[-3]
+
+    def trial(config: dict[str, Any]) -> None:
+        from trainers.forkserver import server_key
+        from trainers.provenance import code_fingerprint
+        from trainers.run import REPO_ROOT, _worker_env
+        from trainers.spec import ALLOTTED_CPUS_ENV
+
+        base, overlay = _worker_env(Path(config["work"]), {ALLOTTED_CPUS_ENV: "1"})
+        tune.report({"key": server_key(base, code_fingerprint(REPO_ROOT)),
+                     "tune_vars": sorted(name for name in overlay if name.startswith("TUNE_"))})
+
+    result = tune.Tuner(tune.with_resources(trial, one_worker.trial_resources()), param_space={"work": str(tmp_path)},
+                        run_config=tune.RunConfig(storage_path=str(tmp_path / "tune"), verbose=0)).fit()[0]
+    assert result.metrics["key"] == started_key
+    assert "TUNE_ORIG_WORKING_DIR" in result.metrics["tune_vars"], "the arm still gets Tune's variables"
+    # Never a sweep's refusal or error: a multi-worker campaign's Train workers fork their ranks (no head start).
+    assert start_fork_servers(Capacity(need=BlockNeed(workers=2, cpus_per_worker=1, gpus_per_worker=0),
+                                       nodes=nodes, max_concurrent=1)) == []
+
+
 def test_resume_after_the_driver_is_killed(ray_address: str, tmp_path: Path) -> None:
     # moe_dispatch: both arms run eager; resuming is not about compiling (a fused_residual candidate compiles
     # with Inductor, ~10 s a block on 2 cores).

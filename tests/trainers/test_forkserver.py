@@ -15,8 +15,8 @@ import pytest
 
 from ablate.receipts.schema import Status, validate_receipt
 from trainer_helpers import make_spec, tiny_lane
-from trainers.forkserver import ForkServerUnavailable, fork_arm, server_key
-from trainers.run import _arm_env, run_arm, run_pair
+from trainers.forkserver import ForkServerUnavailable, _server_dir, fork_arm, prestart, server_key
+from trainers.run import _arm_env, _worker_env, run_arm, run_pair
 
 PROBE = "tests.trainers.forkserver_probe"
 REPO = Path(__file__).resolve().parents[2]
@@ -75,6 +75,36 @@ def test_each_fork_is_a_new_process_that_inherits_no_state_from_the_last(tmp_pat
     assert one["env"] == {**base, "PROBE_ARM": "one", **caches} and two["env"]["PROBE_ARM"] == "two"
     assert one["cwd"] == str(REPO) and one["affinity"] == sorted(os.sched_getaffinity(0))
     assert "probe wrote" in (tmp_path / "first.log").read_text()
+
+
+def test_a_head_start_is_the_server_the_next_arm_forks_from(tmp_path: Path) -> None:
+    """``prestart`` (a sweep's head start) leaves a listening server that has forked nothing: the first arm is its
+    first child, and the check that it listens is no request (nothing forked, nothing in its log)."""
+    base = _base_env(tmp_path, ABLATE_PROBE_KEY=str(time.time()))
+    assert prestart(base, "test") is True
+    assert prestart(base, "test") is False, "already listening: not a second server"
+    before = time.time()
+    proc, out = _probe(tmp_path, "after-head-start", base)
+    assert proc.wait(timeout=60) == 0 and out.exists()
+    assert proc.prepared.forks_before == 0 and proc.prepared.server_started_at < before
+    assert proc.prepared.request_s < 10, "the server was listening: no import paid by this arm"
+    log = (_server_dir() / f"{server_key(base, 'test')}.log").read_text()
+    assert "bad request" not in log and "forkserver:" not in log
+
+
+def test_variables_of_one_arm_or_of_tunes_trial_key_no_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a trial's own process holds (Tune's ``TUNE_ORIG_WORKING_DIR``, an allotment in the launcher's
+    environment) still reaches the arm, but the server is keyed without it: a plain Ray task on the node (the head
+    start) and every kind of arm find one server."""
+    plain = _worker_env(tmp_path / "a", {})[0]
+    monkeypatch.setenv("TUNE_ORIG_WORKING_DIR", "/somewhere/the/driver/ran")
+    monkeypatch.setenv("ABLATE_ARM_CPUS", "3")
+    for work, given in ((tmp_path / "a", {}), (tmp_path / "b", {"ABLATE_ARM_CPUS": "1", "ABLATE_PAIR_CPUS": "0"})):
+        base, overlay = _worker_env(work, given)
+        assert base == plain
+        assert {**base, **overlay} == {**_arm_env(work), **given}, "the arm's environment is unchanged"
+        assert overlay["TUNE_ORIG_WORKING_DIR"] == "/somewhere/the/driver/ran"
+        assert overlay["ABLATE_ARM_CPUS"] == given.get("ABLATE_ARM_CPUS", "3")
 
 
 def test_a_preloaded_library_reaches_the_forked_arm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
