@@ -57,7 +57,7 @@ def _elsewhere_line(sweep: SweepConfig, path: Path, plan_skipped: list[tuple[str
     except ConfigError as exc:
         return f"{lead}, and refuses it there: {exc}"
     moved = [f"{name} {before!r} -> {after!r}" for name, before, after in differing_features(sweep.lane, there.lane)]
-    line = (f"{lead} with other baselines: {'; '.join(moved)} (an `--until-decided` round is refused there)" if moved
+    line = (f"{lead} with other baselines: {'; '.join(moved)}" if moved
             else f"{lead}, with the same baselines")
     mine = set(plan_skipped)
     return line + "".join(f"; not run there: {what} ({why})" for what, why in skipped if (what, why) not in mine)

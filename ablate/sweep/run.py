@@ -567,6 +567,10 @@ def _sweep_identity(path: Path, resume: bool, storage: Optional[str], device: Op
             raise ConfigError("--resume", str(path), f"a campaign with an earlier sweep under {layout.local_dir} "
                                                      f"(none found: start it without --resume)")
         ran_on = meta.get("device")
+        if device is not None and ran_on in DEVICE_CLASSES and ran_on != device:
+            raise ConfigError("--resume", str(path), f"a cluster that runs the lane on {ran_on}, as sweep "
+                                                     f"{meta.get('sweep_id')} did when it started (this one runs it "
+                                                     f"on {device}): one round measures one device")
         if device is None and ran_on in DEVICE_CLASSES and ran_on != planned_device(sweep.lane):
             device = ran_on  # planned as it ran: on another machine than this one, perhaps
             sweep, defaults = load_sweep(path, device=device)
@@ -583,9 +587,10 @@ def _check_auto_device(path: Path, sweep: SweepConfig, defaults: Defaults, clust
     """Refuse a lane with ``hardware.device: auto`` that was planned for another device (``planned``, by default
     this machine's) than the cluster runs its arms on, when defaults.yaml gives that device other baselines (a lane
     override is won on one device class: ``ablate.config.lane_shape``). Before anything is written or run. A new
-    sweep is planned again instead (``_planned_for_cluster``); this holds a round that cannot be: an
-    ``--until-decided`` round, whose tests were chosen from this machine's plan, and the resume of a sweep that
-    did not record its device."""
+    sweep is planned again instead (``_planned_for_cluster``), and an ``--until-decided`` round is planned for the
+    cluster's device from the start (``until_decided.arms_device``); this holds a round that cannot be: the resume
+    of a sweep that did not record its device, and an ``--until-decided`` round run by another caller than
+    ``run_until_decided``."""
     planned, resolved = planned or planned_device(sweep.lane), cluster_device(sweep.lane, cluster_gpus)
     if planned == resolved:
         return
@@ -860,7 +865,7 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
               inject: Optional[Mapping[str, dict[str, Any]]] = None, lock_wait_s: float = 0.0,
               searcher_factory: Optional[Callable[[SweepPlan], Any]] = None,
               resume_flags: tuple[str, ...] = (), simulate_arms: bool = False,
-              device: Optional[str] = None) -> SweepSummary:
+              device: Optional[str] = None, device_why: str = "where the value it re-tests was won") -> SweepSummary:
     """Run (or, with ``resume``, continue) the campaign in ``path``; see the module docstring.
 
     ``searcher_factory``: plan -> a Tune ``Searcher`` that chooses which planned blocks run (``--until-decided``,
@@ -876,8 +881,10 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
     it): every arm is a no-op (``trainers.simulate``) whose receipt says ``executor: simulated``, which promotion
     refuses, so the orchestration (Tune, recorder, disk, MLflow) can be measured alone.
 
-    ``device`` (``cpu``, ``cuda``): the device class the arms must run on; a cluster that runs the lane elsewhere is
-    refused before anything is written (a re-test measures the value on the device it was won on).
+    ``device`` (``cpu``, ``cuda``): the device class the arms must run on, and the plan is for; a cluster that runs
+    the lane elsewhere is refused before anything is written, the refusal saying why the device is that one
+    (``device_why``: a re-test measures the value on the device it was won on; every ``--until-decided`` round of
+    one invocation on the device it planned for).
     """
     started = time.monotonic()
     path = Path(path)
@@ -902,7 +909,8 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
                               + (["--tracking-uri", shown(uri)] if tracking_uri else []))
     try:
         with _faults_in_one_line(), _quiet_libraries():
-            return _run_locked(path, sweep, layout, plan, meta, uri, defaults=defaults, device=device, planned=planned,
+            return _run_locked(path, sweep, layout, plan, meta, uri, defaults=defaults, device=device,
+                               device_why=device_why, planned=planned,
                                hashes=hashes, storage=storage, resume=resume,
                                progress=progress, inject=inject, started=started, resume_command=resume_command,
                                searcher_factory=searcher_factory, simulate_arms=simulate_arms)
@@ -911,7 +919,8 @@ def run_sweep(path: str | Path, *, resume: bool = False, tracking_uri: Optional[
 
 
 def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan, meta: dict[str, Any], uri: str, *,
-                defaults: Defaults, device: Optional[str], planned: str, hashes: dict[str, Optional[str]],
+                defaults: Defaults, device: Optional[str], device_why: str, planned: str,
+                hashes: dict[str, Optional[str]],
                 storage: Optional[str], resume: bool, progress: bool,
                 inject: Optional[Mapping[str, dict[str, Any]]], started: float, resume_command: str,
                 searcher_factory: Optional[Callable[[SweepPlan], Any]] = None,
@@ -930,8 +939,8 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         ran_on = cluster_device(sweep.lane, cluster_gpus)
         if device and ran_on != device:
             raise ConfigError("lane.hardware.device", sweep.lane.hardware.device.value,
-                              f"a lane this cluster runs on {device}, where the value it re-tests was won (this "
-                              f"cluster runs it on {ran_on})")
+                              f"a lane this cluster runs on {device}, {device_why} (this cluster runs it on "
+                              f"{ran_on})")
         if resume and meta.get("device") not in (None, ran_on):
             raise ConfigError("--resume", str(path), f"a cluster that runs the lane on {meta['device']}, as sweep "
                                                      f"{sweep_id} did when it started (this one runs it on {ran_on}): "

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -40,7 +41,9 @@ from typing import Any, Callable, Iterable, Optional
 
 from ray.tune.search import Searcher
 
-from ablate.config.schema import ConfigError
+from ablate.config.auto_device import cluster_device, planned_device
+from ablate.config.lane_shape import AUTO
+from ablate.config.schema import ConfigError, LaneConfig
 from ablate.promote.analysis import HOLD, PROMOTE, REJECT
 from ablate.promote.match import moment_text
 from ablate.promote.policy import Policy, load_policy
@@ -380,8 +383,14 @@ def _latest_start(receipts: Iterable[Receipt]) -> Optional[float]:
 def run_until_decided(path: str | Path, *, policy_path: str | Path, resume: bool = False,
                       tracking_uri: Optional[str] = None, storage: Optional[str] = None, progress: bool = True,
                       lock_wait_s: float = 0.0, echo: Callable[[str], None] = print,
-                      sleep: Callable[[float], None] = time.sleep) -> UntilDecidedSummary:
-    """Rounds of ``run_sweep`` with ``UntilDecidedSearcher`` until every speed test is decided (module docstring)."""
+                      sleep: Callable[[float], None] = time.sleep, simulate_arms: bool = False) -> UntilDecidedSummary:
+    """Rounds of ``run_sweep`` with ``UntilDecidedSearcher`` until every speed test is decided (module docstring).
+    ``simulate_arms``: tests only, as for ``run_sweep`` (no-op arms, which the rule refuses: no test is decided).
+
+    A lane with ``hardware.device: auto`` has every round planned for the device its arms run on (``arms_device``),
+    the first check included, so the tests the loop waits for are those the rounds run: a head node without a GPU in
+    front of GPU workers plans the GPU's baselines, so its lane keys. Each round checks that its cluster still runs
+    the arms there, before it writes anything: one invocation measures one device."""
     from ablate.config.load import load_sweep
     from ablate.sweep.layout import Layout
     from ablate.sweep.run import run_sweep
@@ -390,13 +399,19 @@ def run_until_decided(path: str | Path, *, policy_path: str | Path, resume: bool
     path = Path(path)
     policy = sequential_policy(policy_path)
     sweep, defaults = load_sweep(path)
+    device = arms_device(sweep.lane) if sweep.lane.hardware.device.value == AUTO else None
+    if device is not None and device != planned_device(sweep.lane):
+        log.warning("this machine would plan the lane (hardware.device: auto) for %s, but the cluster runs its arms "
+                    "on %s: every round is planned for %s", planned_device(sweep.lane), device, device)
+        sweep, defaults = load_sweep(path, device=device)
     layout = Layout.for_campaign(sweep.name, storage or sweep.tracking.storage)
     judge = CampaignJudge(str(layout.local_dir), policy, str(defaults_path_of(path, sweep.defaults)))
     rounds: list[RoundRecord] = []
     summaries: list[Any] = []
     # The plan's speed tests (every round plans the same ones; ids and orders differ), known before any round so
     # a campaign already decided runs nothing.
-    planned = {k for _, k in block_keys(plan_sweep(sweep, "until-decided-preview", defaults)) if k is not None}
+    planned = {k for _, k in block_keys(plan_sweep(sweep, "until-decided-preview", defaults, device=device))
+               if k is not None}
     if not planned:
         raise ConfigError("features", sorted(sweep.features), "at least one speed feature that can act in this lane: "
                                                               "--until-decided decides speed tests")
@@ -422,7 +437,9 @@ def run_until_decided(path: str | Path, *, policy_path: str | Path, resume: bool
         begun = time.time()
         summary = run_sweep(path, resume=resuming, tracking_uri=tracking_uri, storage=storage,
                             progress=progress, lock_wait_s=lock_wait_s, searcher_factory=factory,
-                            resume_flags=("--until-decided", "--policy", str(policy_path)))
+                            resume_flags=("--until-decided", "--policy", str(policy_path)), device=device,
+                            simulate_arms=simulate_arms,
+                            device_why="where this --until-decided invocation found its arms and planned every round")
         summaries.append(summary)
         rounds.append(RoundRecord(sweep_id=summary.sweep_id, blocks_run=summary.blocks_total,
                                   blocks_skipped=len(summary.left_out), started_at=begun,
@@ -481,3 +498,22 @@ def _gap_wait(receipts: Iterable[Receipt], policy: Policy, resuming: bool) -> fl
 def states_json(states: Iterable[Standing]) -> list[dict[str, Any]]:
     return [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(s).items()}
             for s in states]
+
+
+def arms_device(lane: LaneConfig) -> str:
+    """The device class ``lane``'s arms run on, as ``ablate.sweep.run`` will find it (``cluster_device``): asked of
+    the Ray runtime this process is attached to, or of the cluster ``RAY_ADDRESS`` names (attached to and let go:
+    each round attaches itself), else what the local runtime a round starts would offer (``detect_local``)."""
+    import ray
+
+    from ablate.sweep.resources import detect_local
+    from ablate.sweep.run import ensure_ray
+
+    if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
+        return cluster_device(lane, float(detect_local()[1]))
+    attached = ensure_ray()
+    try:
+        return cluster_device(lane, ray.cluster_resources().get("GPU", 0.0))
+    finally:
+        if attached:
+            ray.shutdown()

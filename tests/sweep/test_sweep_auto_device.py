@@ -1,7 +1,8 @@
 """A lane with ``hardware.device: auto`` runs the lane overrides won on the device its arms run on, never those won on
 another: a sweep plans for this machine's device and, once Ray is up and before anything is written, plans again
-for the device the cluster runs the arms on; what cannot be planned again (an ``--until-decided`` round, a re-test)
-is refused when that device changes a baseline."""
+for the device the cluster runs the arms on; ``--until-decided`` asks where the arms run before its first look at
+the evidence and plans every round for it; what cannot be planned again (a re-test, a round started elsewhere) is
+refused when that device changes a baseline."""
 
 from __future__ import annotations
 
@@ -100,8 +101,7 @@ def test_validate_plan_says_what_the_other_device_would_run(tmp_path: Path, plan
 
     won_on_cpu = tiny_smoke(tmp_path / "c", name="auto", features={"mamba_scan": ["chunked"]}, aa_blocks=0)
     _with_override(won_on_cpu, "cpu")
-    assert line(won_on_cpu).endswith("plans it again with other baselines: moe_dispatch 'jagged' -> 'padded' (an "
-                                     "`--until-decided` round is refused there)")
+    assert line(won_on_cpu).endswith("plans it again with other baselines: moe_dispatch 'jagged' -> 'padded'")
     # What the other device's plan leaves out, and a plan it refuses: the only tested value is CUDA's baseline.
     won_on_cuda = tiny_smoke(tmp_path / "g", name="auto", features={"moe_dispatch": ["jagged"],
                                                                     "mamba_scan": ["chunked"]}, aa_blocks=0)
@@ -159,7 +159,8 @@ def test_a_sweep_planned_on_cpu_runs_the_gpu_baselines_on_a_gpu_cluster(
 @pytest.mark.ray
 def test_what_cannot_be_planned_again_is_refused_before_anything_is_written(
         tmp_path: Path, planned_on_cpu: None, one_gpu_cluster: None) -> None:
-    """An ``--until-decided`` round chose its tests from this machine's plan, and a re-test names the device its
+    """An ``--until-decided`` round started by another caller than ``run_until_decided`` (which plans it for the
+    cluster's device from the start) chose its tests from this machine's plan, and a re-test names the device its
     value was won on: neither is planned again for the cluster's device."""
     campaign = tiny_smoke(tmp_path / "c", name="auto", features={"mamba_scan": ["chunked"]}, aa_blocks=0)
     _with_override(campaign, "cpu")
@@ -182,6 +183,59 @@ def test_what_cannot_be_planned_again_is_refused_before_anything_is_written(
 
 
 @pytest.mark.ray
+def test_until_decided_on_a_head_without_a_gpu_plans_every_round_for_the_gpu_workers(
+        tmp_path: Path, planned_on_cpu: None, one_gpu_cluster: None) -> None:
+    """The tests the loop waits for are those of the plan its rounds run: here CPU's override makes the only tested
+    value the baseline, so this machine's plan has no speed test (it was refused: "at least one speed feature"),
+    while the GPU workers, whose baseline is another, test it."""
+    import json
+
+    from ablate.receipts.store import load_receipts
+    from ablate.sweep.plan import plan_sweep
+    from ablate.sweep.until_decided import block_keys, run_until_decided
+    from test_until_decided import _policy_file
+
+    campaign = tiny_smoke(tmp_path / "c", name="auto", features={"moe_dispatch": ["jagged"]}, aa_blocks=1)
+    _with_override(campaign, "cpu")
+    here, defaults = load_sweep(campaign)
+    assert not [k for _, k in block_keys(plan_sweep(here, "here", defaults)) if k], "no speed test on this machine"
+    there, defaults = load_sweep(campaign, device="cuda")
+    gpu_plan = plan_sweep(there, "there", defaults, device="cuda")
+    (gpu_test,) = {k for _, k in block_keys(gpu_plan) if k}
+    storage, lines = tmp_path / "runs", []
+    summary = run_until_decided(campaign, policy_path=_policy_file(tmp_path, **{"sequential.max_rounds": 1,
+                                                                                "evidence.min_rounds": 1}),
+                                tracking_uri=fresh_mlflow_uri(tmp_path / "store"), storage=str(storage),
+                                progress=False, echo=lines.append, sleep=lambda seconds: None, simulate_arms=True)
+    assert len(summary.rounds) == 1 and summary.rounds[0].blocks_run == len(gpu_plan.blocks), "\n".join(lines)
+    (meta,) = [json.loads(p.read_text()) for p in storage.rglob("sweeps/*.json")]
+    assert meta["device"] == "cuda" and meta["params"]["schedule"] == "until_decided"
+    assert meta["params"]["lane.features.moe_dispatch"] == "padded", "CUDA's baseline, not CPU's override"
+    receipts, _ = load_receipts(next(storage.rglob("receipts")))
+    assert {(r.identity.feature, r.identity.lane_key) for r in receipts if r.identity.kind == "speed"} == {
+        (gpu_test[0], gpu_test[2])}, "the round ran the GPU plan's test"
+
+
+def test_until_decided_asks_where_the_arms_run_before_any_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a cluster to attach to, the device is the one the local runtime a round starts would offer (Ray's
+    own count of this machine's visible GPUs), found without starting Ray."""
+    import ray
+
+    from ablate.config.schema import LaneConfig
+    from ablate.sweep import resources
+    from ablate.sweep.until_decided import arms_device
+
+    lane = LaneConfig()
+    assert lane.hardware.device.value == "auto"
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("no Ray is started to ask"))
+    for gpus, device in ((0, "cpu"), (1, "cuda")):
+        monkeypatch.setattr(resources, "detect_local", lambda num_cpus=None, num_gpus=None, g=gpus: (2, g))
+        assert arms_device(lane) == device
+
+
+@pytest.mark.ray
 def test_a_round_started_on_one_device_is_not_resumed_on_another(tmp_path: Path, planned_on_cpu: None,
                                                                   one_gpu_cluster: None) -> None:
     import json
@@ -201,6 +255,10 @@ def test_a_round_started_on_one_device_is_not_resumed_on_another(tmp_path: Path,
     with pytest.raises(ConfigError, match="a cluster that runs the lane on cpu, as sweep resumed-r1 did"):
         run_sweep(campaign, resume=True, tracking_uri=fresh_mlflow_uri(tmp_path / "store"), storage=str(storage),
                   progress=False)
+    # An --until-decided invocation that found the arms on CUDA: refused as plainly, before its plan is compared.
+    with pytest.raises(ConfigError, match="a cluster that runs the lane on cpu, as sweep resumed-r1 did .* on cuda"):
+        run_sweep(campaign, resume=True, tracking_uri=fresh_mlflow_uri(tmp_path / "store"), storage=str(storage),
+                  progress=False, device="cuda")
 
 
 @pytest.mark.ray
