@@ -363,6 +363,7 @@ class _Server:
                 if key.data == "accept":
                     conn, _ = self.listener.accept()
                     self._handle(conn, selector, (self.listener, selector, wake_r, wake_w))
+                    last_active = time.monotonic()  # a head start's ping too: its arms are about to ask
                 elif key.data == "wake":
                     try:
                         while os.read(wake_r, 512):

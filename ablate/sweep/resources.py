@@ -241,7 +241,11 @@ def detect_local(num_cpus: Optional[int] = None, num_gpus: Optional[int] = None)
             manager = get_accelerator_manager_for_resource("GPU")
             visible = manager.get_current_process_visible_accelerator_ids()
             detected = manager.get_current_node_num_accelerators()
-            num_gpus = len(visible) if visible is not None else detected
+            # As Ray counts them (never more than NVML sees), and "-1" hides them all, as for
+            # ``ablate.config.auto_device.local_device_class``: a local runtime never offers a GPU no arm can use
+            # (found in review: CUDA_VISIBLE_DEVICES=-1 or 0 on a machine without one counted one).
+            hidden = visible is not None and [v.strip() for v in visible] in ([], [""], ["-1"])
+            num_gpus = 0 if hidden else (min(detected, len(visible)) if visible is not None else detected)
         except Exception:  # noqa: BLE001 - no driver / no NVML: a CPU machine
             num_gpus = 0
     return num_cpus, int(num_gpus)

@@ -577,6 +577,11 @@ def _sweep_identity(path: Path, resume: bool, storage: Optional[str], device: Op
     plan = plan_sweep(sweep, meta.get("sweep_id") or sweep_id or _new_sweep_id(layout.campaign), defaults,
                       orders_scheme=meta.get("orders", ORDERS_SHUFFLED) if resume else ORDERS_IN_PAIRS, device=device)
     if resume and meta.get("plan_fingerprint") != plan.fingerprint():
+        if device is not None and meta.get("device") is None:
+            raise ConfigError("--resume", str(path), f"a sweep that recorded the device it ran on: sweep "
+                                                     f"{plan.sweep_id} did not (it started before sweeps recorded "
+                                                     f"it), and planned for {device} its blocks differ; start a new "
+                                                     f"sweep without --resume")
         raise ConfigError("--resume", str(path), f"the campaign as it was when sweep {plan.sweep_id} started (its "
                                                  f"blocks changed since; start a new sweep without --resume)")
     return sweep, defaults, layout, plan, meta, device or planned_device(sweep.lane)
@@ -956,7 +961,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         # Before any block and before anything is written: a backend a node found wrong or absent refuses here.
         node_checks = check_plan(plan, sweep.node_check)
         # The cluster and the nodes' checks are accepted: each node's fork server starts while the rest is set up
-        # and Tune starts the trials (an --until-decided round refused below leaves it to idle out on its own).
+        # and Tune starts the trials (a sweep that fails after this point leaves it to idle out on its own).
         head_starts = [] if simulate_arms else start_fork_servers(capacity)
         params = _parent_params(sweep, plan, capacity, path)
         # A resumed sweep keeps the schedule it started with (Tune restores its grid or its searcher).

@@ -259,6 +259,15 @@ def test_a_round_started_on_one_device_is_not_resumed_on_another(tmp_path: Path,
     with pytest.raises(ConfigError, match="a cluster that runs the lane on cpu, as sweep resumed-r1 did .* on cuda"):
         run_sweep(campaign, resume=True, tracking_uri=fresh_mlflow_uri(tmp_path / "store"), storage=str(storage),
                   progress=False, device="cuda")
+    # A sweep from before sweeps recorded their device, whose plan for CUDA differs: said so, not "changed since".
+    _with_override(campaign, "cpu")
+    sweep, defaults = load_sweep(campaign)
+    plan = plan_sweep(sweep, "resumed-r1", defaults, orders_scheme=ORDERS_IN_PAIRS)
+    layout.write("sweeps/resumed-r1.json", json.dumps({"sweep_id": plan.sweep_id, "orders": ORDERS_IN_PAIRS,
+                                                        "plan_fingerprint": plan.fingerprint()}))
+    with pytest.raises(ConfigError, match="sweep resumed-r1 did not .* planned for cuda its blocks differ"):
+        run_sweep(campaign, resume=True, tracking_uri=fresh_mlflow_uri(tmp_path / "store"), storage=str(storage),
+                  progress=False, device="cuda")
 
 
 @pytest.mark.ray

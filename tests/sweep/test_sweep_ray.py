@@ -153,16 +153,20 @@ def test_multi_worker_trial_shape_cannot_deadlock_on_two_cpus(ray_address: str, 
     assert run({"CPU": 1.0}, timeout=3) == 0, "control: the naive shape starves its own workers"
 
 
-def test_the_head_start_starts_the_server_a_trials_arms_fork_from(ray_address: str, tmp_path: Path) -> None:
+def test_the_head_start_starts_the_server_a_trials_arms_fork_from(ray_address: str, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The sweep's head start runs in a plain Ray task on each node; a Tune trial's process has variables of its own
-    (``TUNE_ORIG_WORKING_DIR``): the server the task starts must still be the one the trial's arms ask for (found
-    measuring: a second server, started by the first arms, importing torch beside the first)."""
+    (``TUNE_ORIG_WORKING_DIR``), and others Tune copies from the driver, which a remote cluster's raylet lacks: the
+    server the task starts must still be the one the trial's arms ask for (found measuring: a second server, started
+    by the first arms, importing torch beside the first)."""
     import ray
     from ray import tune
 
     from ablate.sweep.head_start import start_fork_servers
     from ablate.sweep.resources import Capacity, NodeFit
 
+    # Set in the driver only, not in this runtime's raylet: as on a remote cluster, only Tune's copy reaches trials.
+    monkeypatch.setenv("RAY_CHDIR_TO_TRIAL_DIR", "0")
     node = ray.get_runtime_context().get_node_id()
     one_worker = BlockNeed(workers=1, cpus_per_worker=1, gpus_per_worker=0)
     nodes = [NodeFit(node, "here", {"CPU": 2.0}, arms=2), NodeFit("f" * 56, "full", {"CPU": 0.0}, arms=0)]
@@ -186,9 +190,11 @@ def test_the_head_start_starts_the_server_a_trials_arms_fork_from(ray_address: s
                         run_config=tune.RunConfig(storage_path=str(tmp_path / "tune"), verbose=0)).fit()[0]
     assert result.metrics["key"] == started_key
     assert "TUNE_ORIG_WORKING_DIR" in result.metrics["tune_vars"], "the arm still gets Tune's variables"
-    # Never a sweep's refusal or error: a multi-worker campaign's Train workers fork their ranks (no head start).
-    assert start_fork_servers(Capacity(need=BlockNeed(workers=2, cpus_per_worker=1, gpus_per_worker=0),
-                                       nodes=nodes, max_concurrent=1)) == []
+    # No head start where the task's environment is not the trials': Train sets its workers' (multi-worker arms),
+    # Ray gives a trial of 2 CPUs OMP_NUM_THREADS=2 and a GPU trial its CUDA_VISIBLE_DEVICES.
+    for workers, cpus, gpus in ((2, 1, 0), (1, 2, 0), (1, 1, 1)):
+        need = BlockNeed(workers=workers, cpus_per_worker=cpus, gpus_per_worker=gpus)
+        assert start_fork_servers(Capacity(need=need, nodes=nodes, max_concurrent=1)) == []
 
 
 def test_resume_after_the_driver_is_killed(ray_address: str, tmp_path: Path) -> None:

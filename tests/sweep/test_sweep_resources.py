@@ -94,3 +94,23 @@ def test_each_local_ray_start_gets_its_own_system_config() -> None:
     first["object_spilling_config"] = '{"params": {"directory_path": "/tmp/ray/session_a"}}'
     second = local_ray_init_kwargs(num_cpus=2, num_gpus=0)["_system_config"]
     assert second == LOCAL_RAY_SYSTEM_CONFIG == {"prestart_worker_first_driver": False}
+
+
+def test_the_local_runtime_counts_gpus_as_ray_and_the_planner_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPUs a local runtime offers: never more than NVML sees (as Ray counts them), none when
+    ``CUDA_VISIBLE_DEVICES`` hides them all ("", "-1", as ``local_device_class`` reads it), so an ``auto`` lane is
+    never planned for CUDA on a machine whose arms cannot reach one (found in review: "-1" and "0" counted one GPU
+    on a machine without any)."""
+    from ray._private.accelerators.nvidia_gpu import NvidiaGPUAcceleratorManager
+
+    from ablate.sweep.resources import detect_local
+
+    for nvml, visible, expected in ((0, "0", 0), (0, "-1", 0), (4, "-1", 0), (4, "", 0), (4, "0,1", 2),
+                                    (4, None, 4), (2, "0,1,2,3", 2)):
+        monkeypatch.setattr(NvidiaGPUAcceleratorManager, "get_current_node_num_accelerators",
+                            staticmethod(lambda count=nvml: count))
+        if visible is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        assert detect_local(num_cpus=2) == (2, expected), (nvml, visible)
