@@ -291,7 +291,11 @@ def _exit_now(code: Any) -> None:
     shutdown = getattr(threading, "_shutdown", None)  # what the interpreter's own exit calls first (CPython)
     if not (code is None or isinstance(code, int)) or shutdown is None:
         return
-    shutdown()  # both run once: a normal exit after this one skips them
+    try:
+        shutdown()  # both run once: a normal exit after this one skips them
+    except KeyboardInterrupt:  # Ctrl+C while a thread is waited for: as the interpreter does, go on without it
+        print("interrupted while waiting for background threads (MLflow uploads) to finish: not waiting",
+              file=sys.stderr, flush=True)
     atexit._run_exitfuncs()
     try:
         sys.stdout.flush()

@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -303,6 +304,35 @@ def test_the_exit_does_what_a_normal_exit_does_before_it_skips_the_teardown(tmp_
     assert (tmp_path / "hard_exit").exists() is hard
     expected = {"receipts": "mamba_scan=chunked", "validate": "ok   search_spaces/smoke.yaml"}[args[0]] if code == 0 else "no-such"
     assert expected in (done.stdout if code == 0 else done.stderr), done.stdout + done.stderr
+
+
+def test_ctrl_c_while_the_exit_waits_for_a_thread_ends_it_without_a_traceback(tmp_path: Path) -> None:
+    """Ctrl+C while the short exit waits for a thread (an MLflow upload) gives up on the thread, as the interpreter's
+    own exit does, and still runs the atexit callbacks and keeps the command's code; one line says so."""
+    import signal
+
+    probe = EXIT_PROBE.replace("time.sleep(0.3)", "time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", probe, str(tmp_path), "receipts", "list", "--source",
+                             str(SMOKE_RECEIPTS)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "PYTHONPATH": str(REPO),
+                                 "COLUMNS": "200", "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        seen = b""
+        while b"mamba_scan=chunked" not in seen:  # the command's table: it returned, the exit waits for the thread
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read().decode(errors="replace")
+            seen += line
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _, raw_err = proc.communicate(timeout=30)
+        err = raw_err.decode(errors="replace")
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "not waiting" in err, err
+    assert (tmp_path / "atexit").read_text() == "ran" and (tmp_path / "hard_exit").read_text() == "0"
+    assert not (tmp_path / "thread").exists()
 
 
 def test_only_the_installed_command_keeps_what_a_command_read_until_the_exit(tmp_path: Path) -> None:

@@ -243,8 +243,10 @@ def test_an_override_keyed_by_an_auto_lane_as_written_is_not_applied_and_says_so
     lane = "lane: {batch: {seq_len: 32}}\nfeatures: {mamba_scan: [chunked]}\n"
     sweep = load_sweep(_write(tmp_path, lane))[0]
     written = lane_shape(load.flat_lane(sweep.lane))  # how overrides were keyed before the device was resolved
+    campaign = _write(tmp_path, lane, _defaults_with_override(written))
     with caplog.at_level("WARNING", logger="ablate.config.load"):
-        again, _ = load_sweep(_write(tmp_path, lane, _defaults_with_override(written)))
+        again, _ = load_sweep(campaign)
+        load_sweep(campaign, device="cuda")  # read again (a re-plan for the cluster's device): said once
     assert again.lane.features.moe_dispatch is MoEDispatch.padded  # won on some device: nothing says which
     [line] = [r.getMessage() for r in caplog.records]
     assert f"features.moe_dispatch.lane_overrides[{written}] ('jagged')" in line

@@ -459,6 +459,11 @@ def check_data_path(lane: LaneConfig) -> None:
                           f"one file (relative paths start at {Path.cwd()})")
 
 
+_WARNED: set[str] = set()
+"""Lines already logged by this process: a sweep reads its campaign again to plan for the cluster's device, and an
+``--until-decided`` invocation once per round; the same stale override is said once."""
+
+
 def load_sweep(path: str | Path, device: Optional[str] = None) -> tuple[SweepConfig, Defaults]:
     """Read a campaign file, type it, put the defaults under its lane, and validate every planned arm. ``device``:
     the device class an ``auto`` lane runs on, whose lane overrides it gets (default: this machine's,
@@ -478,7 +483,9 @@ def load_sweep(path: str | Path, device: Optional[str] = None) -> tuple[SweepCon
     explicit_lane = (data or {}).get("lane") or {}
     sweep.lane = apply_defaults(sweep.lane, defaults, explicit_lane, device=device)
     for line in unresolved_overrides(sweep.lane, defaults):
-        log.warning("%s", line)
+        if line not in _WARNED:
+            _WARNED.add(line)
+            log.warning("%s", line)
     validate_features(sweep, defaults, explicit_lane, device)
     return sweep, defaults
 
