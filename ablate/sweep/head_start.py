@@ -10,7 +10,10 @@ How to use (``ablate.sweep.run`` does, before ``Tuner.fit``)::
 Why: the server imports torch, dynamo and the arm code once per node and sweep (2-3 s on 2 CPUs), and until now
 the first arms waited for that after Tune had started their trials. The task is what an arm does first
 (``trainers.run.prestart_fork_server``), so the server is the one the arms fork from, and it still has run nothing
-before them. It asks for no CPU: a trial that holds the node's CPUs is not delayed by it.
+before them. It asks for no CPU: a trial that holds the node's CPUs is not delayed by it. Only nodes with a CPU no
+trial holds get one: where the trials take every CPU, the server's imports take CPU their start needed (2 CPUs, 2
+blocks at once: the first arms' time to first step 4.35 -> 1.92 s, the sweep's wall time unchanged or worse,
+21.43 -> 22.26 s; with a CPU free, 4.14 -> 1.50 s and 24.53 -> 22.18 s: benchmarks/bench_first_arms.py).
 
 Only where the task's environment is provably the trials' (the server is keyed by it): one-worker arms of one CPU
 and no GPU. Ray gives a process ``OMP_NUM_THREADS`` = its CPUs when unset (1 for this task, as for a 1-CPU trial)
@@ -32,7 +35,8 @@ log = logging.getLogger(__name__)
 
 
 def start_fork_servers(capacity: Capacity) -> list[Any]:
-    """Submit ``trainers.run.prestart_fork_server`` to every node that runs arms; the refs, not waited for."""
+    """Submit ``trainers.run.prestart_fork_server`` to every node that runs arms and keeps a CPU free while they
+    run; the refs, not waited for."""
     need = capacity.need
     if need.executor != "subprocess" or need.cpus_per_worker != 1 or need.gpus_per_worker:
         return []
@@ -44,7 +48,9 @@ def start_fork_servers(capacity: Capacity) -> list[Any]:
     task = ray.remote(num_cpus=0, max_retries=0, runtime_env={"env_vars": _trial_actor_env()})(prestart_fork_server)
     return [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
                          name="ablate-fork-server-head-start").remote()
-            for node in capacity.nodes if node.arms > 0]
+            for node in capacity.nodes
+            if node.arms > 0
+            and node.resources.get("CPU", 0.0) - min(node.arms, capacity.max_concurrent) * need.cpus_per_worker >= 1]
 
 
 def _trial_actor_env() -> dict[str, str]:

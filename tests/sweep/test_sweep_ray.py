@@ -170,7 +170,9 @@ def test_the_head_start_starts_the_server_a_trials_arms_fork_from(ray_address: s
     node = ray.get_runtime_context().get_node_id()
     one_worker = BlockNeed(workers=1, cpus_per_worker=1, gpus_per_worker=0)
     nodes = [NodeFit(node, "here", {"CPU": 2.0}, arms=2), NodeFit("f" * 56, "full", {"CPU": 0.0}, arms=0)]
-    pending = start_fork_servers(Capacity(need=one_worker, nodes=nodes, max_concurrent=2))
+    assert start_fork_servers(Capacity(need=one_worker, nodes=nodes, max_concurrent=2)) == [], \
+        "no CPU left free by the trials: the server's imports would slow their start"
+    pending = start_fork_servers(Capacity(need=one_worker, nodes=nodes, max_concurrent=1))
     assert len(pending) == 1, "only nodes that run arms"
     line = ray.get(pending[0], timeout=180)
     assert line.endswith((" started", " already listening")), line
