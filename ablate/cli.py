@@ -294,8 +294,8 @@ def _exit_now(code: Any) -> None:
     try:
         shutdown()  # both run once: a normal exit after this one skips them
     except KeyboardInterrupt:  # Ctrl+C while a thread is waited for: as the interpreter does, go on without it
-        print("interrupted while waiting for background threads (MLflow uploads) to finish: not waiting",
-              file=sys.stderr, flush=True)
+        print("interrupted while waiting for background threads (MLflow uploads) to finish; MLflow's own exit "
+              "may still flush what it holds", file=sys.stderr, flush=True)
     atexit._run_exitfuncs()
     try:
         sys.stdout.flush()

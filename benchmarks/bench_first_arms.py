@@ -11,7 +11,8 @@ more cores than its arms use); ``--max-concurrent 2`` keeps both CPUs of a 2-cor
 ``python -m ablate sweep <campaign> --no-progress`` in a fresh directory (local Ray, MLflow in its own sqlite
 store) with the tree's code on ``PYTHONPATH``; the other tree is a ``git archive`` of the commit. Figures per run,
 from the receipts of the block that started first: its arms' ``time_to_first_step_s`` (the driver's stamp to the
-end of the first step) and start-up badput (process start to features resolved: the fork server's start, when the
+end of the first step; the arms whose clock is the driver's: both arms of an interleaved block, the first of a
+sequential one) and start-up badput (process start to features resolved: the fork server's start, when the
 arm had to wait for it), and the command's wall time. Criterion: median over the repeats of the first block's mean
 time to first step, this tree / the other.
 """
@@ -78,7 +79,8 @@ def _run(tree: Path, label: str, parent: Path, max_concurrent: int) -> dict[str,
         print(f"{label}: exit {proc.returncode}; log {run_dir / 'sweep.log'}")
         return row
     first = min(receipts, key=_scheduled)["identity"]["block_id"]
-    arms = [r for r in receipts if r["identity"]["block_id"] == first]
+    # Both arms of an interleaved block start at the driver's stamp; a sequential block's second arm at the trial's.
+    arms = [r for r in receipts if r["identity"]["block_id"] == first and r["time"]["clock"] == "driver"]
     ttfs = [float(r["steps"]["time_to_first_step_s"]) for r in arms]
     row.update(first_block=first, first_block_ttfs_s=[round(t, 3) for t in ttfs],
                first_block_ttfs_mean_s=round(statistics.fmean(ttfs), 3),
@@ -119,7 +121,9 @@ def main() -> int:
     walls = {label: median(label, "wall_s") for label in trees}
     record = {"benchmark": "first_arms", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                                           text=True).stdout.strip(), "against": args.against,
+                                           text=True).stdout.strip(),
+              "git_dirty": bool(subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True,
+                                               text=True).stdout.strip()), "against": args.against,
               "campaign": "smoke.yaml lane and budget; mamba_scan, 1 block + 1 A/A block",
               "max_concurrent_blocks": args.max_concurrent, "note": args.note, "host": host(load),
               "criterion": f"median over {args.repeats} runs of the first block's mean time to first step, this tree "
