@@ -711,8 +711,9 @@ def _doctor_deep(device_name: str, json_out: Optional[Path], ops: Optional[list[
 def entry() -> None:
     """The installed ``ablate`` command and ``python -m ablate``: ``main``; after a command that left what it read to
     the exit (``_keep_until_exit``), the process ends without its teardown (``_exit_now``). Every other command
-    exits as Python does: their teardown is short, and a library's C-level buffers (Ray's, torch's) are flushed by
-    it. Code that runs the CLI inside its own process (a test) calls ``main``, which raises ``SystemExit``."""
+    exits as Python does (a library's C-level buffers, Ray's and torch's, are flushed by it), without the garbage
+    collections over every live object (``_collected_and_frozen``). Code that runs the CLI inside its own process
+    (a test) calls ``main``, which raises ``SystemExit``."""
     global _exit_keeps
     _exit_keeps = []
     try:
@@ -720,9 +721,21 @@ def entry() -> None:
     except SystemExit as exc:
         if _exit_keeps:
             _exit_now(exc.code)
+        _collected_and_frozen()
         raise
     if _exit_keeps:
         _exit_now(0)
+    _collected_and_frozen()
+
+
+def _collected_and_frozen() -> None:
+    """Before the interpreter's exit: the garbage it would collect, collected now (finalizers of cyclic garbage run,
+    as they would have), and what is still alive frozen, so the exit's own collections skip it. They walked every
+    live object: 1.2-1.4 s of a command that loaded MLflow, Ray and Tune (a sweep), against 0.4 s. Modules are
+    still torn down by reference counting (files closed, buffers flushed); what stays uncollected is only what
+    that teardown leaves in reference cycles, whose finalizers Python never promised to run at exit."""
+    gc.collect()
+    gc.freeze()
 
 
 def main() -> None:

@@ -276,6 +276,15 @@ def late() -> None:  # a thread still at work when the command returns: the exit
 threading.Thread(target=late).start()
 atexit.register(lambda: (out / "atexit").write_text("ran"))
 atexit.register(print, "printed at exit", flush=False)
+import gc
+gc.disable()  # only the exit collects: the cycle below is garbage it must still finalize
+class Cycle:
+    def __del__(self) -> None:
+        (out / "cycle").write_text("collected")
+cycle = Cycle()
+cycle.me = cycle
+del cycle
+atexit.register(lambda: (out / "frozen").write_text(str(gc.get_freeze_count())))
 hard_exit = os._exit
 def recorded(code: int) -> None:
     (out / "hard_exit").write_text(str(code))
@@ -294,7 +303,8 @@ def test_the_exit_does_what_a_normal_exit_does_before_it_skips_the_teardown(tmp_
                                                                            code: int, hard: bool) -> None:
     """After a command that read receipts, ``entry`` ends the process without freeing every object
     (``cli._exit_now``); first it joins other threads, runs the atexit callbacks and flushes what was printed, and
-    exits with the command's code. Every other command exits as Python does."""
+    exits with the command's code. Every other command exits as Python does, its garbage collected and the rest
+    frozen first (``cli._collected_and_frozen``)."""
     done = subprocess.run([sys.executable, "-c", EXIT_PROBE, str(tmp_path), *args], cwd=REPO, capture_output=True,
                           text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
                                                        "PYTHONPATH": str(REPO), "COLUMNS": "200"})
@@ -302,6 +312,10 @@ def test_the_exit_does_what_a_normal_exit_does_before_it_skips_the_teardown(tmp_
     assert (tmp_path / "thread").read_text() == "done" and (tmp_path / "atexit").read_text() == "ran"
     assert done.stdout.endswith("printed at exit\n"), done.stdout
     assert (tmp_path / "hard_exit").exists() is hard
+    if not hard:
+        # The normal exit collected the garbage, finalizers run, and froze what lives for the interpreter's exit,
+        # whose collections then skip it.
+        assert (tmp_path / "cycle").read_text() == "collected" and int((tmp_path / "frozen").read_text()) > 0
     expected = {"receipts": "mamba_scan=chunked", "validate": "ok   search_spaces/smoke.yaml"}[args[0]] if code == 0 else "no-such"
     assert expected in (done.stdout if code == 0 else done.stderr), done.stdout + done.stderr
 
