@@ -1,5 +1,6 @@
 """The local Ray runtime a sweep starts, and what its driver hands its trials through Ray: no idle worker processes
-started for nothing, and the scheduling stamp kept in Ray's key-value store (no actor process of its own)."""
+started for nothing, a shutdown that leaves nothing behind, and the scheduling stamp kept in Ray's key-value store
+(no actor process of its own)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,14 @@ def test_a_sweeps_local_ray_starts_no_idle_worker_that_no_trial_could_use(tmp_pa
         while time.monotonic() < deadline and not idle_workers():
             time.sleep(0.1)
         print("idle after a task", len(idle_workers()), flush=True)
-        ray.shutdown()
+        from ray._private.worker import _global_node
+        from ablate.sweep.run import shutdown_ray
+
+        (monitor,) = _global_node.all_processes["monitor"]
+        shutdown_ray()
+        time.sleep(0.5)  # a report of the monitor's death would reach this driver's console by now
+        print("gone after shutdown", not psutil.pid_exists(monitor.process.pid) and not raylet.is_running(),
+              ray.is_initialized(), flush=True)
     """)
     out = subprocess.run([sys.executable, "-c", driver], cwd=tmp_path, capture_output=True, text=True, timeout=180,
                          env={**os.environ, "PYTHONPATH": REPO})
@@ -53,6 +61,10 @@ def test_a_sweeps_local_ray_starts_no_idle_worker_that_no_trial_could_use(tmp_pa
     counts = dict(line.rsplit(" ", 1) for line in out.stdout.splitlines() if line.startswith("idle "))
     assert counts["idle before any work"] == "0", out.stdout
     assert int(counts["idle after a task"]) >= 1, out.stdout  # the detector does see Ray's idle workers
+    # ``shutdown_ray`` stops the runtime it started, its autoscaler monitor killed first (Ray waited 1 s for it
+    # and then killed it anyway): all gone, and no "The autoscaler failed" report reached the driver.
+    assert "gone after shutdown True False" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "autoscaler failed" not in out.stdout + out.stderr
 
 
 def test_the_drivers_scheduling_stamp_reaches_another_process_and_is_forgotten_at_the_end(ray_address) -> None:
