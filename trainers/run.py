@@ -179,7 +179,7 @@ def prestart_fork_server() -> str:
     from trainers.forkserver import prestart, server_key
 
     try:
-        base, _ = _split_env({**process_env(os.environ), "PYTHONPATH": _pythonpath()})
+        base, _ = _worker_env(REPO_ROOT, {})  # the arms' own key; the work directory only names their caches
         code = code_fingerprint(REPO_ROOT)
         started = prestart(base, code)
         return f"{host_name()}: fork server {server_key(base, code)} {'started' if started else 'already listening'}"

@@ -507,7 +507,7 @@ def arms_device(lane: LaneConfig) -> str:
     import ray
 
     from ablate.sweep.resources import detect_local
-    from ablate.sweep.run import ensure_ray
+    from ablate.sweep.run import ensure_ray, shutdown_ray
 
     if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
         return cluster_device(lane, float(detect_local()[1]))
@@ -516,4 +516,4 @@ def arms_device(lane: LaneConfig) -> str:
         return cluster_device(lane, ray.cluster_resources().get("GPU", 0.0))
     finally:
         if attached:
-            ray.shutdown()
+            shutdown_ray()
