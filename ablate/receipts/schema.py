@@ -106,7 +106,9 @@ def code_severity(code: Code) -> Severity:
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_enum_values=False)
+    # ser_json_inf_nan is pydantic's default, stated because figure_errors relies on it: the model's own JSON holds
+    # null where a number is NaN or infinite, never a token that decodes to one.
+    model_config = ConfigDict(extra="forbid", use_enum_values=False, ser_json_inf_nan="null")
 
 
 class Disqualifier(_Model):
@@ -624,13 +626,19 @@ def _none_negative(node: Any) -> bool:
     return True
 
 
-def figure_errors(receipt: "Receipt") -> list[str]:
+def figure_errors(receipt: "Receipt", own_json: Optional[dict[str, Any]] = None) -> list[str]:
     """Numbers no measurement produces: NaN or infinity anywhere (the trainer writes null for what it could not
-    measure), a negative count, duration, size, rate or share, a family share above 1."""
-    data = receipt.model_dump(mode="python", exclude={"digest"})
-    if not _all_finite(data):
-        return [f"{path} is {value!r}: a receipt holds finite numbers only (null for what was not measured)"
-                for path, value in _numbers(data, "") if isinstance(value, float) and not math.isfinite(value)]
+    measure), a negative count, duration, size, rate or share, a family share above 1. ``own_json``: the receipt's
+    own JSON (``model_dump_json``), decoded, when the caller has it; its numbers are the model's, all finite (see
+    ``_Model``), so neither a dump of the model nor the walk for NaN is needed (over 10,000 receipts read back, the
+    two were a fifth of each receipt's checks)."""
+    if own_json is not None:
+        data = own_json
+    else:
+        data = receipt.model_dump(mode="python", exclude={"digest"})
+        if not _all_finite(data):
+            return [f"{path} is {value!r}: a receipt holds finite numbers only (null for what was not measured)"
+                    for path, value in _numbers(data, "") if isinstance(value, float) and not math.isfinite(value)]
     errors: list[str] = []
     for section in _NON_NEGATIVE:
         node: Any = data
@@ -680,6 +688,16 @@ def in_the_future(created_at: str) -> bool:
 
 def validate_receipt(obj: dict[str, Any] | Receipt) -> Receipt:
     """Parse and check one receipt; raise ``InvalidReceipt`` naming what is wrong."""
+    return _validated(obj, None)[0]
+
+
+def validate_decoded(obj: Any, source: bytes) -> tuple[Receipt, bool]:
+    """``validate_receipt(obj)`` for ``obj`` decoded from the JSON bytes ``source``, and whether ``source`` is
+    exactly the receipt's own JSON (``model_dump_json``: what every writer logs), which the checks then read."""
+    return _validated(obj, source)
+
+
+def _validated(obj: Any, source: Optional[bytes]) -> tuple[Receipt, bool]:
     if isinstance(obj, Receipt):
         data = obj.model_dump(mode="json")
     else:
@@ -715,7 +733,8 @@ def validate_receipt(obj: dict[str, Any] | Receipt) -> Receipt:
     if in_the_future(receipt.identity.created_at):
         raise InvalidReceipt(f"identity.created_at {receipt.identity.created_at!r} is in the future: no arm has run "
                              f"then")
-    errors = figure_errors(receipt)
+    own = source is not None and receipt.model_dump_json().encode("utf-8") == source
+    errors = figure_errors(receipt, own_json=data if own else None)
     if errors:
         raise InvalidReceipt("; ".join(errors[:4]))
     failed = receipt.identity.status is Status.failed
@@ -732,4 +751,4 @@ def validate_receipt(obj: dict[str, Any] | Receipt) -> Receipt:
         raise InvalidReceipt("; ".join(errors[:4]))
     if receipt.identity.status is Status.valid and (not receipt.throughput.tokens or receipt.projection is None):
         raise InvalidReceipt("a valid receipt must have trained tokens and a projection to the horizon")
-    return receipt
+    return receipt, own

@@ -24,7 +24,7 @@ from typing import Any, Iterator, Mapping, Optional, Union
 
 from ablate.parallel import fork_map, in_forked_child
 from ablate.receipts.accepted import AcceptedPayloads, checking_fingerprint, payload_key
-from ablate.receipts.schema import InvalidReceipt, Receipt, in_the_future, validate_receipt
+from ablate.receipts.schema import InvalidReceipt, Receipt, in_the_future, validate_decoded
 from ablate.receipts.store import digest_problem
 from ablate.redact import redact_text
 from ablate.tracking.mapping import TAG
@@ -74,12 +74,18 @@ def collector_paused() -> Iterator[None]:
 
 def parse_receipt(data: Union[bytes, str]) -> Receipt:
     """One receipt from JSON bytes, as strictly as a receipt file: schema, re-derived figures and digest."""
+    return _parsed(data)[0]
+
+
+def _parsed(data: Union[bytes, str]) -> tuple[Receipt, bool]:
+    """``parse_receipt(data)``, and whether ``data`` is exactly the accepted model's own JSON: only such a payload may
+    be remembered (``_already_accepted`` rebuilds the model from the bytes)."""
     raw = json.loads(data)
-    receipt = validate_receipt(raw)
+    receipt, own = validate_decoded(raw, data.encode("utf-8") if isinstance(data, str) else data)
     problem = digest_problem(raw)
     if problem:
         raise InvalidReceipt(problem)
-    return receipt
+    return receipt, own
 
 
 def _payload(run: Any) -> Union[bytes, Outcome, None]:
@@ -90,27 +96,22 @@ def _payload(run: Any) -> Union[bytes, Outcome, None]:
         return Outcome(run, reason=f"{exc} ({WHERE}; receipt.json is the authoritative copy)")
 
 
-def _full_check(data: bytes, tags: Mapping[str, str]) -> tuple[Optional[Receipt], Optional[str]]:
-    """(receipt, None) when ``data`` passes the full checks and matches the run tags ``tags``; else (None, why)."""
+def _full_check(data: bytes, tags: Mapping[str, str]) -> tuple[Optional[Receipt], Optional[str], bool]:
+    """(receipt, None, whether ``data`` is the model's own JSON: ``_parsed``) when ``data`` passes the full checks
+    and matches the run tags ``tags``; else (None, why, False)."""
     try:
-        receipt = parse_receipt(data)
+        receipt, own = _parsed(data)
         check_against_run(receipt, tags)
     except (InvalidReceipt, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        return None, f"{exc} ({WHERE}; receipt.json is the authoritative copy)"
+        return None, f"{exc} ({WHERE}; receipt.json is the authoritative copy)", False
     except Exception as exc:  # noqa: BLE001 - JSON of the wrong shape for the validator: refused, never a crash
-        return None, f"not a receipt: {type(exc).__name__}: {exc} ({WHERE})"
-    return receipt, None
-
-
-def _is_canonical(receipt: Optional[Receipt], data: bytes) -> bool:
-    """``data`` is exactly the accepted model's own JSON: only such a payload may be remembered (``_already_accepted``
-    rebuilds the model from the bytes)."""
-    return receipt is not None and receipt.model_dump_json().encode("utf-8") == data
+        return None, f"not a receipt: {type(exc).__name__}: {exc} ({WHERE})", False
+    return receipt, None, own
 
 
 def _checked(run: Any, data: bytes) -> Outcome:
     """The receipt in ``data`` checked in full, then against its run's tags."""
-    receipt, reason = _full_check(data, run.data.tags)
+    receipt, reason, _ = _full_check(data, run.data.tags)
     return Outcome(run, receipt=receipt, reason=reason)
 
 
@@ -144,10 +145,8 @@ def _check_result(item: tuple[Any, Optional[bytes]]) -> tuple[Optional[Receipt],
         if isinstance(decoded, Outcome):  # damaged payload tags
             return None, decoded.reason, False, None
         data = decoded
-    outcome = _checked(run, data)
-    canonical = _is_canonical(outcome.receipt, data)
-    return None if canonical and in_forked_child() else outcome.receipt, outcome.reason, canonical, \
-        data if canonical else None
+    receipt, reason, canonical = _full_check(data, run.data.tags)
+    return None if canonical and in_forked_child() else receipt, reason, canonical, data if canonical else None
 
 
 def logged_payload_key(data: bytes, tags: Mapping[str, str]) -> Optional[bytes]:
@@ -155,8 +154,8 @@ def logged_payload_key(data: bytes, tags: Mapping[str, str]) -> Optional[bytes]:
     what ``read_arm_runs`` checks before remembering a payload (the full checks, the run's tags, the model's own
     JSON); else None. The writer remembers it as accepted, so the first promotion after a sweep skips the checks as
     later ones do (10,000 receipts: ~8 s of CPU, 0.76 ms each: benchmarks/results/promote_store.json)."""
-    receipt, _ = _full_check(data, tags)
-    return payload_key(data) if _is_canonical(receipt, data) else None
+    _, _, canonical = _full_check(data, tags)
+    return payload_key(data) if canonical else None
 
 
 def _rebuilt(run: Any, result: tuple[Optional[Receipt], Optional[str], bool, Optional[bytes]]) -> Outcome:

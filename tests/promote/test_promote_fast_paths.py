@@ -6,6 +6,9 @@
   once and refuses differing ones;
 - ``schema._all_finite`` and ``schema._none_negative`` (C-speed checks of whole lists) answer as the number by
   number walk they replace, on any tree of numbers, NaN, infinities, huge integers, bools, strings and None;
+- ``schema.validate_decoded`` (the figure checks read a payload that is the receipt's own JSON instead of a dump of
+  the model, and skip the walk for NaN there) accepts and refuses exactly as ``validate_receipt``, with the same
+  reason, whatever number is edited in, as a model value or as text;
 - ``report._json_ready`` (the report's JSON data in one pass) gives what ``dataclasses.asdict`` followed by the
   walk that made inf and NaN null gave, on any tree of dataclasses, dicts, lists, tuples and scalars.
 """
@@ -316,3 +319,74 @@ def test_json_ready_gives_what_asdict_and_the_finite_walk_gave(tree: _Nested) ->
     assert json.dumps(got, allow_nan=False) == json.dumps(expected, allow_nan=False)
     assert report._json_ready({"list": [tree, (tree.leafy,)]}) == _finite_walk(
         {"list": [dataclasses.asdict(tree), [dataclasses.asdict(tree.leafy)]]})
+
+
+def _number_paths(node: Any, path: tuple = ()) -> list[tuple]:
+    if isinstance(node, bool) or node is None or isinstance(node, str):
+        return []
+    if isinstance(node, (int, float)):
+        return [path]
+    items = node.items() if isinstance(node, dict) else enumerate(node)
+    return [p for key, value in items for p in _number_paths(value, (*path, key))]
+
+
+def _set(tree: Any, path: tuple, value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree[key]
+    tree[path[-1]] = value
+
+
+def _outcome(check: Any) -> tuple[str, Any]:
+    try:
+        return "ok", check().model_dump_json()
+    except schema.InvalidReceipt as exc:
+        return "refused", str(exc)
+
+
+_EDITS = st.sampled_from([-1, -0.5, -1e-9, 0, 2.5, 10**30, float("nan"), float("inf"), float("-inf"), 1e308])
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.data())
+def test_own_json_shortcut_refuses_and_accepts_as_validate_receipt(data: Any) -> None:
+    receipt = _receipts()[data.draw(st.integers(0, 3))]
+    own = json.loads(receipt.model_dump_json())
+    paths = _number_paths(own)
+    path = data.draw(st.sampled_from(paths), label="path")
+    value = data.draw(_EDITS, label="value")
+    as_text = data.draw(st.booleans(), label="as_text")
+    edited = json.loads(json.dumps(own))
+    _set(edited, path, value)
+    if as_text:  # a writer's text that is not the model's own JSON (NaN and Infinity tokens included)
+        source = json.dumps(edited, separators=(",", ":")).encode()
+    else:  # a model holding the number, sealed: its own JSON is what a writer logs
+        try:
+            model = schema.Receipt.model_validate(edited)
+        except Exception:  # noqa: BLE001 - a type the schema refuses: nothing a model can hold
+            return
+        source = seal(model.model_copy(update={"digest": None})).model_dump_json().encode()
+    decoded = json.loads(source)
+    reference = _outcome(lambda: schema.validate_receipt(json.loads(source)))
+    got = _outcome(lambda: schema.validate_decoded(decoded, source)[0])
+    assert got == reference
+    if reference[0] == "ok":
+        model = schema.validate_receipt(json.loads(source))
+        assert schema.validate_decoded(json.loads(source), source)[1] is (model.model_dump_json().encode() == source)
+
+
+def test_own_json_holds_no_token_that_decodes_to_nan_or_infinity() -> None:
+    """What the shortcut rests on: a model holding NaN or infinities writes null, so a payload with such a number
+    is never the model's own JSON and goes through the walk that names it."""
+    receipt = _receipts()[0]
+    key = next(iter(receipt.family_share))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        model = receipt.model_copy(update={"family_share": {**receipt.family_share, key: bad}})
+        text = model.model_dump_json()
+        assert f'"{key}":null' in text and all(map(math.isfinite, (x for x in _floats(json.loads(text)))))
+        source = text.replace(f'"{key}":null', f'"{key}":{json.dumps(bad)}').encode()
+        with pytest.raises(schema.InvalidReceipt, match=f"family_share.{key} is {bad!r}: a receipt holds finite"):
+            schema.validate_decoded(json.loads(source), source)
+
+
+def _floats(node: Any) -> list[float]:
+    return [v for v in _reference_numbers(node) if isinstance(v, float)]
