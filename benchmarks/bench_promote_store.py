@@ -66,6 +66,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks"), str(REPO / "tests")]
 
 import store_10k  # noqa: E402
+from records import compile_tree  # noqa: E402
 from sweeps_common import start_mlflow_server, stop_mlflow_server  # noqa: E402
 
 from ablate.parallel import usable_processes  # noqa: E402
@@ -337,6 +338,8 @@ def main() -> None:
                                                text=True, check=True).stdout.strip()
             # The label names run directories too: the short hash, never a ref with a slash in it.
             trees[f"@{record['against'][:7]}"] = _previous_tree(tmp, record["against"], "against")
+        for label, path in trees.items():
+            record["bytecode"] = compile_tree(path or REPO)
         try:
             states = {"both": ("cold", "warm"), "all": ("cold", "sweep", "warm")}.get(args.cache, (args.cache,))
             sweep_cache, record["sweep_cache"] = _writers_cache(directory)

@@ -39,6 +39,9 @@ from typing import Any
 from ruamel.yaml import YAML
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from records import compile_tree  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results" / "smoke_throughput.json"
 OLD_COMMIT = "055c5b2"
 
@@ -120,6 +123,7 @@ def main() -> int:
     parent = Path(tempfile.mkdtemp(prefix="ablate-bench-smoke-"))
     old = _old_tree(parent / "old")
     trees = {"this_tree": REPO, OLD_COMMIT: old}
+    bytecode = {label: compile_tree(tree) for label, tree in trees.items()}
     runs: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
         order = list(trees) if repeat % 2 == 0 else list(reversed(trees))
@@ -152,7 +156,7 @@ def main() -> int:
               "ratio_ceiling": ceiling,
               "ratio_ceiling_is": f"{OLD_COMMIT}'s median wall / this tree's median step floor (sum of every arm's "
                                   "step times / cores): the ratio with zero start-up and orchestration",
-              "runs": runs}
+              "bytecode": bytecode, "runs": runs}
     history = json.loads(RESULTS.read_text())["runs"] if RESULTS.exists() else []
     RESULTS.write_text(json.dumps({"runs": [*history, record]}, indent=1) + "\n")
     print(json.dumps({k: record[k] for k in ("criterion", "arms_per_min_median", "ratio", "target_met",
