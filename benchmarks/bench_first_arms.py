@@ -35,7 +35,7 @@ from typing import Any
 
 from ruamel.yaml import YAML
 
-from records import append, host
+from records import append, compile_tree, host, stop_fork_servers
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "first_arms.json"
@@ -65,6 +65,7 @@ def _campaign(tree: Path, run_dir: Path, max_concurrent: int) -> Path:
 def _run(tree: Path, label: str, parent: Path, max_concurrent: int) -> dict[str, Any]:
     run_dir = Path(tempfile.mkdtemp(prefix=f"{label}-", dir=parent))
     campaign = _campaign(tree, run_dir, max_concurrent)
+    stopped = stop_fork_servers()
     load = os.getloadavg()
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "ablate", "sweep", str(campaign), "--no-progress",
@@ -74,7 +75,7 @@ def _run(tree: Path, label: str, parent: Path, max_concurrent: int) -> dict[str,
     (run_dir / "sweep.log").write_text(proc.stdout + proc.stderr)
     receipts = [json.loads(p.read_text()) for p in run_dir.glob("ablate_runs/*/receipts/*.json")]
     row: dict[str, Any] = {"tree": label, "exit": proc.returncode, "wall_s": round(wall, 2), "arms": len(receipts),
-                           "load_before": load, "dir": str(run_dir)}
+                           "load_before": load, "dir": str(run_dir), "fork_servers_stopped_before": stopped}
     if proc.returncode != 0 or not receipts:
         print(f"{label}: exit {proc.returncode}; log {run_dir / 'sweep.log'}")
         return row
@@ -104,6 +105,7 @@ def main() -> int:
     load = os.getloadavg()
     parent = Path(tempfile.mkdtemp(prefix="ablate-bench-first-arms-"))
     trees = {"this_tree": REPO, args.against: _archive(args.against, parent / "other")}
+    bytecode = {label: compile_tree(tree) for label, tree in trees.items()}
     runs: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
         for label in (list(trees) if repeat % 2 == 0 else list(reversed(trees))):
@@ -128,7 +130,9 @@ def main() -> int:
               "max_concurrent_blocks": args.max_concurrent, "note": args.note, "host": host(load),
               "criterion": f"median over {args.repeats} runs of the first block's mean time to first step, this tree "
                            f"/ {args.against}",
-              "first_block_ttfs_median_s": ttfs, "wall_median_s": walls,
+              "first_block_ttfs_median_s": ttfs, "wall_median_s": walls, "bytecode": bytecode,
+              "fork_servers": "every fork server stopped before each run: each run starts its own, cold (before "
+                              "stop 51 a run within 180 s of the same tree's last found its server still listening)",
               "ratio": round(ttfs["this_tree"] / ttfs[args.against], 3) if ttfs["this_tree"] and ttfs[args.against]
               else None, "runs": runs}
     print(json.dumps({k: record[k] for k in ("criterion", "first_block_ttfs_median_s", "wall_median_s", "ratio")},

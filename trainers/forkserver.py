@@ -129,6 +129,11 @@ def _server_dir() -> Path:
     return directory
 
 
+def server_directory() -> Path:
+    """Where this user's fork servers listen (``TMPDIR`` or /tmp), created private if missing."""
+    return _server_dir()
+
+
 def _connect(path: Path) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -139,8 +144,8 @@ def _connect(path: Path) -> socket.socket:
     return sock
 
 
-def _ensure_server(base_env: dict[str, str], key: str) -> socket.socket:
-    directory = _server_dir()
+def _ensure_server(base_env: dict[str, str], key: str, directory: Optional[Path] = None) -> socket.socket:
+    directory = directory or _server_dir()
     path = directory / f"{key}.sock"
     try:
         return _connect(path)
@@ -254,22 +259,23 @@ class ArmProcess:
             self._kill_pid()
 
 
-def prestart(base_env: dict[str, str], code: Optional[str]) -> bool:
+def prestart(base_env: dict[str, str], code: Optional[str], directory: Optional[Path] = None) -> bool:
     """Start the server an arm with ``base_env`` and ``code`` will fork from, if none listens yet, and return once
     it listens; True when this call started it. Its imports then overlap the sweep's own start instead of the first
     arms' (``ablate.sweep.run`` asks each node as soon as Ray is up). An arm still forks from a server that has run
     nothing: the check that it listens is a connection closed before any request. False when one listened already
-    (this sweep's earlier round, or another sweep's arms with the same environment and code).
+    (this sweep's earlier round, or another sweep's arms with the same environment and code). ``directory``: the
+    servers' directory (``_server_dir``), when the caller found it before another thread may change ``TMPDIR``.
 
     Raises ForkServerUnavailable, as ``fork_arm`` does."""
     key = server_key(base_env, code)
     try:
-        _connect(_server_dir() / f"{key}.sock").close()
+        _connect((directory or _server_dir()) / f"{key}.sock").close()
         return False
     except OSError:
         pass
     try:
-        _ensure_server(base_env, key).close()
+        _ensure_server(base_env, key, directory).close()
     except ForkServerUnavailable:
         raise
     except Exception as exc:  # noqa: BLE001 - as fork_arm: any failure to get a server is "unavailable"

@@ -40,7 +40,7 @@ import time
 import traceback
 import uuid
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 from ablate.receipts.schema import Receipt
 from ablate.receipts.store import ARM_SCRATCH_DIR, ReceiptNotSaved, arm_scratch, write_receipt
@@ -58,8 +58,9 @@ WORK_DIR = ARM_SCRATCH_DIR
 The receipt store knows the name, so a leftover scratch dir of an arm that never wrote a receipt is listed."""
 
 
-def _pythonpath() -> str:
-    parts = [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+def _pythonpath(environ: Optional[Mapping[str, str]] = None) -> str:
+    environ = os.environ if environ is None else environ
+    parts = [str(REPO_ROOT)] + [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return os.pathsep.join(dict.fromkeys(parts))
 
 
@@ -82,9 +83,13 @@ def _private_caches(work: Path, restart: int = 0) -> dict[str, str]:
 
 PER_ARM_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", ALLOTTED_CPUS_ENV, PAIR_CPUS_ENV)
 """Variables an arm's launcher sets for that arm alone: its private caches, CPU allotment and pair slot."""
-LAUNCHER_ENV_PREFIXES = ("TUNE_",)
+LAUNCHER_ENV_PREFIXES = ("TUNE_", "RAY_")
 """Variables Ray Tune sets in a trial's own process (``TUNE_ORIG_WORKING_DIR``, the driver's working directory), so
-a Ray task on the same node has none: no module the fork server imports reads them."""
+a Ray task on the same node has none, and those Ray sets in each of its workers (``RAY_RAYLET_PID``, ``RAY_JOB_ID``:
+a driver that starts the node's server before Ray has none). No module the fork server imports reads them: it never
+imports ray (``tests/trainers/test_forkserver.py`` checks)."""
+LAUNCHER_ENV = ("PYTHONBREAKPOINT",)
+"""Ray's workers' ``breakpoint()`` hook: read when ``breakpoint()`` is called, never at import."""
 
 
 def _split_env(env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
@@ -92,15 +97,17 @@ def _split_env(env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
     still sees all of ``env``, while every kind of arm, and ``prestart_fork_server`` in a plain Ray task, key the
     same server."""
     per_arm = {name: value for name, value in env.items()
-               if name in PER_ARM_ENV or name.startswith(LAUNCHER_ENV_PREFIXES)}
+               if name in PER_ARM_ENV or name in LAUNCHER_ENV or name.startswith(LAUNCHER_ENV_PREFIXES)}
     return {name: value for name, value in env.items() if name not in per_arm}, per_arm
 
 
-def _arm_env(work: Path, **extra: str) -> dict[str, str]:
+def _arm_env(work: Path, environ: Optional[Mapping[str, str]] = None, **extra: str) -> dict[str, str]:
     """A worker process's environment: allowlisted variables only (``ablate.redact.process_env``: no secret-named
     variable, no credentials inside a URI), this checkout on ``PYTHONPATH``, the arm's private caches. The arm's
-    receipt records what it saw, so nothing it was never given can leak from it."""
-    return {**process_env(os.environ), "PYTHONPATH": _pythonpath(), **_private_caches(work), **extra}
+    receipt records what it saw, so nothing it was never given can leak from it. ``environ``: the launcher's
+    environment (default ``os.environ``)."""
+    environ = os.environ if environ is None else environ
+    return {**process_env(environ), "PYTHONPATH": _pythonpath(environ), **_private_caches(work), **extra}
 
 
 def _worker_argv(spec_path: Path, result_path: Path, attempt: int) -> list[str]:
@@ -142,10 +149,11 @@ def _full_disk(directory: Path) -> str:
     return f": the disk of {directory} is full (No space left on device)"
 
 
-def _worker_env(work: Path, overlay: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+def _worker_env(work: Path, overlay: dict[str, str], environ: Optional[Mapping[str, str]] = None
+                ) -> tuple[dict[str, str], dict[str, str]]:
     """(the environment of the fork server an arm forks from, which keys it; the arm's own variables on top):
-    together, ``_arm_env(work)`` with ``overlay`` applied."""
-    base, own = _split_env(_arm_env(work))
+    together, ``_arm_env(work, environ)`` with ``overlay`` applied."""
+    base, own = _split_env(_arm_env(work, environ))
     overlay = {**own, **_private_caches(work), **overlay}
     return {name: value for name, value in base.items() if name not in overlay}, overlay
 
@@ -171,17 +179,19 @@ def _start_worker(argv: list[str], work: Path, log: Any, *, code: Optional[str],
     return proc, Prepared("fresh_interpreter", fallback_reason=reason).to_dict()
 
 
-def prestart_fork_server() -> str:
+def prestart_fork_server(environ: Optional[Mapping[str, str]] = None, directory: Optional[Path] = None) -> str:
     """Start this node's fork server for the arms a sweep is about to run here (``trainers.forkserver.prestart``),
     keyed as ``_start_worker`` keys it from this process's environment; a Ray task on the node gets the environment
-    Ray gives the trials there. Never raises: what happened, in a line (the sweep logs it at debug level); an arm
-    that then finds no server starts one itself, as before."""
+    Ray gives the trials there. ``environ``: the trials' environment as far as it keys the server, when this process
+    is not one of Ray's (``ablate.sweep.head_start.start_local_fork_server``); ``directory``: the servers' directory,
+    found beforehand. Never raises: what happened, in a line (the sweep logs it at debug level); an arm that then
+    finds no server starts one itself, as before."""
     from trainers.forkserver import prestart, server_key
 
     try:
-        base, _ = _worker_env(REPO_ROOT, {})  # the arms' own key; the work directory only names their caches
+        base, _ = _worker_env(REPO_ROOT, {}, environ)  # the arms' own key; the work directory only names their caches
         code = code_fingerprint(REPO_ROOT)
-        started = prestart(base, code)
+        started = prestart(base, code, directory)
         return f"{host_name()}: fork server {server_key(base, code)} {'started' if started else 'already listening'}"
     except Exception as exc:  # noqa: BLE001 - a head start only: the first arm starts the server, or falls back
         return redact_text(f"{host_name()}: fork server not started ahead of the arms: {type(exc).__name__}: {exc}")

@@ -1,11 +1,14 @@
 """A head start for the first arms: each node that will run one-worker arms starts its fork server
-(``trainers.forkserver``) as soon as Ray is up, while Tune starts the trials, instead of when the first arm asks.
+(``trainers.forkserver``) as soon as Ray is up, while Tune starts the trials, instead of when the first arm asks;
+on a local runtime the driver starts it even before Ray.
 
-How to use (``ablate.sweep.run`` does, before ``Tuner.fit``)::
+How to use (``ablate.sweep.run`` does)::
 
+    early = start_local_fork_server(need)   # before ensure_ray(); a thread, or None
+    ...                                     # ray.init waits for Ray's processes meanwhile
     pending = start_fork_servers(capacity)   # one Ray task per node that fits an arm; returns at once
     ...                                       # the sweep runs
-    log_fork_servers(pending)                 # debug lines for the tasks that ended; never raises
+    log_fork_servers(pending, early)          # debug lines for what ended; never raises
 
 Why: the server imports torch, dynamo and the arm code once per node and sweep (2-3 s on 2 CPUs), and until now
 the first arms waited for that after Tune had started their trials. The task is what an arm does first
@@ -27,9 +30,11 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+import threading
+import time
+from typing import Any, Mapping, Optional
 
-from ablate.sweep.resources import Capacity
+from ablate.sweep.resources import BlockNeed, Capacity
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +43,7 @@ def start_fork_servers(capacity: Capacity) -> list[Any]:
     """Submit ``trainers.run.prestart_fork_server`` to every node that runs arms and keeps a CPU free while they
     run; the refs, not waited for."""
     need = capacity.need
-    if need.executor != "subprocess" or need.cpus_per_worker != 1 or need.gpus_per_worker:
+    if not _one_cpu_arms(need):
         return []
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -51,6 +56,57 @@ def start_fork_servers(capacity: Capacity) -> list[Any]:
             for node in capacity.nodes
             if node.arms > 0
             and node.resources.get("CPU", 0.0) - min(node.arms, capacity.max_concurrent) * need.cpus_per_worker >= 1]
+
+
+def _one_cpu_arms(need: BlockNeed) -> bool:
+    return need.executor == "subprocess" and need.cpus_per_worker == 1 and not need.gpus_per_worker
+
+
+class EarlyStart(threading.Thread):
+    """``trainers.run.prestart_fork_server`` on a thread of the driver; ``line`` says what happened once it ended."""
+
+    def __init__(self, environ: dict[str, str]) -> None:
+        super().__init__(name="ablate-fork-server-early", daemon=True)
+        from trainers.forkserver import server_directory
+        from trainers.run import prestart_fork_server
+
+        # Imported and found here: while it runs, ``ensure_ray`` empties os.environ (TMPDIR included) around
+        # ``ray.init``, and nothing on this thread may read it meanwhile.
+        self._prestart, self._directory, self._environ = prestart_fork_server, server_directory(), environ
+        self.line = ""
+
+    def run(self) -> None:
+        started = time.monotonic()
+        self.line = f"{self._prestart(self._environ, self._directory)} in {time.monotonic() - started:.2f} s"
+
+
+def start_local_fork_server(need: BlockNeed) -> Optional[EarlyStart]:
+    """Before the driver starts a local runtime (``ensure_ray``): start this machine's fork server for arms of
+    ``need``, on a thread, keyed from the environment their trials will have (``local_trial_env``). Its imports
+    (2-3 s of CPU on 2 CPUs) then run while ``ray.init`` waits for Ray's processes, which leaves a CPU mostly idle,
+    instead of while the first arms wait for them. None where the arms' environment is not provably that one: a
+    cluster to attach to (the Ray-task head start covers its nodes), a machine with a GPU (Ray may set
+    ``CUDA_VISIBLE_DEVICES`` in trials), arms of another shape than ``start_fork_servers`` starts for."""
+    import ray
+
+    from ablate.sweep.resources import detect_local
+
+    if ray.is_initialized() or os.environ.get("RAY_ADDRESS") or not _one_cpu_arms(need) or detect_local()[1]:
+        return None
+    thread = EarlyStart(local_trial_env())
+    thread.start()
+    return thread
+
+
+def local_trial_env(environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """The environment a 1-CPU trial of a local runtime this process starts will have, as far as it keys the fork
+    server: this process's (``ensure_ray`` passes it to Ray's processes, less what ``process_env`` drops, which the
+    arms drop too), with ``OMP_NUM_THREADS`` as Ray sets it where unset (``set_omp_num_threads_if_unset``: the CPUs
+    the worker holds, here 1). What Ray and Tune add besides (``RAY_*``, ``TUNE_*``, ``PYTHONBREAKPOINT``) keys no
+    server (``trainers.run.LAUNCHER_ENV_PREFIXES``)."""
+    env = dict(os.environ if environ is None else environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
 
 
 def _trial_actor_env() -> dict[str, str]:
@@ -68,8 +124,12 @@ def _trial_actor_env() -> dict[str, str]:
     return {name: value for name, value in added.items() if not is_secret_name(name)}
 
 
-def log_fork_servers(pending: list[Any]) -> None:
+def log_fork_servers(pending: list[Any], early: Optional[EarlyStart] = None) -> None:
     """Debug lines for the head starts that ended; one still running (a node slow to start it) is left alone."""
+    if early is not None and not early.is_alive():
+        from ablate.redact import redact_text
+
+        log.debug("%s (started before Ray)", redact_text(early.line))  # the driver's whole environment is back
     if not pending:
         return
     import ray

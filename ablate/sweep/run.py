@@ -62,7 +62,7 @@ from ablate.receipts.schema import SIMULATED_EXECUTOR, InvalidReceipt, Receipt, 
 from ablate.receipts.store import (RECEIPTS_DIR, SPOOL_FILE, ReceiptNotSaved, digest_problem, fallback_dirs,
                                    load_receipts, scan_receipts, settle_unfinished_writes, with_fallbacks,
                                    write_receipt_or_fallback)
-from ablate.sweep.head_start import log_fork_servers, start_fork_servers
+from ablate.sweep.head_start import log_fork_servers, start_fork_servers, start_local_fork_server
 from ablate.sweep.layout import LATEST, Layout, SweepLock
 from ablate.sweep.node_check import NODE_CHECK_TAG, check_plan
 from ablate.sweep.placement import TrialResources, aa_targets, coverage_warnings, dispatch_order
@@ -958,6 +958,11 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
     from ablate.sweep.progress import SweepProgress
 
     sweep_id = plan.sweep_id
+    # A local runtime's arms fork from this machine's server: it starts now, its imports overlapping ray.init's waits.
+    try:
+        early = None if simulate_arms else start_local_fork_server(block_need(plan.blocks, sweep.resources))
+    except ConfigError:  # refused below, with the reason
+        early = None
     started_ray = ensure_ray()
     store: Optional[MlflowStore] = None
     recorder: Optional[_Recorder] = None
@@ -983,8 +988,9 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         # Before any block and before anything is written: a backend a node found wrong or absent refuses here.
         node_checks = check_plan(plan, sweep.node_check)
         # The cluster and the nodes' checks are accepted: each node's fork server starts while the rest is set up
-        # and Tune starts the trials (a sweep that fails after this point leaves it to idle out on its own).
-        head_starts = [] if simulate_arms else start_fork_servers(capacity)
+        # and Tune starts the trials (a sweep that fails after this point leaves it to idle out on its own); a local
+        # runtime's started before Ray (``early``).
+        head_starts = [] if simulate_arms or early is not None else start_fork_servers(capacity)
         params = _parent_params(sweep, plan, capacity, path)
         # A resumed sweep keeps the schedule it started with (Tune restores its grid or its searcher).
         started_as = (meta.get("params") or {}).get("schedule", "fixed")
@@ -1082,7 +1088,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         finally:
             tune_log.removeFilter(interrupted)
             slow_log.removeFilter(waited)
-            log_fork_servers(head_starts)
+            log_fork_servers(head_starts, early)
             _LIVE.pop(sweep_id, None)
             display.close()
             recorder.flush()
