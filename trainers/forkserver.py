@@ -65,8 +65,10 @@ cache directories are read when used, not at import (``cache_dir_utils.cache_dir
 arm still compiles into its own empty caches (``tests/trainers/test_forkserver.py`` checks this). Left out on
 GPU builds: a module that probes the driver at import (``cuInit``) would leave every forked child with a CUDA
 that cannot initialise, and no GPU run has verified that none does."""
-NEVER_PRELOADED = ("deepspeed",)
-"""Reads its accelerator and launcher environment at import: the server refuses to start with it loaded."""
+NEVER_PRELOADED = ("deepspeed", "ray")
+"""Read their accelerator and launcher environment at import: the server refuses to start with one loaded. Ray's
+per-worker variables (``RAY_*``) key no server (``trainers.run.LAUNCHER_ENV_PREFIXES``) only because none of them
+can reach the server's state."""
 WORKER_MODULE = "trainers.worker"
 IDLE_S = 180.0
 """Long enough to bridge the gap between blocks (and a round gap of a short until-decided campaign)."""
@@ -145,16 +147,23 @@ def _connect(path: Path) -> socket.socket:
 
 
 def _ensure_server(base_env: dict[str, str], key: str, directory: Optional[Path] = None) -> socket.socket:
+    return _server_socket(base_env, key, directory)[0]
+
+
+def _server_socket(base_env: dict[str, str], key: str, directory: Optional[Path] = None
+                   ) -> tuple[socket.socket, bool]:
+    """A connection to the server for ``key``, and whether this call launched that server (False when one listened,
+    or another caller launched it while this one waited for the lock)."""
     directory = directory or _server_dir()
     path = directory / f"{key}.sock"
     try:
-        return _connect(path)
+        return _connect(path), False
     except OSError:
         pass
     with open(directory / f"{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent arms on the node start one server, not two
         try:
-            return _connect(path)
+            return _connect(path), False
         except OSError:
             path.unlink(missing_ok=True)
         log_path, pid_path = directory / f"{key}.log", directory / f"{key}.pid"
@@ -169,7 +178,7 @@ def _ensure_server(base_env: dict[str, str], key: str, directory: Optional[Path]
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             try:
-                return _connect(path)
+                return _connect(path), True
             except OSError:
                 pass
             if not _running(pid_path):
@@ -262,9 +271,11 @@ class ArmProcess:
 def prestart(base_env: dict[str, str], code: Optional[str], directory: Optional[Path] = None) -> bool:
     """Start the server an arm with ``base_env`` and ``code`` will fork from, if none listens yet, and return once
     it listens; True when this call started it. Its imports then overlap the sweep's own start instead of the first
-    arms' (``ablate.sweep.run`` asks each node as soon as Ray is up). An arm still forks from a server that has run
-    nothing: the check that it listens is a connection closed before any request. False when one listened already
-    (this sweep's earlier round, or another sweep's arms with the same environment and code). ``directory``: the
+    arms' (``ablate.sweep.run`` asks before Ray on a local runtime, else each node as soon as Ray is up). An arm
+    still forks from a server that has run nothing: the check that it listens is a connection closed before any
+    request. False when one listened already
+    (this sweep's earlier round, or another sweep's arms with the same environment and code) or another caller
+    started it while this one waited for the lock (the driver's start before Ray, an arm). ``directory``: the
     servers' directory (``_server_dir``), when the caller found it before another thread may change ``TMPDIR``.
 
     Raises ForkServerUnavailable, as ``fork_arm`` does."""
@@ -275,12 +286,13 @@ def prestart(base_env: dict[str, str], code: Optional[str], directory: Optional[
     except OSError:
         pass
     try:
-        _ensure_server(base_env, key, directory).close()
+        sock, launched = _server_socket(base_env, key, directory)
+        sock.close()
     except ForkServerUnavailable:
         raise
     except Exception as exc:  # noqa: BLE001 - as fork_arm: any failure to get a server is "unavailable"
         raise ForkServerUnavailable(f"{type(exc).__name__}: {exc}") from exc
-    return True
+    return launched
 
 
 def fork_arm(base_env: dict[str, str], overlay: dict[str, str], argv: list[str], log_path: Path, *,

@@ -14,9 +14,13 @@ Why: the server imports torch, dynamo and the arm code once per node and sweep (
 the first arms waited for that after Tune had started their trials. The task is what an arm does first
 (``trainers.run.prestart_fork_server``), so the server is the one the arms fork from, and it still has run nothing
 before them. It asks for no CPU: a trial that holds the node's CPUs is not delayed by it. Only nodes with a CPU no
-trial holds get one: where the trials take every CPU, the server's imports take CPU their start needed (2 CPUs, 2
-blocks at once: the first arms' time to first step 4.35 -> 1.92 s, the sweep's wall time unchanged or worse,
-21.43 -> 22.26 s; with a CPU free, 4.14 -> 1.50 s and 24.53 -> 22.18 s: benchmarks/bench_first_arms.py).
+trial holds get one: where the trials take every CPU, the server's imports take CPU their start needed.
+
+A local runtime's driver starts its machine's server before ``ray.init`` instead, from a thread: ``ray.init`` mostly
+waits for Ray's processes (one of 2 CPUs idle for ~3 s), and the imports fit there. 2 CPUs, 2 blocks at once, every
+server stopped before each run: the first block's time to first step 3.92 -> 1.70 s and the command's wall time
+18.31 -> 17.38 s (medians of 4, benchmarks/results/first_arms.json, stop 51; the stop-50 records of the Ray-task
+head start let a run find the server an earlier run of the same tree left listening).
 
 Only where the task's environment is provably the trials' (the server is keyed by it): one-worker arms of one CPU
 and no GPU. Ray gives a process ``OMP_NUM_THREADS`` = its CPUs when unset (1 for this task, as for a 1-CPU trial)

@@ -24,6 +24,7 @@ from ablate.sweep.resources import BlockNeed, ResourceError, check_cluster
 from ablate.sweep.run import run_sweep
 from ablate.tracking.mapping import round_short_id
 from ablate.tracking.mlflow_store import ROLE_SWEEP, TAG, TrackingClient
+from trainers.forkserver import server_directory
 
 pytestmark = pytest.mark.ray
 
@@ -197,6 +198,57 @@ def test_the_head_start_starts_the_server_a_trials_arms_fork_from(ray_address: s
     for workers, cpus, gpus in ((2, 1, 0), (1, 2, 0), (1, 1, 1)):
         need = BlockNeed(workers=workers, cpus_per_worker=cpus, gpus_per_worker=gpus)
         assert start_fork_servers(Capacity(need=need, nodes=nodes, max_concurrent=1)) == []
+
+
+_EARLY_START = """
+import json, os, sys
+from ablate.sweep.head_start import start_local_fork_server
+from ablate.sweep.resources import BlockNeed
+from ablate.sweep.run import ensure_ray, shutdown_ray
+
+one = BlockNeed(workers=1, cpus_per_worker=1, gpus_per_worker=0)
+others = [start_local_fork_server(BlockNeed(workers=w, cpus_per_worker=c, gpus_per_worker=g))
+          for w, c, g in ((2, 1, 0), (1, 2, 0), (1, 1, 1))]
+os.environ["RAY_ADDRESS"] = "auto"
+attaching = start_local_fork_server(one)
+del os.environ["RAY_ADDRESS"]
+early = start_local_fork_server(one)
+ensure_ray()
+again = start_local_fork_server(one)
+from ray import tune
+
+def trial(config):
+    from trainers.run import prestart_fork_server  # what each arm of the trial asks for first
+    tune.report({"line": prestart_fork_server()})
+
+result = tune.Tuner(tune.with_resources(trial, one.trial_resources()),
+                    run_config=tune.RunConfig(storage_path=sys.argv[1], verbose=0)).fit()[0]
+early.join(180)
+print(json.dumps({"early": early.line, "trial": result.metrics["line"], "others": [o is None for o in others],
+                  "attaching": attaching is None, "again": again is None}))
+shutdown_ray()
+"""
+
+
+def test_a_local_runtimes_server_starts_before_ray_and_is_the_one_its_trials_arms_fork_from(tmp_path: Path) -> None:
+    """The driver of a local runtime starts the fork server before ``ray.init``, from its own environment: the
+    trials' differs by what Ray adds to each of its workers (``RAY_RAYLET_PID``, ``OMP_NUM_THREADS``, ...) and by
+    Tune's own variables, and the server must still be the one their arms ask for. Never for arms of another shape,
+    nor where the driver attaches to a cluster or Ray is already up."""
+    # A key of this test's own (ABLATE_* reaches the arms and keys their server), OMP_NUM_THREADS as Ray sets it.
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "OMP_NUM_THREADS")},
+           "PYTHONPATH": str(REPO), "ABLATE_TEST_RUN": str(time.time()), "RAY_CHDIR_TO_TRIAL_DIR": "0"}
+    out = subprocess.run([sys.executable, "-c", _EARLY_START, str(tmp_path / "tune")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert " started in " in seen["early"], seen
+    assert seen["trial"].endswith(" already listening"), seen
+    key = seen["early"].split(" fork server ")[1].split()[0]
+    assert seen["trial"].split(" fork server ")[1].split()[0] == key, "the trial's arms ask for another server"
+    assert seen["others"] == [True, True, True] and seen["attaching"] and seen["again"], seen
+    pid = int((server_directory() / f"{key}.pid").read_text())
+    os.kill(pid, signal.SIGTERM)  # this test's own server: gone now, not idling for minutes
 
 
 def test_resume_after_the_driver_is_killed(ray_address: str, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -96,15 +97,39 @@ def test_variables_of_one_arm_or_of_tunes_trial_key_no_server(tmp_path: Path, mo
     """What a trial's own process holds (Tune's ``TUNE_ORIG_WORKING_DIR``, an allotment in the launcher's
     environment) still reaches the arm, but the server is keyed without it: a plain Ray task on the node (the head
     start) and every kind of arm find one server."""
+    for name in [n for n in os.environ if n.startswith(("RAY_", "TUNE_"))] + ["PYTHONBREAKPOINT"]:
+        monkeypatch.delenv(name, raising=False)
     plain = _worker_env(tmp_path / "a", {})[0]
     monkeypatch.setenv("TUNE_ORIG_WORKING_DIR", "/somewhere/the/driver/ran")
     monkeypatch.setenv("ABLATE_ARM_CPUS", "3")
+    # What Ray sets in each of its workers: a driver that starts the server before Ray has none of it.
+    ray_worker = {"RAY_RAYLET_PID": "4242", "RAY_JOB_ID": "01000000", "PYTHONBREAKPOINT": "ray.util.rpdb.set_trace"}
+    for name, value in ray_worker.items():
+        monkeypatch.setenv(name, value)
     for work, given in ((tmp_path / "a", {}), (tmp_path / "b", {"ABLATE_ARM_CPUS": "1", "ABLATE_PAIR_CPUS": "0"})):
         base, overlay = _worker_env(work, given)
         assert base == plain
         assert {**base, **overlay} == {**_arm_env(work), **given}, "the arm's environment is unchanged"
         assert overlay["TUNE_ORIG_WORKING_DIR"] == "/somewhere/the/driver/ran"
         assert overlay["ABLATE_ARM_CPUS"] == given.get("ABLATE_ARM_CPUS", "3")
+        assert {name: overlay[name] for name in ray_worker} == ray_worker, "the arm still gets Ray's variables"
+    # The environment given instead of this process's: what a driver predicts for its trials keys the same server.
+    assert _worker_env(tmp_path / "a", {}, {**os.environ, "OMP_NUM_THREADS": "7"})[0] == {**plain,
+                                                                                         "OMP_NUM_THREADS": "7"}
+
+
+def test_a_server_that_imported_ray_refuses_to_serve(tmp_path: Path) -> None:
+    """Ray's per-worker variables key no server only while nothing the server preloads imports ray (which reads
+    them at import): a server that finds ray loaded after its preloads refuses, and arms fall back to fresh
+    interpreters instead of sharing what ray read."""
+    sock, pid = tmp_path / "s.sock", tmp_path / "s.pid"
+    code = f"import ray, sys, trainers.forkserver as f\nsys.exit(f.main([{str(sock)!r}, '5', {str(pid)!r}]))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**_arm_env(tmp_path)}, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]  # the launcher: it forks the server and exits at once
+    assert "forkserver: refusing to serve, import-time state of ['ray'] would be shared" in out.stderr, \
+        out.stderr[-2000:]
+    assert not sock.exists()
 
 
 def test_a_preloaded_library_reaches_the_forked_arm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
