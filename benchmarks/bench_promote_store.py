@@ -338,8 +338,7 @@ def main() -> None:
                                                text=True, check=True).stdout.strip()
             # The label names run directories too: the short hash, never a ref with a slash in it.
             trees[f"@{record['against'][:7]}"] = _previous_tree(tmp, record["against"], "against")
-        for label, path in trees.items():
-            record["bytecode"] = compile_tree(path or REPO)
+        record["bytecode"] = {label or "this tree": compile_tree(path or REPO) for label, path in trees.items()}
         try:
             states = {"both": ("cold", "warm"), "all": ("cold", "sweep", "warm")}.get(args.cache, (args.cache,))
             sweep_cache, record["sweep_cache"] = _writers_cache(directory)

@@ -36,7 +36,26 @@ def stop_fork_servers(timeout_s: float = 10.0) -> int:
     """Stop every fork server of this user (``python -m trainers.forkserver``, of any tree) before a timed run, so
     each run starts its own, cold. A server idles 180 s before it exits: a run within that time of an earlier run of
     the same tree (same key) found it listening and paid no imports, a head start no user gets on a first sweep.
-    Returns how many were stopped."""
+    Arms forked from a server keep its command line, so this stops any arm still running too: run benchmarks alone
+    (as they must be for their timings anyway). Returns how many were stopped."""
+    pids = _fork_servers()
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and set(pids) & set(_fork_servers()):
+        time.sleep(0.05)
+    for pid in set(pids) & set(_fork_servers()):  # one that ignored SIGTERM (looked up again: no reused pid)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return len(pids)
+
+
+def _fork_servers() -> list[int]:
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -44,24 +63,12 @@ def stop_fork_servers(timeout_s: float = 10.0) -> int:
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
             owner = entry.stat().st_uid
-        except OSError:
+            zombie = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except (OSError, IndexError):
             continue
-        if owner == os.getuid() and b"trainers.forkserver" in argv and b"-m" in argv:
+        if owner == os.getuid() and not zombie and b"trainers.forkserver" in argv and b"-m" in argv:
             pids.append(int(entry.name))
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
-        time.sleep(0.05)
-    for pid in pids:  # one that ignored SIGTERM
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return len(pids)
+    return pids
 
 
 def append(path: Path, record: dict[str, Any]) -> None:

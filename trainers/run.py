@@ -179,18 +179,19 @@ def _start_worker(argv: list[str], work: Path, log: Any, *, code: Optional[str],
     return proc, Prepared("fresh_interpreter", fallback_reason=reason).to_dict()
 
 
-def prestart_fork_server(environ: Optional[Mapping[str, str]] = None, directory: Optional[Path] = None) -> str:
+def prestart_fork_server(environ: Optional[Mapping[str, str]] = None, directory: Optional[Path] = None,
+                         code: Optional[str] = None) -> str:
     """Start this node's fork server for the arms a sweep is about to run here (``trainers.forkserver.prestart``),
     keyed as ``_start_worker`` keys it from this process's environment; a Ray task on the node gets the environment
     Ray gives the trials there. ``environ``: the trials' environment as far as it keys the server, when this process
-    is not one of Ray's (``ablate.sweep.head_start.start_local_fork_server``); ``directory``: the servers' directory,
-    found beforehand. Never raises: what happened, in a line (the sweep logs it at debug level); an arm that then
+    is not one of Ray's (``ablate.sweep.head_start.start_local_fork_server``); ``directory`` (the servers' directory)
+    and ``code`` (``code_fingerprint``), found beforehand. Never raises: what happened, in a line (the sweep logs it at debug level); an arm that then
     finds no server starts one itself, as before."""
     from trainers.forkserver import prestart, server_key
 
     try:
         base, _ = _worker_env(REPO_ROOT, {}, environ)  # the arms' own key; the work directory only names their caches
-        code = code_fingerprint(REPO_ROOT)
+        code = code or code_fingerprint(REPO_ROOT)
         started = prestart(base, code, directory)
         return f"{host_name()}: fork server {server_key(base, code)} {'started' if started else 'already listening'}"
     except Exception as exc:  # noqa: BLE001 - a head start only: the first arm starts the server, or falls back

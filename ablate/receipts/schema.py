@@ -733,7 +733,10 @@ def _validated(obj: Any, source: Optional[bytes]) -> tuple[Receipt, bool]:
     if in_the_future(receipt.identity.created_at):
         raise InvalidReceipt(f"identity.created_at {receipt.identity.created_at!r} is in the future: no arm has run "
                              f"then")
-    own = source is not None and receipt.model_dump_json().encode("utf-8") == source
+    try:
+        own = source is not None and receipt.model_dump_json().encode("utf-8") == source
+    except ValueError:  # a string JSON can hold and UTF-8 cannot (a lone surrogate): not the model's own JSON
+        own = False
     errors = figure_errors(receipt, own_json=data if own else None)
     if errors:
         raise InvalidReceipt("; ".join(errors[:4]))

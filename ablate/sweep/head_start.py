@@ -66,22 +66,30 @@ def _one_cpu_arms(need: BlockNeed) -> bool:
     return need.executor == "subprocess" and need.cpus_per_worker == 1 and not need.gpus_per_worker
 
 
+ACCELERATOR_OVERRIDE_ENV = "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"
+"""Set, Ray writes every accelerator's visible-devices variable (an empty ``CUDA_VISIBLE_DEVICES``) into workers
+that hold none (``ray._private.utils.set_visible_accelerator_ids``)."""
+
+
 class EarlyStart(threading.Thread):
     """``trainers.run.prestart_fork_server`` on a thread of the driver; ``line`` says what happened once it ended."""
 
     def __init__(self, environ: dict[str, str]) -> None:
         super().__init__(name="ablate-fork-server-early", daemon=True)
         from trainers.forkserver import server_directory
-        from trainers.run import prestart_fork_server
+        from trainers.provenance import code_fingerprint
+        from trainers.run import REPO_ROOT, prestart_fork_server
 
-        # Imported and found here: while it runs, ``ensure_ray`` empties os.environ (TMPDIR included) around
-        # ``ray.init``, and nothing on this thread may read it meanwhile.
-        self._prestart, self._directory, self._environ = prestart_fork_server, server_directory(), environ
+        # Imported, found and fingerprinted here (the fingerprint runs git with this process's environment): while
+        # the thread runs, ``ensure_ray`` empties os.environ around ``ray.init``, and nothing on it may read it then.
+        self._prestart, self._environ = prestart_fork_server, environ
+        self._directory, self._code = server_directory(), code_fingerprint(REPO_ROOT)
         self.line = ""
 
     def run(self) -> None:
         started = time.monotonic()
-        self.line = f"{self._prestart(self._environ, self._directory)} in {time.monotonic() - started:.2f} s"
+        line = self._prestart(self._environ, self._directory, self._code)
+        self.line = f"{line} in {time.monotonic() - started:.2f} s"
 
 
 def start_local_fork_server(need: BlockNeed) -> Optional[EarlyStart]:
@@ -89,17 +97,30 @@ def start_local_fork_server(need: BlockNeed) -> Optional[EarlyStart]:
     ``need``, on a thread, keyed from the environment their trials will have (``local_trial_env``). Its imports
     (2-3 s of CPU on 2 CPUs) then run while ``ray.init`` waits for Ray's processes, which leaves a CPU mostly idle,
     instead of while the first arms wait for them. None where the arms' environment is not provably that one: a
-    cluster to attach to (the Ray-task head start covers its nodes), a machine with a GPU (Ray may set
-    ``CUDA_VISIBLE_DEVICES`` in trials), arms of another shape than ``start_fork_servers`` starts for."""
+    cluster to attach to (the Ray-task head start covers its nodes), a machine with a GPU, or Ray told to set the
+    accelerators' variables in workers without one (``RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO``: ``CUDA_VISIBLE_DEVICES``
+    and its kind would key the trials' server), arms of another shape than ``start_fork_servers`` starts for; and
+    None, never an exception, where the server cannot be started (the first arm then says why, as before).
+
+    It starts before Ray says what the cluster runs, so a sweep refused after it (a device or resume check) leaves
+    the server to idle out (``trainers.forkserver.IDLE_S``)."""
     import ray
 
     from ablate.sweep.resources import detect_local
 
-    if ray.is_initialized() or os.environ.get("RAY_ADDRESS") or not _one_cpu_arms(need) or detect_local()[1]:
+    override = os.environ.get(ACCELERATOR_OVERRIDE_ENV, "").strip().lower() not in ("", "0", "false")
+    if ray.is_initialized() or os.environ.get("RAY_ADDRESS") or override or not _one_cpu_arms(need):
         return None
-    thread = EarlyStart(local_trial_env())
-    thread.start()
+    try:
+        if detect_local()[1]:
+            return None
+        thread = EarlyStart(local_trial_env())
+        thread.start()
+    except Exception as exc:  # noqa: BLE001 - a head start only: the arms start their server, or fall back
+        log.debug("fork server not started before Ray: %s: %s", type(exc).__name__, exc)
+        return None
     return thread
+
 
 
 def local_trial_env(environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:

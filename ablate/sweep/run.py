@@ -988,8 +988,8 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         # Before any block and before anything is written: a backend a node found wrong or absent refuses here.
         node_checks = check_plan(plan, sweep.node_check)
         # The cluster and the nodes' checks are accepted: each node's fork server starts while the rest is set up
-        # and Tune starts the trials (a sweep that fails after this point leaves it to idle out on its own); a local
-        # runtime's started before Ray (``early``).
+        # and Tune starts the trials (a sweep that fails after this point leaves it to idle out on its own). A local
+        # runtime's started before Ray (``early``), before these checks: a refused sweep leaves that one idling too.
         head_starts = [] if simulate_arms or early is not None else start_fork_servers(capacity)
         params = _parent_params(sweep, plan, capacity, path)
         # A resumed sweep keeps the schedule it started with (Tune restores its grid or its searcher).

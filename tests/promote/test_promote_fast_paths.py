@@ -343,7 +343,8 @@ def _outcome(check: Any) -> tuple[str, Any]:
         return "refused", str(exc)
 
 
-_EDITS = st.sampled_from([-1, -0.5, -1e-9, 0, 2.5, 10**30, float("nan"), float("inf"), float("-inf"), 1e308])
+_EDITS = st.sampled_from([-1, -0.5, -1e-9, 0, -0.0, 2.5, 10**30, True, False, float("nan"), float("inf"),
+                          float("-inf"), 1e308])
 
 
 @settings(max_examples=120, deadline=None)
@@ -372,6 +373,20 @@ def test_own_json_shortcut_refuses_and_accepts_as_validate_receipt(data: Any) ->
     if reference[0] == "ok":
         model = schema.validate_receipt(json.loads(source))
         assert schema.validate_decoded(json.loads(source), source)[1] is (model.model_dump_json().encode() == source)
+
+
+def test_real_payloads_take_the_shortcut_and_one_utf8_cannot_hold_does_not() -> None:
+    """What every writer logs is the model's own JSON, so the shortcut is what the tests above exercise; a string
+    JSON can escape but UTF-8 cannot encode (a lone surrogate) is checked as before, not refused as unserializable."""
+    for receipt in _receipts():
+        source = receipt.model_dump_json().encode()
+        assert schema.validate_decoded(json.loads(source), source)[1] is True
+    raw = json.loads(_receipts()[0].model_dump_json())
+    raw["identity"]["host"] = "h\ud800"
+    source = json.dumps(raw).encode()  # the surrogate escaped: valid JSON, ASCII bytes
+    got, own = schema.validate_decoded(json.loads(source), source)
+    assert own is False
+    assert got.model_dump() == schema.validate_receipt(json.loads(source)).model_dump()
 
 
 def test_own_json_holds_no_token_that_decodes_to_nan_or_infinity() -> None:

@@ -209,9 +209,11 @@ from ablate.sweep.run import ensure_ray, shutdown_ray
 one = BlockNeed(workers=1, cpus_per_worker=1, gpus_per_worker=0)
 others = [start_local_fork_server(BlockNeed(workers=w, cpus_per_worker=c, gpus_per_worker=g))
           for w, c, g in ((2, 1, 0), (1, 2, 0), (1, 1, 1))]
-os.environ["RAY_ADDRESS"] = "auto"
-attaching = start_local_fork_server(one)
-del os.environ["RAY_ADDRESS"]
+refused = []
+for name, value in (("RAY_ADDRESS", "auto"), ("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "1"), ("TMPDIR", "/nonexistent/x")):
+    os.environ[name] = value
+    refused.append(start_local_fork_server(one) is None)  # attaching; trials' CUDA_VISIBLE_DEVICES; no server dir
+    del os.environ[name]
 early = start_local_fork_server(one)
 ensure_ray()
 again = start_local_fork_server(one)
@@ -225,7 +227,7 @@ result = tune.Tuner(tune.with_resources(trial, one.trial_resources()),
                     run_config=tune.RunConfig(storage_path=sys.argv[1], verbose=0)).fit()[0]
 early.join(180)
 print(json.dumps({"early": early.line, "trial": result.metrics["line"], "others": [o is None for o in others],
-                  "attaching": attaching is None, "again": again is None}))
+                  "refused": refused, "again": again is None}))
 shutdown_ray()
 """
 
@@ -234,10 +236,13 @@ def test_a_local_runtimes_server_starts_before_ray_and_is_the_one_its_trials_arm
     """The driver of a local runtime starts the fork server before ``ray.init``, from its own environment: the
     trials' differs by what Ray adds to each of its workers (``RAY_RAYLET_PID``, ``OMP_NUM_THREADS``, ...) and by
     Tune's own variables, and the server must still be the one their arms ask for. Never for arms of another shape,
-    nor where the driver attaches to a cluster or Ray is already up."""
-    # A key of this test's own (ABLATE_* reaches the arms and keys their server), OMP_NUM_THREADS as Ray sets it.
+    nor where the driver attaches to a cluster, Ray is already up, or Ray would set CUDA_VISIBLE_DEVICES in
+    trials; and where no server can be started, no exception either."""
+    # A key of this test's own (ABLATE_* reaches the arms and keys their server), OMP_NUM_THREADS as Ray sets it,
+    # no GPU visible (a machine with one gets no early start: its trials' CUDA_VISIBLE_DEVICES is Ray's to set).
     env = {**{k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "OMP_NUM_THREADS")},
-           "PYTHONPATH": str(REPO), "ABLATE_TEST_RUN": str(time.time()), "RAY_CHDIR_TO_TRIAL_DIR": "0"}
+           "PYTHONPATH": str(REPO), "ABLATE_TEST_RUN": str(time.time()), "RAY_CHDIR_TO_TRIAL_DIR": "0",
+           "CUDA_VISIBLE_DEVICES": ""}
     out = subprocess.run([sys.executable, "-c", _EARLY_START, str(tmp_path / "tune")], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -246,7 +251,7 @@ def test_a_local_runtimes_server_starts_before_ray_and_is_the_one_its_trials_arm
     assert seen["trial"].endswith(" already listening"), seen
     key = seen["early"].split(" fork server ")[1].split()[0]
     assert seen["trial"].split(" fork server ")[1].split()[0] == key, "the trial's arms ask for another server"
-    assert seen["others"] == [True, True, True] and seen["attaching"] and seen["again"], seen
+    assert seen["others"] == [True, True, True] and seen["refused"] == [True, True, True] and seen["again"], seen
     pid = int((server_directory() / f"{key}.pid").read_text())
     os.kill(pid, signal.SIGTERM)  # this test's own server: gone now, not idling for minutes
 
