@@ -184,9 +184,10 @@ def prestart_fork_server(environ: Optional[Mapping[str, str]] = None, directory:
     """Start this node's fork server for the arms a sweep is about to run here (``trainers.forkserver.prestart``),
     keyed as ``_start_worker`` keys it from this process's environment; a Ray task on the node gets the environment
     Ray gives the trials there. ``environ``: the trials' environment as far as it keys the server, when this process
-    is not one of Ray's (``ablate.sweep.head_start.start_local_fork_server``); ``directory`` (the servers' directory)
-    and ``code`` (``code_fingerprint``), found beforehand. Never raises: what happened, in a line (the sweep logs it at debug level); an arm that then
-    finds no server starts one itself, as before."""
+    is not one of Ray's (``ablate.sweep.head_start.start_local_fork_server``, which then reads nothing else of
+    ``os.environ`` here); ``directory`` (the servers' directory) and ``code`` (``code_fingerprint``), found
+    beforehand. Never raises: what happened, in a line (the sweep logs it at debug level); an arm that then finds no
+    server starts one itself, as before."""
     from trainers.forkserver import prestart, server_key
 
     try:
@@ -195,7 +196,8 @@ def prestart_fork_server(environ: Optional[Mapping[str, str]] = None, directory:
         started = prestart(base, code, directory)
         return f"{host_name()}: fork server {server_key(base, code)} {'started' if started else 'already listening'}"
     except Exception as exc:  # noqa: BLE001 - a head start only: the first arm starts the server, or falls back
-        return redact_text(f"{host_name()}: fork server not started ahead of the arms: {type(exc).__name__}: {exc}")
+        return redact_text(f"{host_name()}: fork server not started ahead of the arms: {type(exc).__name__}: {exc}",
+                           environ)
 
 
 def _wait(proc: Any, timeout_s: Optional[float]) -> Optional[int]:

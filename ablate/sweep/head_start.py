@@ -1,6 +1,6 @@
 """A head start for the first arms: each node that will run one-worker arms starts its fork server
 (``trainers.forkserver``) as soon as Ray is up, while Tune starts the trials, instead of when the first arm asks;
-on a local runtime the driver starts it even before Ray.
+on a local runtime of a machine without a GPU the driver starts it even before Ray (``start_local_fork_server``).
 
 How to use (``ablate.sweep.run`` does)::
 
@@ -97,10 +97,12 @@ def start_local_fork_server(need: BlockNeed) -> Optional[EarlyStart]:
     ``need``, on a thread, keyed from the environment their trials will have (``local_trial_env``). Its imports
     (2-3 s of CPU on 2 CPUs) then run while ``ray.init`` waits for Ray's processes, which leaves a CPU mostly idle,
     instead of while the first arms wait for them. None where the arms' environment is not provably that one: a
-    cluster to attach to (the Ray-task head start covers its nodes), a machine with a GPU, or Ray told to set the
-    accelerators' variables in workers without one (``RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO``: ``CUDA_VISIBLE_DEVICES``
-    and its kind would key the trials' server), arms of another shape than ``start_fork_servers`` starts for; and
-    None, never an exception, where the server cannot be started (the first arm then says why, as before).
+    cluster to attach to (the Ray-task head start covers its nodes), arms of another shape than
+    ``start_fork_servers`` starts for, Ray told to set the accelerators' variables in workers without one
+    (``RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO``: an empty ``CUDA_VISIBLE_DEVICES`` would key the trials' server), and
+    a machine with a GPU (Ray 2.60 leaves a CPU trial's ``CUDA_VISIBLE_DEVICES`` alone, but no GPU run has checked
+    that the key matches there). None, never an exception, where the thread cannot be started (no server directory,
+    say); a server that fails to start on the thread says so in its ``line``, and the first arm, as before.
 
     It starts before Ray says what the cluster runs, so a sweep refused after it (a device or resume check) leaves
     the server to idle out (``trainers.forkserver.IDLE_S``)."""
@@ -117,10 +119,11 @@ def start_local_fork_server(need: BlockNeed) -> Optional[EarlyStart]:
         thread = EarlyStart(local_trial_env())
         thread.start()
     except Exception as exc:  # noqa: BLE001 - a head start only: the arms start their server, or fall back
-        log.debug("fork server not started before Ray: %s: %s", type(exc).__name__, exc)
+        from ablate.redact import redact_text
+
+        log.debug("%s", redact_text(f"fork server not started before Ray: {type(exc).__name__}: {exc}"))
         return None
     return thread
-
 
 
 def local_trial_env(environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:

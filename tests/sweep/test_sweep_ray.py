@@ -211,9 +211,13 @@ others = [start_local_fork_server(BlockNeed(workers=w, cpus_per_worker=c, gpus_p
           for w, c, g in ((2, 1, 0), (1, 2, 0), (1, 1, 1))]
 refused = []
 for name, value in (("RAY_ADDRESS", "auto"), ("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "1"), ("TMPDIR", "/nonexistent/x")):
+    before = os.environ.get(name)
     os.environ[name] = value
     refused.append(start_local_fork_server(one) is None)  # attaching; trials' CUDA_VISIBLE_DEVICES; no server dir
-    del os.environ[name]
+    if before is None:
+        del os.environ[name]
+    else:
+        os.environ[name] = before
 early = start_local_fork_server(one)
 ensure_ray()
 again = start_local_fork_server(one)
@@ -239,7 +243,7 @@ def test_a_local_runtimes_server_starts_before_ray_and_is_the_one_its_trials_arm
     nor where the driver attaches to a cluster, Ray is already up, or Ray would set CUDA_VISIBLE_DEVICES in
     trials; and where no server can be started, no exception either."""
     # A key of this test's own (ABLATE_* reaches the arms and keys their server), OMP_NUM_THREADS as Ray sets it,
-    # no GPU visible (a machine with one gets no early start: its trials' CUDA_VISIBLE_DEVICES is Ray's to set).
+    # no GPU visible (a machine with one gets no early start).
     env = {**{k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "OMP_NUM_THREADS")},
            "PYTHONPATH": str(REPO), "ABLATE_TEST_RUN": str(time.time()), "RAY_CHDIR_TO_TRIAL_DIR": "0",
            "CUDA_VISIBLE_DEVICES": ""}
