@@ -121,7 +121,8 @@ def server_key(base_env: dict[str, str], code: Optional[str]) -> str:
     return hashlib.sha256(material.encode()).hexdigest()[:20]
 
 
-def _server_dir() -> Path:
+def server_directory() -> Path:
+    """Where this user's fork servers listen (``TMPDIR`` or /tmp), created private if missing."""
     # Private to this user (0700): the socket runs arbitrary argv in a process that carries our environment.
     directory = Path(os.environ.get("TMPDIR", "/tmp")) / f"ablate-forkserver-{os.getuid()}"
     directory.mkdir(mode=0o700, exist_ok=True)
@@ -129,11 +130,6 @@ def _server_dir() -> Path:
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
         raise ForkServerUnavailable(f"{directory} is not private to this user")
     return directory
-
-
-def server_directory() -> Path:
-    """Where this user's fork servers listen (``TMPDIR`` or /tmp), created private if missing."""
-    return _server_dir()
 
 
 def _connect(path: Path) -> socket.socket:
@@ -154,7 +150,7 @@ def _server_socket(base_env: dict[str, str], key: str, directory: Optional[Path]
                    ) -> tuple[socket.socket, bool]:
     """A connection to the server for ``key``, and whether this call launched that server (False when one listened,
     or another caller launched it while this one waited for the lock)."""
-    directory = directory or _server_dir()
+    directory = directory or server_directory()
     path = directory / f"{key}.sock"
     try:
         return _connect(path), False
@@ -273,20 +269,14 @@ def prestart(base_env: dict[str, str], code: Optional[str], directory: Optional[
     it listens; True when this call started it. Its imports then overlap the sweep's own start instead of the first
     arms' (``ablate.sweep.run`` asks before Ray on a local runtime, else each node as soon as Ray is up). An arm
     still forks from a server that has run nothing: the check that it listens is a connection closed before any
-    request. False when one listened already
-    (this sweep's earlier round, or another sweep's arms with the same environment and code) or another caller
-    started it while this one waited for the lock (the driver's start before Ray, an arm). ``directory``: the
-    servers' directory (``_server_dir``), when the caller found it before another thread may change ``TMPDIR``.
+    request. False when one listened already (this sweep's earlier round, or another sweep's arms with the same
+    environment and code) or another caller started it while this one waited for the lock (the driver's start
+    before Ray, an arm). ``directory``: the servers' directory (``server_directory``), when the caller found it
+    before another thread may change ``TMPDIR``.
 
     Raises ForkServerUnavailable, as ``fork_arm`` does."""
-    key = server_key(base_env, code)
     try:
-        _connect((directory or _server_dir()) / f"{key}.sock").close()
-        return False
-    except OSError:
-        pass
-    try:
-        sock, launched = _server_socket(base_env, key, directory)
+        sock, launched = _server_socket(base_env, server_key(base_env, code), directory)
         sock.close()
     except ForkServerUnavailable:
         raise

@@ -16,7 +16,7 @@ import pytest
 
 from ablate.receipts.schema import Status, validate_receipt
 from trainer_helpers import make_spec, tiny_lane
-from trainers.forkserver import ForkServerUnavailable, _server_dir, fork_arm, prestart, server_key
+from trainers.forkserver import ForkServerUnavailable, fork_arm, prestart, server_directory, server_key
 from trainers.run import _arm_env, _worker_env, run_arm, run_pair
 
 PROBE = "tests.trainers.forkserver_probe"
@@ -89,7 +89,7 @@ def test_a_head_start_is_the_server_the_next_arm_forks_from(tmp_path: Path) -> N
     assert proc.wait(timeout=60) == 0 and out.exists()
     assert proc.prepared.forks_before == 0 and proc.prepared.server_started_at < before
     assert proc.prepared.request_s < 10, "the server was listening: no import paid by this arm"
-    log = (_server_dir() / f"{server_key(base, 'test')}.log").read_text()
+    log = (server_directory() / f"{server_key(base, 'test')}.log").read_text()
     assert "bad request" not in log and "forkserver:" not in log
 
 
