@@ -109,12 +109,6 @@ def _full_check(data: bytes, tags: Mapping[str, str]) -> tuple[Optional[Receipt]
     return receipt, None, own
 
 
-def _checked(run: Any, data: bytes) -> Outcome:
-    """The receipt in ``data`` checked in full, then against its run's tags."""
-    receipt, reason, _ = _full_check(data, run.data.tags)
-    return Outcome(run, receipt=receipt, reason=reason)
-
-
 def _already_accepted(run: Any, data: bytes) -> Optional[Outcome]:
     """The receipt in ``data``, which the full checks accepted before (``ablate.receipts.accepted``), checked
     against this run's tags; None if anything fails (the full checks then run and say why). Only payloads that are
@@ -131,7 +125,11 @@ def _already_accepted(run: Any, data: bytes) -> Optional[Outcome]:
     return Outcome(run, receipt=receipt)
 
 
-def _check_result(item: tuple[Any, Optional[bytes]]) -> tuple[Optional[Receipt], Optional[str], bool, Optional[bytes]]:
+Checked = tuple[Optional[Receipt], Optional[str], bool, Optional[bytes]]
+"""What ``_check_result`` gives: (receipt, reason, whether the payload may be remembered, the payload when it may)."""
+
+
+def _check_result(item: tuple[Any, Optional[bytes]]) -> Checked:
     """(receipt, reason, whether the payload may be remembered as accepted, the payload when it may be) for a run and
     its payload bytes, or for a run alone (``None``), whose payload is then decoded here, in the process that checks
     it: with nothing remembered to look payloads up in, decoding them (~0.035 ms each) is split over the CPUs too.
@@ -158,14 +156,17 @@ def logged_payload_key(data: bytes, tags: Mapping[str, str]) -> Optional[bytes]:
     return payload_key(data) if canonical else None
 
 
-def _rebuilt(run: Any, result: tuple[Optional[Receipt], Optional[str], bool, Optional[bytes]]) -> Outcome:
+def _rebuilt(item: tuple[Any, Optional[bytes]], result: Checked) -> Checked:
+    """``_check_result``'s result as a forked child sent it back, with the receipt it left out rebuilt from its
+    payload (``fork_map``'s ``received``: here, between the parent's own chunks)."""
     receipt, reason, canonical, data = result
     if receipt is None and canonical and data is not None:
         try:
             receipt = Receipt.model_validate_json(data)  # checked in full by the child: the very model it accepted
         except Exception:  # noqa: BLE001 - cannot happen to the model's own JSON; if it does, check it here
-            return _checked(run, data)
-    return Outcome(run, receipt=receipt, reason=reason)
+            receipt, reason, canonical = _full_check(data, item[0].data.tags)
+            return receipt, reason, canonical, data if canonical else None
+    return receipt, reason, canonical, data
 
 
 def _from_artifact(run: Any, tracking_uri: str, tmp: Path) -> Outcome:
@@ -218,9 +219,10 @@ def read_arm_runs(runs: list[Any], tracking_uri: str, use_payload: bool = True,
         outcomes.append(None)
     # Checking a receipt (schema, re-derived figures, digest) is ~0.5 ms of pure Python: the ones not accepted
     # before are split over the CPUs. Only the receipt or the reason comes back, never the run with its payload tags.
-    checked = fork_map(_check_result, [(run, data) for _, run, data in to_check], min_share=PARALLEL_MIN_SHARE)
-    for (index, run, _), result in zip(to_check, checked):
-        outcomes[index] = _rebuilt(run, result)
+    checked = fork_map(_check_result, [(run, data) for _, run, data in to_check], min_share=PARALLEL_MIN_SHARE,
+                       received=_rebuilt)
+    for (index, run, _), (receipt, reason, _, _) in zip(to_check, checked):
+        outcomes[index] = Outcome(run, receipt=receipt, reason=reason)
     if accepted is not None:
         accepted.add(payload_key(data) for _, _, canonical, data in checked if canonical and data is not None)
         accepted.save()
