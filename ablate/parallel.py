@@ -15,6 +15,7 @@ import contextlib
 import os
 import pickle
 import select
+import signal
 import struct
 import sys
 import tempfile
@@ -78,88 +79,140 @@ MAX_CHUNKS = 1024
 """Chunk numbers are written into a pipe before the fork, 4 bytes each: 4 KB, what any pipe holds (Linux shrinks a
 pipe to one page for a user past ``pipe-user-pages-soft``), so the write never blocks."""
 
-_NUMBER = struct.Struct("<I")
-_WAIT_S = 0.05
+_CHUNK_NUMBER = struct.Struct("<I")
+_WAIT_MS = 50
 """How often the parent, out of chunks, looks for a child that exited without sending back a chunk it took."""
 
 
 def fork_map(fn: Callable[[T], R], items: Sequence[T], processes: Optional[int] = None,
              min_share: int = 1, received: Optional[Callable[[T, R], R]] = None) -> list[R]:
-    """``[fn(item) for item in items]``. Inside ``forking()`` the items are cut into chunks of consecutive items
-    (``CHUNKS_PER_PROCESS``) that up to ``processes`` processes, this one included, each with at least ``min_share``
-    items, take one at a time until none is left. ``fn`` must not depend on state it changes (a child's changes are
-    lost) and its results must pickle. A result may be sent back lighter from a child (``in_forked_child``):
-    ``received(item, result)`` is then what this process makes of it, applied here to every result a child sent
-    back, between its own chunks."""
-    count = min(processes or usable_processes(), len(items) // max(1, min_share)) if _allowed else 1
-    if count < 2 or not hasattr(os, "fork"):
+    """``[fn(item) for item in items]``. Inside ``forking()`` up to ``processes`` processes, this one included, and
+    no more than one per ``min_share`` items, take chunks of consecutive items (``CHUNKS_PER_PROCESS``) one at a
+    time until none is left. ``fn`` must not depend on state it changes (a child's changes are lost) and its
+    results must pickle. A result may be sent back lighter from a child (``in_forked_child``): ``received(item,
+    result)`` is then what this process makes of it, applied here to every result a child sent back, between its
+    own chunks. When items fail, what the first failing item raises is raised, as in one process."""
+    num_processes = min(processes or usable_processes(), len(items) // max(1, min_share)) if _allowed else 1
+    if num_processes < 2 or not hasattr(os, "fork"):
         return [fn(item) for item in items]
-    size = -(-len(items) // min(MAX_CHUNKS, count * CHUNKS_PER_PROCESS))
-    chunks = [range(start, min(start + size, len(items))) for start in range(0, len(items), size)]
-    results: list[Optional[R]] = [None] * len(items)
-    pending = set(range(len(chunks)))  # chunks whose results are not in ``results`` yet
+    chunk_size = -(-len(items) // min(MAX_CHUNKS, num_processes * CHUNKS_PER_PROCESS))
+    chunks = [range(start, min(start + chunk_size, len(items))) for start in range(0, len(items), chunk_size)]
+    try:
+        shared = _Chunks(len(chunks))
+    except OSError:  # no temporary directory or no pipe left: this process computes everything, as on one CPU
+        return [fn(item) for item in items]
+    with shared:
+        return _Map(fn, items, chunks, received, shared).run(num_processes)
 
-    def compute(chunk: int) -> None:
-        for index in chunks[chunk]:
-            results[index] = fn(items[index])
-        pending.discard(chunk)
 
-    with _Chunks(len(chunks)) as shared:
-        children: dict[int, int] = {}
-        for number in range(1, count):
-            pid = _fork_child(fn, items, chunks, shared, number)
-            if pid is not None:
-                children[number] = pid
+class _Map:
+    """One ``fork_map`` call in the parent: its children, the results so far, the chunks still missing."""
+
+    def __init__(self, fn: Callable[[T], R], items: Sequence[T], chunks: list[range],
+                 received: Optional[Callable[[T, R], R]], shared: "_Chunks") -> None:
+        self.fn, self.items, self.chunks, self.received, self.shared = fn, items, chunks, received, shared
+        self.results: list[Any] = [None] * len(items)
+        self.pending = set(range(len(chunks)))
+        self.children: dict[int, int] = {}  # child number -> pid
+
+    def run(self, num_processes: int) -> list[Any]:
         try:
-            while (chunk := shared.take()) is not None:
-                compute(chunk)
-                _take_in(shared, chunks, items, results, pending, received, wait=False)
-            while children:  # the children finish the chunks they took; one that died leaves them to this process
-                _take_in(shared, chunks, items, results, pending, received, wait=True)
-                for number, pid in list(children.items()):
+            for number in range(1, num_processes):
+                pid = _fork_child(self.fn, self.items, self.chunks, self.shared, number)
+                if pid is not None:
+                    self.children[number] = pid
+            while (chunk := self.shared.take()) is not None:
+                self._compute(chunk)
+                self._take_in(wait=False)
+            while self.children:  # they finish the chunks they took; one that died leaves them to this process
+                self._take_in(wait=True)
+                for number, pid in list(self.children.items()):
                     if _exited(pid):
-                        del children[number]
-                        _take_in(shared, chunks, items, results, pending, received, wait=False)
-                        for chunk in sorted(shared.taken_by(number) & pending):
-                            compute(chunk)
-            for chunk in sorted(pending):  # none, unless a child could not be forked the moment it took one
-                compute(chunk)
+                        del self.children[number]
+                        self._take_in(wait=False)
+                        for chunk in sorted(self.shared.taken_by(number) & self.pending):
+                            self._compute(chunk)
+            for chunk in sorted(self.pending):  # taken by a child that died before it could write down taking it
+                self._compute(chunk)
         except BaseException:
-            _stop(children.values())  # none outlives the call, none is left a zombie
+            _stop(self.children.values())  # none outlives the call, none is left a zombie
             raise
-    return results  # type: ignore[return-value]
+        return self.results
+
+    def _compute(self, chunk: int) -> None:
+        try:
+            for index in self.chunks[chunk]:
+                self.results[index] = self.fn(self.items[index])
+        except Exception:
+            # One process raises at the first item that fails: the earlier chunks children took are computed here
+            # first, and what one of them raises is raised instead.
+            _stop(self.children.values())
+            self.children.clear()
+            self._take_in(wait=False)
+            for earlier in sorted(c for c in self.pending if c < chunk):
+                for index in self.chunks[earlier]:
+                    self.results[index] = self.fn(self.items[index])
+                self.pending.discard(earlier)
+            raise
+        self.pending.discard(chunk)
+
+    def _take_in(self, wait: bool) -> None:
+        for chunk in self.shared.ready(wait):
+            path = self.shared.result_path(chunk)
+            try:
+                with open(path, "rb") as handle:
+                    values = pickle.load(handle)
+                path.unlink()
+            except Exception:  # noqa: BLE001 - unreadable results: computed again here once their child has exited
+                continue
+            if chunk not in self.pending or not isinstance(values, list) or len(values) != len(self.chunks[chunk]):
+                continue
+            for index, value in zip(self.chunks[chunk], values):
+                self.results[index] = value if self.received is None else self.received(self.items[index], value)
+            self.pending.discard(chunk)
 
 
 class _Chunks:
     """What the processes of one ``fork_map`` share: the chunk numbers not yet taken (a pipe filled before the
     fork: a read of 4 bytes takes one, atomically), one results file per chunk a child computed, written whole or
-    not at all, a byte per such file on a second pipe to wake the parent, and each child's list of the chunks it
-    took, so that the chunk a child was computing when it died is computed again here."""
+    not at all, its number on a second pipe to wake the parent, and each child's list of the chunks it took, so
+    that the chunk a child was computing when it died is computed again here."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, num_chunks: int) -> None:
+        self._fds: list[int] = []
         self._tmp = tempfile.TemporaryDirectory(prefix="ablate-fork-")
-        self.directory = Path(self._tmp.name)
-        self._queue_r, queue_w = os.pipe()
         try:
-            os.write(queue_w, b"".join(_NUMBER.pack(chunk) for chunk in range(count)))
-        finally:
+            self._queue_r, queue_w = self._pipe()
+            os.write(queue_w, b"".join(_CHUNK_NUMBER.pack(chunk) for chunk in range(num_chunks)))
             os.close(queue_w)  # every reader sees the end once the numbers are taken
-        self._done_r, self.done_w = os.pipe()
+            self._fds.remove(queue_w)
+            self._done_r, self.done_w = self._pipe()
+        except BaseException:
+            self.__exit__()
+            raise
+        self.directory = Path(self._tmp.name)
         os.set_blocking(self._done_r, False)  # the parent drains it between chunks, never waiting there
-        self._seen: set[str] = set()
+        self._done = select.poll()  # not select.select: it refuses file descriptors past 1023
+        self._done.register(self._done_r, select.POLLIN)
+        self._unread = b""
+
+    def _pipe(self) -> tuple[int, int]:
+        read, write = os.pipe()
+        self._fds += [read, write]
+        return read, write
 
     def __enter__(self) -> "_Chunks":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for fd in (self._queue_r, self._done_r, self.done_w):
+        for fd in self._fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._tmp.cleanup()
 
     def take(self) -> Optional[int]:
-        data = os.read(self._queue_r, _NUMBER.size)
-        return _NUMBER.unpack(data)[0] if len(data) == _NUMBER.size else None
+        data = os.read(self._queue_r, _CHUNK_NUMBER.size)
+        return _CHUNK_NUMBER.unpack(data)[0] if len(data) == _CHUNK_NUMBER.size else None
 
     def result_path(self, chunk: int) -> Path:
         return self.directory / f"chunk-{chunk}.pickle"
@@ -172,38 +225,21 @@ class _Chunks:
             data = self.claims_path(number).read_bytes()
         except OSError:
             return set()
-        return {value for (value,) in _NUMBER.iter_unpack(data[:len(data) - len(data) % _NUMBER.size])}
+        return {value for (value,) in _CHUNK_NUMBER.iter_unpack(data[:len(data) - len(data) % _CHUNK_NUMBER.size])}
 
     def ready(self, wait: bool) -> list[int]:
-        """Chunks whose results file appeared since the last call; ``wait``: for up to ``_WAIT_S`` if none did."""
+        """Chunks whose results file a child finished since the last call; ``wait``: for up to ``_WAIT_MS`` if
+        none did."""
         if wait:
-            select.select([self._done_r], [], [], _WAIT_S)
+            self._done.poll(_WAIT_MS)
         try:
-            while os.read(self._done_r, 4096):
-                pass
+            while data := os.read(self._done_r, 4096):
+                self._unread += data
         except BlockingIOError:
             pass
-        found = []
-        for name in os.listdir(self.directory):
-            if name.endswith(".pickle") and name not in self._seen:
-                self._seen.add(name)
-                found.append(int(name[len("chunk-"):-len(".pickle")]))
-        return found
-
-
-def _take_in(shared: _Chunks, chunks: list[range], items: Sequence[T], results: list, pending: set[int],
-             received: Optional[Callable[[T, Any], Any]], wait: bool) -> None:
-    for chunk in shared.ready(wait):
-        try:
-            with open(shared.result_path(chunk), "rb") as handle:
-                values = pickle.load(handle)
-        except Exception:  # noqa: BLE001 - unreadable results: computed again here once their child has exited
-            continue
-        if chunk not in pending or not isinstance(values, list) or len(values) != len(chunks[chunk]):
-            continue
-        for index, value in zip(chunks[chunk], values):
-            results[index] = received(items[index], value) if received is not None else value
-        pending.discard(chunk)
+        whole = len(self._unread) - len(self._unread) % _CHUNK_NUMBER.size
+        numbers, self._unread = self._unread[:whole], self._unread[whole:]
+        return [value for (value,) in _CHUNK_NUMBER.iter_unpack(numbers)]
 
 
 def _fork_child(fn: Callable[[T], R], items: Sequence[T], chunks: list[range], shared: _Chunks,
@@ -213,26 +249,34 @@ def _fork_child(fn: Callable[[T], R], items: Sequence[T], chunks: list[range], s
             stream.flush()
         except (OSError, ValueError, AttributeError):
             pass
+    # Ctrl+C reaches the whole process group: held back across the fork, so that the child's KeyboardInterrupt is
+    # raised inside its own try (never unwinding into the parent's code, its exit handlers and its cleanup).
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         pid = os.fork()
     except OSError:  # no memory or process slots: the other processes take its chunks
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         return None
     if pid:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         return pid
     global _in_child
     _in_child = True
     code = 1
     try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        parent = os.getppid()
         claims = os.open(shared.claims_path(number), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        while (chunk := shared.take()) is not None:
-            os.write(claims, _NUMBER.pack(chunk))  # before computing it: a death from here on leaves it to the parent
+        # A child whose parent is gone stops: nobody would read what it computes.
+        while os.getppid() == parent and (chunk := shared.take()) is not None:
+            os.write(claims, _CHUNK_NUMBER.pack(chunk))  # before computing it: from here a death leaves it to the parent
             values = [fn(items[index]) for index in chunks[chunk]]
             path = shared.result_path(chunk)
             partial = path.with_suffix(".partial")
             with open(partial, "wb") as handle:
                 pickle.dump(values, handle, protocol=pickle.HIGHEST_PROTOCOL)
             partial.rename(path)  # complete or absent: a killed child never leaves half a result
-            os.write(shared.done_w, b".")
+            os.write(shared.done_w, _CHUNK_NUMBER.pack(chunk))  # 4 bytes: one atomic write on a pipe
         code = 0
     except BaseException:  # noqa: BLE001 - the parent computes the chunk again and raises what fn raises
         code = 1
@@ -249,8 +293,6 @@ def _exited(pid: int) -> bool:
 
 
 def _stop(children: Iterable[int]) -> None:
-    import signal
-
     for pid in children:
         try:
             os.kill(pid, signal.SIGKILL)

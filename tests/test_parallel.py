@@ -42,31 +42,59 @@ def _children() -> set[int]:
     return {child.pid for child in psutil.Process().children()}
 
 
-def _slow_in(pid: int, parent_s: float, child_s: float) -> Callable[[int], tuple[int, int]]:
+def _meeting(directory: Path, processes: int = 2) -> Callable[[], None]:
+    """Called first thing in ``fn``: each process's first call waits (30 s at most) until every process has made
+    its first, so each takes at least one chunk whatever the machine's load (no process waits for another's second
+    call, so none can wait forever)."""
+    directory.mkdir(exist_ok=True)
+
+    def meet() -> None:
+        mine = directory / str(os.getpid())
+        if mine.exists():
+            return
+        mine.touch()
+        deadline = time.monotonic() + 30
+        while len(list(directory.iterdir())) < processes and time.monotonic() < deadline:
+            time.sleep(0.001)
+    return meet
+
+
+def test_results_in_order_and_computed_in_two_processes(tmp_path: Path) -> None:
+    parent, before, meet = os.getpid(), _children(), _meeting(tmp_path)
+
     def fn(x: int) -> tuple[int, int]:
-        time.sleep(parent_s if os.getpid() == pid else child_s)
+        meet()
         return x * x, os.getpid()
-    return fn
 
-
-def test_results_in_order_and_computed_in_two_processes() -> None:
-    parent, before = os.getpid(), _children()
-    got = fork_map(_slow_in(parent, 0.005, 0.005), list(range(40)), processes=2)
+    got = fork_map(fn, list(range(40)), processes=2)
     assert [value for value, _ in got] == [x * x for x in range(40)]
     pids = {pid for _, pid in got}
     assert parent in pids and len(pids) == 2, "both processes took chunks"
     assert not (pids - {parent}) & _children() and _children() <= before, "the child was reaped"
 
 
-def test_a_slower_process_takes_fewer_items() -> None:
-    """Chunks are taken one at a time: where the parent runs 10x slower (it also takes in what the children send
-    back; its CPU may be shared), the child computes most of the items. Fixed halves made the CPU that finished
-    first wait for the other."""
-    parent = os.getpid()
-    got = fork_map(_slow_in(parent, 0.02, 0.002), list(range(256)), processes=2)
+def test_a_process_held_up_takes_fewer_items(tmp_path: Path) -> None:
+    """Chunks are taken one at a time: a process held up (the parent taking in what the children send back; a CPU
+    shared with another job) computes fewer items. Here the parent's first item waits until the child has computed
+    all but one chunk's worth, so the parent computes that one chunk (4 items of 256), where fixed halves gave it
+    128 whatever the child did."""
+    parent, log = os.getpid(), tmp_path / "by-child"
+
+    def fn(x: int) -> tuple[int, int]:
+        if os.getpid() != parent:
+            with open(log, "a") as handle:
+                handle.write(f"{x}\n")
+        elif not fn.waited:  # type: ignore[attr-defined]
+            fn.waited = True  # type: ignore[attr-defined]
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and (not log.exists() or len(log.read_text().split()) < 252):
+                time.sleep(0.005)
+        return x * x, os.getpid()
+
+    fn.waited = False  # type: ignore[attr-defined]
+    got = fork_map(fn, list(range(256)), processes=2)
     assert [value for value, _ in got] == [x * x for x in range(256)]
-    in_parent = sum(pid == parent for _, pid in got)
-    assert 0 < in_parent < 256 // 4, f"the parent computed {in_parent} of 256 items"
+    assert sum(pid == parent for _, pid in got) == 4, "the parent computed the one chunk it took"
 
 
 def test_every_item_is_computed_exactly_once(tmp_path: Path) -> None:
@@ -82,16 +110,16 @@ def test_every_item_is_computed_exactly_once(tmp_path: Path) -> None:
     assert sorted(int(line) for line in log.read_text().split()) == list(range(300))
 
 
-def test_received_turns_what_a_child_sent_back_into_the_result_here() -> None:
-    parent = os.getpid()
+def test_received_turns_what_a_child_sent_back_into_the_result_here(tmp_path: Path) -> None:
+    parent, meet = os.getpid(), _meeting(tmp_path)
 
     def fn(x: int) -> tuple[str, int]:
-        time.sleep(0.002)
+        meet()
         return ("light" if parallel.in_forked_child() else "full"), x
 
     def received(item: int, value: tuple[str, int]) -> tuple[str, int]:
-        assert os.getpid() == parent and value[1] == item
-        return "rebuilt", value[1]
+        assert os.getpid() == parent and value == ("light", item)
+        return "rebuilt", item
 
     got = fork_map(fn, list(range(200)), processes=2, received=received)
     assert [x for _, x in got] == list(range(200))
@@ -119,7 +147,8 @@ def test_a_bad_process_count_names_the_variable_the_value_and_what_is_allowed(
         fork_map(str, range(4))
 
 
-def test_a_child_that_dies_or_raises_costs_time_never_a_result() -> None:
+def test_a_child_that_dies_or_raises_costs_time_never_a_result(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     parent, before = os.getpid(), _children()
 
     def dies_in_child(x: int) -> int:
@@ -136,21 +165,41 @@ def test_a_child_that_dies_or_raises_costs_time_never_a_result() -> None:
 
     assert fork_map(raises_in_child, list(range(9)), processes=2) == [-x for x in range(9)]
 
-    def dies_on_its_third_chunk(x: int) -> int:
-        if os.getpid() != parent:
-            dies_on_its_third_chunk.calls += 1  # type: ignore[attr-defined]
-            if dies_on_its_third_chunk.calls == 3:  # type: ignore[attr-defined]
-                os._exit(9)  # two chunks sent back, the third taken and lost
-        time.sleep(0.002)
-        return x * 3
+    calls = tmp_path / "child-calls"
 
-    dies_on_its_third_chunk.calls = 0  # type: ignore[attr-defined]
-    assert fork_map(dies_on_its_third_chunk, list(range(100)), processes=2) == [x * 3 for x in range(100)]
+    def dies_after_two_chunks(x: int) -> tuple[int, int]:  # 100 items: chunks of 2
+        if os.getpid() != parent:
+            with open(calls, "a") as handle:
+                handle.write(f"{x}\n")
+            if len(calls.read_text().split()) == 5:  # the first item of its third chunk: taken, never sent back
+                os._exit(9)
+        elif not dies_after_two_chunks.waited:  # type: ignore[attr-defined]
+            dies_after_two_chunks.waited = True  # type: ignore[attr-defined]
+            deadline = time.monotonic() + 30  # the parent's first item: until the child is at its fifth
+            while time.monotonic() < deadline and (not calls.exists() or len(calls.read_text().split()) < 5):
+                time.sleep(0.002)
+        return x * 3, os.getpid()
+
+    dies_after_two_chunks.waited = False  # type: ignore[attr-defined]
+    got = fork_map(dies_after_two_chunks, list(range(100)), processes=2)
+    assert [value for value, _ in got] == [x * 3 for x in range(100)]
+    assert sum(pid != parent for _, pid in got) == 4, "the child's two chunks were taken in before it died"
 
     def cannot_be_sent_back(x: int) -> Callable[[], int]:
         return lambda: x  # a lambda does not pickle: the child's results never reach the parent
 
     assert [f() for f in fork_map(cannot_be_sent_back, list(range(9)), processes=2)] == list(range(9))
+
+    real_take = parallel._Chunks.take
+
+    def dies_once_it_took_one(self: parallel._Chunks) -> object:
+        chunk = real_take(self)
+        if os.getpid() != parent:
+            os._exit(9)  # after taking a chunk, before writing down that it did
+        return chunk
+
+    monkeypatch.setattr(parallel._Chunks, "take", dies_once_it_took_one)
+    assert fork_map(lambda x: x - 1, list(range(64)), processes=3) == [x - 1 for x in range(64)]
     assert _children() <= before
 
 
@@ -163,9 +212,27 @@ def test_what_fn_raises_reaches_the_caller_and_no_child_is_left() -> None:
         return x
 
     with pytest.raises(KeyError, match="three"):
-        fork_map(fails_on_three, list(range(8)), processes=2)  # 3 in a child's chunk: computed again here, raised
+        fork_map(fails_on_three, list(range(8)), processes=2)  # in either process's chunk: raised here
     with pytest.raises(KeyError, match="three"):
-        fork_map(fails_on_three, [3] + list(range(4, 20)), processes=2)  # the parent's first chunk
+        fork_map(fails_on_three, [3] + list(range(4, 20)), processes=2)  # the first chunk
+    assert _children() <= before
+
+
+def test_of_two_failing_items_the_first_ones_error_is_raised() -> None:
+    """As in one process, whichever process reaches which item first: the chunk of 11 is taken before the chunk
+    of 40, so a process failing at 40 computes the earlier chunks still missing before it raises."""
+    before = _children()
+
+    def fails_twice(x: int) -> int:
+        if x == 11:
+            raise KeyError("eleven")
+        if x == 40:
+            raise ValueError("forty")
+        return x
+
+    for _ in range(3):
+        with pytest.raises(KeyError, match="eleven"):
+            fork_map(fails_twice, list(range(64)), processes=2)
     assert _children() <= before
 
 
@@ -216,11 +283,13 @@ def _calls_by_kind(log: Path) -> dict[str, list[int]]:
     return kinds
 
 
-def _logging(log: Path, kind: str, fn, pause_s: float = 0.0):
+def _logging(log: Path, kind: str, fn):
+    meet = _meeting(log.parent / f"meet-{kind}")  # the child takes a chunk before the parent has taken them all
+
     def logged(*args, **kwargs):
         with open(log, "a") as handle:
             handle.write(f"{kind} {os.getpid()}\n")
-        time.sleep(pause_s)  # long enough for the child to take chunks before the parent has taken them all
+        meet()
         return fn(*args, **kwargs)
     return logged
 
@@ -235,7 +304,7 @@ def test_promotion_report_is_the_same_with_and_without_forking(tmp_path: Path,
     monkeypatch.setattr(engine, "ANALYSE_MIN_SHARE", 1)
     monkeypatch.setattr(match, "MATCH_MIN_SHARE", 1)
     monkeypatch.setattr(engine, "analyse", _logging(log, "analyse", engine.analyse))
-    monkeypatch.setattr(match, "_matched", _logging(log, "match", match._matched, pause_s=0.005))
+    monkeypatch.setattr(match, "_matched", _logging(log, "match", match._matched))
     monkeypatch.setenv(parallel.PROCESSES_ENV, "2")
     forked = promote(receipts, policy_path=policy, defaults_path=defaults)
     forked_calls = _calls_by_kind(log)
@@ -269,7 +338,7 @@ def test_bulk_read_is_the_same_with_and_without_forking(tmp_path: Path, monkeypa
     client.client.set_tag(runs[receipts[8].identity.receipt_id], payload.PAYLOAD_TAG + "0", "not base64 !")
 
     log = tmp_path / "calls"
-    monkeypatch.setattr(bulk_read, "_check_result", _logging(log, "check", bulk_read._check_result, pause_s=0.01))
+    monkeypatch.setattr(bulk_read, "_check_result", _logging(log, "check", bulk_read._check_result))
     monkeypatch.setattr(bulk_read, "PARALLEL_MIN_SHARE", 1)
     monkeypatch.setenv(parallel.PROCESSES_ENV, "2")
     monkeypatch.setenv(accepted.CACHE_ENV, accepted.OFF)  # every payload checked, both times

@@ -215,8 +215,16 @@ def test_payloads_checked_in_forked_children_are_remembered_too(store, monkeypat
         from_children.append((item[0].data.tags["ablate.receipt_id"], result[0] is None and result[2]))
         return real(item, result)
 
-    def paced(item):
-        time.sleep(0.01)  # long enough for the child to take chunks before the parent has taken them all
+    met = tmp_path / "met"
+    met.mkdir()
+
+    def paced(item):  # each process's first check waits for the other's: the child takes some of the chunks
+        mine = met / str(os.getpid())
+        if not mine.exists():
+            mine.touch()
+            deadline = time.monotonic() + 30
+            while len(list(met.iterdir())) < 2 and time.monotonic() < deadline:
+                time.sleep(0.001)
         return check(item)
 
     monkeypatch.setattr(bulk_read, "_rebuilt", recording)
