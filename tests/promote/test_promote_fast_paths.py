@@ -9,6 +9,8 @@
 - ``schema.validate_decoded`` (the figure checks read a payload that is the receipt's own JSON instead of a dump of
   the model, and skip the walk for NaN there) accepts and refuses exactly as ``validate_receipt``, with the same
   reason, whatever number is edited in, as a model value or as text;
+- ``bulk_read._parsed`` (a payload that is its model's own JSON decoded by orjson) accepts, refuses and says
+  "own JSON" exactly as ``json.loads`` and the checks did, on own JSON, other spellings and odd JSON text;
 - ``report._json_ready`` (the report's JSON data in one pass) gives what ``dataclasses.asdict`` followed by the
   walk that made inf and NaN null gave, on any tree of dataclasses, dicts, lists, tuples and scalars.
 """
@@ -405,3 +407,98 @@ def test_own_json_holds_no_token_that_decodes_to_nan_or_infinity() -> None:
 
 def _floats(node: Any) -> list[float]:
     return [v for v in _reference_numbers(node) if isinstance(v, float)]
+
+
+def _reference_parsed(source: bytes) -> tuple[str, Any, Any]:
+    """What ``bulk_read._parsed`` gave before orjson: ``json.loads``, the checks, the digest."""
+    from ablate.receipts.store import digest_problem
+
+    try:
+        raw = json.loads(source)
+        receipt, own = schema.validate_decoded(raw, source)
+        problem = digest_problem(raw)
+        if problem:
+            raise schema.InvalidReceipt(problem)
+    except Exception as exc:  # noqa: BLE001 - the type and message are what is compared
+        return "refused", type(exc).__name__, str(exc)
+    return "ok", receipt.model_dump_json(), own
+
+
+def _parsed_outcome(source: bytes) -> tuple[str, Any, Any]:
+    from ablate.tracking import bulk_read
+
+    try:
+        receipt, own = bulk_read._parsed(source)
+    except Exception as exc:  # noqa: BLE001
+        return "refused", type(exc).__name__, str(exc)
+    return "ok", receipt.model_dump_json(), own
+
+
+def _odd(source: bytes, how: str) -> bytes:
+    """``source`` (a model's own JSON) made into text where orjson and json.loads may read differently."""
+    text = source.decode()
+    if how == "duplicate key":  # json.loads keeps the last
+        return (text[:-1] + ',"schema_version":"9.0.0"}').encode()
+    if how == "duplicate key, same value":
+        return ('{"schema_version":' + json.dumps(json.loads(text)["schema_version"]) + "," + text[1:]).encode()
+    if how == "byte-order mark":
+        return b"\xef\xbb\xbf" + source
+    if how == "lone surrogate":
+        return text.replace('"host":"', '"host":"\\ud800', 1).encode()
+    if how == "escaped ascii":
+        return text.replace('"host":"', '"host":"\\u0068', 1).encode()
+    if how == "raw non-ascii":
+        return text.replace('"host":"', '"host":"h\u00e9\u2603', 1).encode()
+    if how == "control character":
+        return text.replace('"host":"', '"host":"\x01', 1).encode()
+    if how == "huge exponent":
+        return text.replace('"tokens":', '"tokens":1e400,"x":', 1).encode()
+    if how == "huge integer":
+        return text.replace('"schema_version":', '"y":' + "9" * 40 + ',"schema_version":', 1).encode()
+    if how == "spaces":
+        return json.dumps(json.loads(text)).encode()
+    if how == "edited, digest kept":
+        return text.replace('"loss_final":', '"loss_final":0.001,"z":', 1).encode()
+    raise AssertionError(how)
+
+
+_ODD = ["duplicate key", "duplicate key, same value", "byte-order mark", "lone surrogate", "escaped ascii",
+        "raw non-ascii", "control character", "huge exponent", "huge integer", "spaces", "edited, digest kept"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_orjson_reading_of_own_json_changes_no_verdict_and_no_reason(data: Any) -> None:
+    receipt = _receipts()[data.draw(st.integers(0, 3))]
+    own = json.loads(receipt.model_dump_json())
+    edited = json.loads(json.dumps(own))
+    if data.draw(st.booleans(), label="edit a number"):
+        _set(edited, data.draw(st.sampled_from(_number_paths(own)), label="path"), data.draw(_EDITS, label="value"))
+    host = data.draw(st.text(max_size=6), label="host")  # any code point, control characters included
+    edited["identity"]["host"] = host
+    try:
+        sealed = seal(schema.Receipt.model_validate(edited).model_copy(update={"digest": None}))
+        if data.draw(st.booleans(), label="edited after sealing"):  # its own JSON, and a digest that fails
+            sealed = sealed.model_copy(update={"identity": sealed.identity.model_copy(update={"host": host + "x"})})
+        source = sealed.model_dump_json().encode()
+    except Exception:  # noqa: BLE001 - a value no model holds, or a string UTF-8 cannot encode: as a writer's text
+        source = json.dumps(edited, separators=(",", ":")).encode()
+    how = data.draw(st.sampled_from([None, *_ODD]), label="odd")
+    if how is not None:
+        source = _odd(source, how)
+    assert _parsed_outcome(source) == _reference_parsed(source)
+
+
+def test_real_payloads_are_read_by_orjson_and_odd_text_by_json_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ablate.tracking import bulk_read
+
+    read: list[bytes] = []
+    real = bulk_read.orjson.loads
+    monkeypatch.setattr(bulk_read.orjson, "loads", lambda source: read.append(source) or real(source))
+    source = _receipts()[0].model_dump_json().encode()
+    assert _parsed_outcome(source) == _reference_parsed(source) and _parsed_outcome(source)[2] is True
+    assert read == [source, source], "the model's own JSON took the orjson path, once per call"
+    for how in _ODD:
+        odd = _odd(source, how)
+        assert _parsed_outcome(odd) == _reference_parsed(odd), how
+        assert _parsed_outcome(odd)[2] is not True, f"{how}: never the model's own JSON"
