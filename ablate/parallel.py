@@ -20,7 +20,7 @@ import struct
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -117,25 +117,25 @@ class _Map:
 
     def run(self, num_processes: int) -> list[Any]:
         try:
+            parent = os.getpid()
             for number in range(1, num_processes):
-                pid = _fork_child(self.fn, self.items, self.chunks, self.shared, number)
-                if pid is not None:
-                    self.children[number] = pid
+                with _sigint_held() as mask:  # a Ctrl+C during the fork finds the child's pid already recorded
+                    pid = _fork_child(self.fn, self.items, self.chunks, self.shared, number, parent, mask)
+                    if pid is not None:
+                        self.children[number] = pid
             while (chunk := self.shared.take()) is not None:
                 self._compute(chunk)
                 self._take_in(wait=False)
             while self.children:  # they finish the chunks they took; one that died leaves them to this process
                 self._take_in(wait=True)
-                for number, pid in list(self.children.items()):
-                    if _exited(pid):
-                        del self.children[number]
-                        self._take_in(wait=False)
-                        for chunk in sorted(self.shared.taken_by(number) & self.pending):
-                            self._compute(chunk)
+                for number in _reap_exited(self.children):
+                    self._take_in(wait=False)
+                    for chunk in sorted(self.shared.taken_by(number) & self.pending):
+                        self._compute(chunk)
             for chunk in sorted(self.pending):  # taken by a child that died before it could write down taking it
                 self._compute(chunk)
         except BaseException:
-            _stop(self.children.values())  # none outlives the call, none is left a zombie
+            _stop(self.children)  # none outlives the call, none is left a zombie
             raise
         return self.results
 
@@ -143,18 +143,20 @@ class _Map:
         try:
             for index in self.chunks[chunk]:
                 self.results[index] = self.fn(self.items[index])
-        except Exception:
-            # One process raises at the first item that fails: the earlier chunks children took are computed here
-            # first, and what one of them raises is raised instead.
-            _stop(self.children.values())
-            self.children.clear()
-            self._take_in(wait=False)
-            for earlier in sorted(c for c in self.pending if c < chunk):
-                for index in self.chunks[earlier]:
-                    self.results[index] = self.fn(self.items[index])
-                self.pending.discard(earlier)
-            raise
-        self.pending.discard(chunk)
+        except Exception as exc:  # noqa: BLE001 - raised below, once the earlier chunks are known to pass
+            failure = exc
+        else:
+            self.pending.discard(chunk)
+            return
+        # One process raises at the first item that fails: the earlier chunks children took are computed here
+        # first, and what one of them raises is raised instead (outside the except block: not chained to this one).
+        _stop(self.children)
+        self._take_in(wait=False)
+        for earlier in sorted(c for c in self.pending if c < chunk):
+            for index in self.chunks[earlier]:
+                self.results[index] = self.fn(self.items[index])
+            self.pending.discard(earlier)
+        raise failure
 
     def _take_in(self, wait: bool) -> None:
         for chunk in self.shared.ready(wait):
@@ -184,8 +186,8 @@ class _Chunks:
         try:
             self._queue_r, queue_w = self._pipe()
             os.write(queue_w, b"".join(_CHUNK_NUMBER.pack(chunk) for chunk in range(num_chunks)))
+            self._fds.remove(queue_w)  # before closing: a number closed twice may by then be another file's
             os.close(queue_w)  # every reader sees the end once the numbers are taken
-            self._fds.remove(queue_w)
             self._done_r, self.done_w = self._pipe()
         except BaseException:
             self.__exit__()
@@ -242,30 +244,39 @@ class _Chunks:
         return [value for (value,) in _CHUNK_NUMBER.iter_unpack(numbers)]
 
 
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[set]:
+    """Ctrl+C (SIGINT, sent to the whole process group) held back for the block, which gets the signal mask it
+    replaced: it is raised once the block has recorded what it forked or reaped, never between a fork or a wait
+    and that record."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield mask
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 def _fork_child(fn: Callable[[T], R], items: Sequence[T], chunks: list[range], shared: _Chunks,
-                number: int) -> Optional[int]:
+                number: int, parent: int, mask: set) -> Optional[int]:
+    """The child's pid (None when it could not be forked); the child itself never returns. Called with SIGINT
+    held (``_sigint_held``): the child's KeyboardInterrupt is raised inside its own try, never unwinding into the
+    parent's code, its exit handlers and its cleanup."""
     for stream in (sys.stdout, sys.stderr):  # else a child's exit could repeat what the parent buffered
         try:
             stream.flush()
         except (OSError, ValueError, AttributeError):
             pass
-    # Ctrl+C reaches the whole process group: held back across the fork, so that the child's KeyboardInterrupt is
-    # raised inside its own try (never unwinding into the parent's code, its exit handlers and its cleanup).
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         pid = os.fork()
     except OSError:  # no memory or process slots: the other processes take its chunks
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         return None
     if pid:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         return pid
     global _in_child
     _in_child = True
     code = 1
     try:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        parent = os.getppid()
         claims = os.open(shared.claims_path(number), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         # A child whose parent is gone stops: nobody would read what it computes.
         while os.getppid() == parent and (chunk := shared.take()) is not None:
@@ -284,18 +295,28 @@ def _fork_child(fn: Callable[[T], R], items: Sequence[T], chunks: list[range], s
         os._exit(code)
 
 
-def _exited(pid: int) -> bool:
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        return True
-    return done != 0
+def _reap_exited(children: dict[int, int]) -> list[int]:
+    """The numbers of the children (number -> pid) that exited, reaped and removed from ``children``."""
+    exited = []
+    with _sigint_held():  # a pid reaped is never left in ``children`` to be killed later, when it may be reused
+        for number, pid in list(children.items()):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done = pid
+            if done:
+                del children[number]
+                exited.append(number)
+    return exited
 
 
-def _stop(children: Iterable[int]) -> None:
-    for pid in children:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
+def _stop(children: dict[int, int]) -> None:
+    """Kill and reap every child in ``children`` (number -> pid), removing each as it is reaped."""
+    with _sigint_held():
+        for number, pid in list(children.items()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+            del children[number]

@@ -218,7 +218,7 @@ def test_what_fn_raises_reaches_the_caller_and_no_child_is_left() -> None:
     assert _children() <= before
 
 
-def test_of_two_failing_items_the_first_ones_error_is_raised() -> None:
+def test_of_two_failing_items_the_first_ones_error_is_raised(tmp_path: Path) -> None:
     """As in one process, whichever process reaches which item first: the chunk of 11 is taken before the chunk
     of 40, so a process failing at 40 computes the earlier chunks still missing before it raises."""
     before = _children()
@@ -231,9 +231,43 @@ def test_of_two_failing_items_the_first_ones_error_is_raised() -> None:
         return x
 
     for _ in range(3):
-        with pytest.raises(KeyError, match="eleven"):
+        with pytest.raises(KeyError, match="eleven") as raised:
             fork_map(fails_twice, list(range(64)), processes=2)
+        assert raised.value.__context__ is None, "not raised while handling the later item's error"
+
+    parent, marker = os.getpid(), tmp_path / "child-failed"
+
+    def child_fails_first(x: int) -> int:  # the child takes the chunk of 11; the parent then fails at 40
+        if os.getpid() != parent and x == 11:
+            marker.touch()
+        elif os.getpid() == parent and not marker.exists():
+            deadline = time.monotonic() + 30
+            while not marker.exists() and time.monotonic() < deadline:
+                time.sleep(0.002)
+        return fails_twice(x)
+
+    with pytest.raises(KeyError, match="eleven") as raised:
+        fork_map(child_fails_first, list(range(64)), processes=2)
+    assert raised.value.__context__ is None, "computed again here after 40 failed, not raised while handling it"
     assert _children() <= before
+
+
+def test_ctrl_c_during_a_fork_leaves_no_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGINT arriving while the parent forks (here: sent just before) is raised once the child is recorded, so
+    the child is killed and reaped, not left computing or as a zombie; the child never raises it in the parent's
+    code."""
+    import signal
+
+    before, real_fork = _children(), os.fork
+
+    def interrupted_fork() -> int:
+        os.kill(os.getpid(), signal.SIGINT)
+        return real_fork()
+
+    monkeypatch.setattr(parallel.os, "fork", interrupted_fork)
+    with pytest.raises(KeyboardInterrupt):
+        fork_map(lambda x: time.sleep(0.01) or x, list(range(40)), processes=3)
+    assert _children() <= before, "every forked child was killed and reaped"
 
 
 def test_a_raise_while_recomputing_a_share_leaves_no_later_child_behind() -> None:

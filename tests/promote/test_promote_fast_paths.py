@@ -345,8 +345,8 @@ def _outcome(check: Any) -> tuple[str, Any]:
         return "refused", str(exc)
 
 
-_EDITS = st.sampled_from([-1, -0.5, -1e-9, 0, -0.0, 2.5, 10**30, True, False, float("nan"), float("inf"),
-                          float("-inf"), 1e308])
+_EDITS = st.sampled_from([-1, -0.5, -1e-9, 0, -0.0, 2.5, 10**30, 2**63, 2**64, 10**22, True, False, float("nan"),
+                          float("inf"), float("-inf"), 1e308, 1e-05, 5e-324])
 
 
 @settings(max_examples=120, deadline=None)
@@ -445,16 +445,28 @@ def _odd(source: bytes, how: str) -> bytes:
         return b"\xef\xbb\xbf" + source
     if how == "lone surrogate":
         return text.replace('"host":"', '"host":"\\ud800', 1).encode()
-    if how == "escaped ascii":
-        return text.replace('"host":"', '"host":"\\u0068', 1).encode()
+    if how == "escaped ascii":  # the host's first character spelled as an escape
+        host = json.loads(text)["identity"]["host"]
+        if not host:
+            return source
+        return text.replace('"host":' + json.dumps(host), '"host":"\\u%04x' % ord(host[0]) + json.dumps(host)[2:],
+                            1).encode()
     if how == "raw non-ascii":
         return text.replace('"host":"', '"host":"h\u00e9\u2603', 1).encode()
     if how == "control character":
         return text.replace('"host":"', '"host":"\x01', 1).encode()
-    if how == "huge exponent":
-        return text.replace('"tokens":', '"tokens":1e400,"x":', 1).encode()
-    if how == "huge integer":
-        return text.replace('"schema_version":', '"y":' + "9" * 40 + ',"schema_version":', 1).encode()
+    if how in ("huge exponent", "huge integer", "2**64 in the lane", "1e22 in a float"):
+        raw = json.loads(text)
+        if how == "1e22 in a float":
+            raw["time"]["wall_s"] = 10**22
+        else:
+            raw["requested"]["lane"]["odd"] = {"huge exponent": "1e400", "huge integer": "9" * 40}.get(how, 2**64)
+        digest = raw.pop("digest", None)
+        from ablate.receipts.store import content_digest
+
+        raw["digest"] = content_digest(raw) if digest is not None else None  # re-sealed: only the reading differs
+        body = json.dumps(raw, separators=(",", ":"), ensure_ascii=False)
+        return body.replace('"1e400"', "1e400").replace('"' + "9" * 40 + '"', "9" * 40).encode()
     if how == "spaces":
         return json.dumps(json.loads(text)).encode()
     if how == "edited, digest kept":
@@ -463,7 +475,8 @@ def _odd(source: bytes, how: str) -> bytes:
 
 
 _ODD = ["duplicate key", "duplicate key, same value", "byte-order mark", "lone surrogate", "escaped ascii",
-        "raw non-ascii", "control character", "huge exponent", "huge integer", "spaces", "edited, digest kept"]
+        "raw non-ascii", "control character", "huge exponent", "huge integer", "2**64 in the lane", "1e22 in a float",
+        "spaces", "edited, digest kept"]
 
 
 @settings(max_examples=150, deadline=None)
@@ -498,6 +511,7 @@ def test_real_payloads_are_read_by_orjson_and_odd_text_by_json_loads(monkeypatch
     source = _receipts()[0].model_dump_json().encode()
     assert _parsed_outcome(source) == _reference_parsed(source) and _parsed_outcome(source)[2] is True
     assert read == [source, source], "the model's own JSON took the orjson path, once per call"
+    assert bulk_read._own_json_receipt(source) is not None, "and its reading was the one used"
     for how in _ODD:
         odd = _odd(source, how)
         assert _parsed_outcome(odd) == _reference_parsed(odd), how
