@@ -31,6 +31,15 @@ PROCESSES_ENV = "ABLATE_PROCESSES"
 
 _allowed = False
 _in_child = False
+_meanwhile: list[Callable[[], object]] = []
+
+
+def while_children_work(task: Callable[[], object]) -> None:
+    """Have this process run ``task`` once, while the next ``fork_map`` that forks has children at work (they take
+    the chunks it would have taken meanwhile), instead of on its own later: for work the caller does anyway, such
+    as an import its later steps need. If no ``fork_map`` forks, the task never runs here, and the later steps do
+    that work themselves; what the task raises is dropped, and raised again there."""
+    _meanwhile.append(task)
 
 
 def in_forked_child() -> bool:
@@ -123,6 +132,11 @@ class _Map:
                     pid = _fork_child(self.fn, self.items, self.chunks, self.shared, number, parent, mask)
                     if pid is not None:
                         self.children[number] = pid
+            while self.children and _meanwhile:
+                try:
+                    _meanwhile.pop(0)()
+                except Exception:  # noqa: BLE001 - the caller's later steps do that work, and raise what it raises
+                    pass
             while (chunk := self.shared.take()) is not None:
                 self._compute(chunk)
                 self._take_in(wait=False)

@@ -369,3 +369,26 @@ def test_only_the_installed_command_keeps_what_a_command_read_until_the_exit(tmp
         sys.argv = argv
     assert exited.value.code == 0 and cli._exit_keeps is None
     cli._exit_now("not a number")  # returns: SystemExit prints the text and exits 1
+
+
+def test_promote_leaves_the_collector_off_to_the_exit_only_in_the_installed_command(tmp_path: Path) -> None:
+    """The rule's and the report's objects live until exit: the installed command skips the collector's passes
+    over them (it exits without a collection); a promotion run in process gives the collector back on return."""
+    import gc
+
+    from typer.testing import CliRunner
+
+    from ablate import cli
+
+    args = ["promote", "--source", str(SMOKE_RECEIPTS), "--policy", "search_spaces/policies/single_node.yaml",
+            "--out", str(tmp_path / "in-process")]
+    assert gc.isenabled()
+    out = CliRunner().invoke(cli.app, args)
+    assert out.exit_code == 0, out.output
+    assert gc.isenabled(), "back on for the code that ran the command"
+    probe = ("import atexit, gc, sys\nfrom ablate import cli\n"
+             "atexit.register(lambda: print('collector on at exit:', gc.isenabled()))\n"
+             f"sys.argv = ['ablate', *{args[:-1] + [str(tmp_path / 'installed')]!r}]\ncli.entry()\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "collector on at exit: False" in done.stdout

@@ -126,6 +126,39 @@ def test_received_turns_what_a_child_sent_back_into_the_result_here(tmp_path: Pa
     assert {kind for kind, _ in got} == {"full", "rebuilt"}, "the parent's own results are not passed to received"
 
 
+def test_work_for_meanwhile_runs_once_in_the_parent_while_children_compute(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(parallel, "_meanwhile", [])
+    parent, ran, marker = os.getpid(), [], tmp_path / "task-done"
+
+    def task() -> None:  # the children take chunks while it runs: it ends only once the child has taken 20
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(list(tmp_path.glob("item-*"))) < 20:
+            time.sleep(0.002)
+        ran.append(os.getpid())
+        marker.touch()
+
+    def fn(x: int) -> tuple[int, int, bool]:
+        if os.getpid() != parent:
+            (tmp_path / f"item-{x}").touch()
+        return x, os.getpid(), marker.exists()
+
+    def fails() -> None:
+        raise ImportError("a preload that fails is the later steps' to raise")
+
+    parallel.while_children_work(fails)
+    parallel.while_children_work(task)
+    got = fork_map(fn, list(range(64)), processes=2)
+    assert [x for x, _, _ in got] == list(range(64)) and ran == [parent]
+    assert all(done for _, pid, done in got if pid == parent), "the parent took chunks only once the task was done"
+    assert sum(pid != parent for _, pid, _ in got) >= 20
+    fork_map(fn, list(range(64)), processes=2)
+    assert ran == [parent], "a task runs once"
+    parallel.while_children_work(task)
+    fork_map(fn, list(range(64)), processes=1)
+    assert ran == [parent], "no fork: the task does not run"
+
+
 def test_one_process_and_small_inputs_fork_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     parent = os.getpid()
     with parallel.forking():
