@@ -37,9 +37,12 @@ _meanwhile: list[Callable[[], object]] = []
 def while_children_work(task: Callable[[], object]) -> None:
     """Have this process run ``task`` once, while the next ``fork_map`` that forks has children at work (they take
     the chunks it would have taken meanwhile), instead of on its own later: for work the caller does anyway, such
-    as an import its later steps need. If no ``fork_map`` forks, the task never runs here, and the later steps do
-    that work themselves; what the task raises is dropped, and raised again there."""
-    _meanwhile.append(task)
+    as an import its later steps need. Only inside ``forking()``, and dropped when the outermost such block ends:
+    if no ``fork_map`` forks there, the task never runs, and the later steps do that work themselves; what it
+    raises is dropped, and raised again there. A task must not call ``fork_map`` or start threads (the next fork
+    would copy them mid-work)."""
+    if _allowed:
+        _meanwhile.append(task)
 
 
 def in_forked_child() -> bool:
@@ -59,6 +62,8 @@ def forking() -> Iterator[None]:
         yield
     finally:
         _allowed = before
+        if not before:  # the command is over: what it left for its children's time is not another's to run
+            _meanwhile.clear()
 
 
 def usable_processes() -> int:

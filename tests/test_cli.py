@@ -378,14 +378,18 @@ def test_promote_leaves_the_collector_off_to_the_exit_only_in_the_installed_comm
 
     from typer.testing import CliRunner
 
-    from ablate import cli
+    from ablate import cli, parallel
 
     args = ["promote", "--source", str(SMOKE_RECEIPTS), "--policy", "search_spaces/policies/single_node.yaml",
             "--out", str(tmp_path / "in-process")]
     assert gc.isenabled()
-    out = CliRunner().invoke(cli.app, args)
-    assert out.exit_code == 0, out.output
-    assert gc.isenabled(), "back on for the code that ran the command"
+    try:
+        out = CliRunner().invoke(cli.app, args)
+        assert out.exit_code == 0, out.output
+        assert gc.isenabled(), "back on for the code that ran the command"
+        assert not parallel._meanwhile, "what the command left for its children's time ended with it"
+    finally:
+        gc.enable()
     probe = ("import atexit, gc, sys\nfrom ablate import cli\n"
              "atexit.register(lambda: print('collector on at exit:', gc.isenabled()))\n"
              f"sys.argv = ['ablate', *{args[:-1] + [str(tmp_path / 'installed')]!r}]\ncli.entry()\n")

@@ -8,6 +8,7 @@ store holding damaged payloads (same receipts, same rejects, same reasons).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -33,6 +34,18 @@ REPO = Path(__file__).resolve().parents[1]
 def forking() -> Iterator[None]:
     with parallel.forking():
         yield
+    assert not parallel._meanwhile, "the outermost forking() block dropped what was left for children's time"
+
+
+@contextlib.contextmanager
+def _not_forking() -> Iterator[None]:
+    # Not monkeypatch: conftest's autouse fixture sets monkeypatch up before this module's forking(), so its undo
+    # would run last and leave forking allowed for every later test in the process.
+    before, parallel._allowed = parallel._allowed, False
+    try:
+        yield
+    finally:
+        parallel._allowed = before
 
 
 def _children() -> set[int]:
@@ -157,6 +170,9 @@ def test_work_for_meanwhile_runs_once_in_the_parent_while_children_compute(tmp_p
     parallel.while_children_work(task)
     fork_map(fn, list(range(64)), processes=1)
     assert ran == [parent], "no fork: the task does not run"
+    with _not_forking():
+        parallel.while_children_work(task)
+    assert len(parallel._meanwhile) == 1, "outside forking(), where nothing forks, nothing is kept"
 
 
 def test_one_process_and_small_inputs_fork_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -168,8 +184,8 @@ def test_one_process_and_small_inputs_fork_nothing(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv(parallel.PROCESSES_ENV, "1")
     assert {pid for pid in fork_map(lambda _: os.getpid(), range(50))} == {parent}
     monkeypatch.setenv(parallel.PROCESSES_ENV, "2")
-    monkeypatch.setattr(parallel, "_allowed", False)  # outside forking(): a sweep driver's threads are never forked
-    assert {pid for pid in fork_map(lambda _: os.getpid(), range(50))} == {parent}
+    with _not_forking():  # outside forking(): a sweep driver's threads are never forked
+        assert {pid for pid in fork_map(lambda _: os.getpid(), range(50))} == {parent}
 
 
 @pytest.mark.parametrize("value", ["0", "two", "-3"])

@@ -335,7 +335,7 @@ class TrackingClient:
     def _remember_accepted(self, payload: bytes, tags: dict[str, str]) -> None:
         """The payload just logged, checked as a reader checks it and remembered when accepted (kept until
         ``save_accepted``): the first ``ablate promote`` after this sweep, on this machine, reads it as a later one
-        does. ~0.8 ms of CPU an arm (benchmarks/results/promote_store.json, ``writer_check_ms``)."""
+        does. ~0.3 ms of CPU an arm (benchmarks/results/promote_store.json, ``writer_check_ms``)."""
         with self._accepted_lock:
             if self.accepted is None:
                 self.accepted = AcceptedPayloads.open(CHECKING_FINGERPRINT, read=False)
