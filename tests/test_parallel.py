@@ -314,8 +314,13 @@ def test_ctrl_c_during_a_fork_leaves_no_child(monkeypatch: pytest.MonkeyPatch) -
         return real_fork()
 
     monkeypatch.setattr(parallel.os, "fork", interrupted_fork)
-    with pytest.raises(KeyboardInterrupt):
-        fork_map(lambda x: time.sleep(0.01) or x, list(range(40)), processes=3)
+    # Python's own Ctrl+C handler: an earlier test in the process (Ray, Tune) may have left another installed.
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            fork_map(lambda x: time.sleep(0.01) or x, list(range(40)), processes=3)
+    finally:
+        signal.signal(signal.SIGINT, handler)
     assert _children() <= before, "every forked child was killed and reaped"
 
 
