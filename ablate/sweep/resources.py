@@ -277,6 +277,28 @@ of CPU, and two of the node's worker start-up slots, while the first trials' pro
 
 
 @contextmanager
+def tune_signal_handlers_restored() -> Iterator[None]:
+    """Around ``Tuner.fit``: Tune installs its own SIGINT (and SIGUSR1) handler and puts the previous one back only
+    when such a signal arrives (``ray.tune.tune._setup_signal_catching``). After a fit that ended on its own, the
+    first Ctrl+C in the rest of the sweep (the summary, the bundle, the next ``--until-decided`` round) only logged
+    Tune's "ending Ray Tune run" and set an event nobody waits on: the handlers are put back here."""
+    import signal
+    import threading
+
+    names = [name for name in ("SIGINT", "SIGUSR1") if hasattr(signal, name)]
+    if threading.current_thread() is not threading.main_thread():  # Tune installs none off the main thread
+        yield
+        return
+    before = {name: signal.getsignal(getattr(signal, name)) for name in names}
+    try:
+        yield
+    finally:
+        for name, handler in before.items():
+            if handler is not None:  # None: a handler not installed from Python, which Python cannot put back
+                signal.signal(getattr(signal, name), handler)
+
+
+@contextmanager
 def tune_env_filter() -> Iterator[None]:
     """Around ``Tuner.fit``: Tune copies some driver variables into the runtime env of every trial actor
     (``ray.tune.execution.class_cache.ENV_VARS_TO_PROPAGATE``: ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,

@@ -69,7 +69,7 @@ from ablate.sweep.placement import TrialResources, aa_targets, coverage_warnings
 from ablate.sweep.plan import ORDERS_IN_PAIRS, ORDERS_SHUFFLED, SweepPlan, plan_sweep
 from ablate.redact import process_env_only, redact_text, redact_uri
 from ablate.sweep.resources import (Capacity, block_need, check_cluster, gpu_resources, local_ray_init_kwargs,
-                                    tune_env_filter)
+                                    tune_env_filter, tune_signal_handlers_restored)
 from ablate.sweep.trial import (block_progress, clear_interrupted_scratch, run_block, start_clock, trial_dirname,
                                 trial_name)
 from ablate.sweep.worker_output import drop_teardown_tracebacks, flush_held
@@ -1077,7 +1077,8 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
         grid: Any = None
         fatal: Optional[str] = None
         try:
-            with tune_env_filter():  # Tune would copy AWS_* keys into every trial's logged runtime env
+            # Tune would copy AWS_* keys into every trial's logged runtime env, and leave its Ctrl+C handler behind.
+            with tune_env_filter(), tune_signal_handlers_restored():
                 grid = _tuner(trainable, sweep, layout, dispatch, capacity, restorable, searcher).fit()
         except KeyboardInterrupt:  # a second Ctrl+C: Tune skipped its last save; still account for every receipt
             interrupted.seen = True

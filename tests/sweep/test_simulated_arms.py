@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import sqlite3
 import threading
 from pathlib import Path
@@ -23,9 +24,11 @@ pytestmark = pytest.mark.ray
 def test_simulated_sweep_runs_and_promotion_refuses_every_block(ray_address: str, tmp_path: Path) -> None:
     campaign = tiny_smoke(tmp_path / "campaign", blocks=3, aa_blocks=2)  # 2 features x 3 + 2 A/A = 8 blocks
     uri = fresh_mlflow_uri(tmp_path)
+    ctrl_c = signal.getsignal(signal.SIGINT)
     summary = run_sweep(campaign, tracking_uri=uri, storage=str(tmp_path / "runs"), progress=False,
                         simulate_arms=True)
     assert (summary.blocks_total, summary.blocks_done, summary.blocks_errored, summary.exit_code) == (8, 8, 0, 0)
+    assert signal.getsignal(signal.SIGINT) is ctrl_c, "Tune's Ctrl+C handler does not outlive its fit()"
     assert summary.executor == SIMULATED_EXECUTOR and summary.arms_logged == 16 and summary.spooled == 0
 
     receipts_dir = Path(summary.sweep_dir) / "receipts"

@@ -301,3 +301,25 @@ def test_a_blocks_failed_arms_are_one_console_line_and_other_errors_keep_their_t
     assert rest.startswith("Trial task failed for trial b000\nTraceback") and "ValueError: a bug of ours" in rest
     assert "Trial task failed for trial b001\nTraceback" in rest
     assert str(failure).startswith("block b000 attempt 0: " + dead)    # the whole failure stays the message
+
+
+def test_tunes_ctrl_c_handler_does_not_outlive_the_fit() -> None:
+    """Tune installs its SIGINT and SIGUSR1 handlers when a run starts and puts the previous ones back only when
+    such a signal arrives: after a fit that ended on its own, the sweep's first Ctrl+C would only log Tune's
+    "ending Ray Tune run". ``tune_signal_handlers_restored`` (around ``Tuner.fit``) puts them back."""
+    from ray.tune.tune import _setup_signal_catching
+
+    from ablate.sweep.resources import tune_signal_handlers_restored
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGUSR1)}
+    try:
+        _setup_signal_catching()  # what Tuner.fit runs first
+        assert signal.getsignal(signal.SIGINT) is not before[signal.SIGINT], "Ray changed: Tune installs none"
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        with tune_signal_handlers_restored():
+            _setup_signal_catching()
+        assert {sig: signal.getsignal(sig) for sig in before} == before
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
