@@ -241,7 +241,7 @@ def read_arm_runs(runs: list[Any], tracking_uri: str, use_payload: bool = True,
             continue
         to_check.append((len(outcomes), run, data))
         outcomes.append(None)
-    # Checking a receipt (schema, re-derived figures, digest) is ~0.5 ms of pure Python: the ones not accepted
+    # Checking a receipt (schema, re-derived figures, digest) is ~0.3 ms of pure Python: the ones not accepted
     # before are split over the CPUs. Only the receipt or the reason comes back, never the run with its payload tags.
     checked = fork_map(_check_result, [(run, data) for _, run, data in to_check], min_share=PARALLEL_MIN_SHARE,
                        received=_rebuilt)
