@@ -31,14 +31,20 @@ def inert(name: str, candidate: LaneConfig, baseline: Any = None) -> Optional[st
 
 # --- warmup -------------------------------------------------------------------------------------------------
 
-def test_the_torch_free_warmup_rule_equals_the_trainers() -> None:
+def test_the_registry_applies_the_trainers_warmup_rule_itself() -> None:
+    """One rule, not a copy kept equal: the registry calls the trainer's torch-free ``resolve_warmup``."""
     from ablate.config.features import warmup_decision
-    from trainers.compile import resolve_warmup
+    from ablate.config.warmup import resolve_warmup
+    from trainers import loop
 
+    assert loop.resolve_warmup is resolve_warmup
     for policy, device, posture, letters, steps in itertools.product(
             ("explicit", "skip", "auto"), ("cpu", "cuda"), ("eager", "regional", "whole"), ("AEMR", "AMR"), (0, 2)):
         decision = resolve_warmup(policy, device, posture, letters, steps)
         assert warmup_decision(policy, device, posture, letters, steps) == (decision.resolved, decision.steps)
+        skipped = steps == 0 or policy == "skip" or (policy == "auto" and device == "cuda" and posture == "regional"
+                                                      and "E" in letters)
+        assert decision.resolved == ("skip" if skipped else "explicit") and decision.steps == (0 if skipped else 2)
 
 
 @pytest.mark.parametrize(("sections", "candidate", "baseline", "fragment"), [

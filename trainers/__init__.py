@@ -14,15 +14,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainers.compile import WarmupDecision, resolve_warmup
+    from ablate.config.warmup import WarmupDecision, resolve_warmup
     from trainers.receipt import build_receipt
     from trainers.run import run_arm
     from trainers.spec import ArmSpec
 
 __all__ = ["ArmSpec", "WarmupDecision", "build_receipt", "resolve_warmup", "run_arm"]
 
-_LAZY = {"run_arm": "trainers.run", "ArmSpec": "trainers.spec", "resolve_warmup": "trainers.compile",
-         "WarmupDecision": "trainers.compile", "build_receipt": "trainers.receipt"}
+_LAZY = {"run_arm": "trainers.run", "ArmSpec": "trainers.spec", "resolve_warmup": "ablate.config.warmup",
+         "WarmupDecision": "ablate.config.warmup", "build_receipt": "trainers.receipt"}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,9 +1,8 @@
-"""Compile posture (eager | regional | whole), the warmup rule, and what the compiler actually did.
+"""Compile posture (eager | regional | whole) and what the compiler actually did. The warmup rule that decides
+whether explicit warmup steps run is torch-free, in ``ablate.config.warmup``.
 
 How to use::
 
-    decision = resolve_warmup(lane.compile.warmup, device_type="cuda", posture="regional", letters="AEMR")
-    decision.resolved, decision.reason          # "skip", "auto: CUDA + regional compile + E blocks ..."
     watch = CompileWatch()                      # install before the first compiled call
     regions = compile_regions(model, blocks, backend="inductor")   # regional posture
     ... steps ...; watch.events_since(mark)     # per-step compile events (also lazy backward compiles)
@@ -24,43 +23,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-WARMUP_SKIP_REASON = ("auto: CUDA + regional compile + E blocks; explicit warmup stalls this lane shape "
-                      "(seeds/003), so caches fill lazily during the first steps")
-
-
-@dataclass(frozen=True)
-class WarmupDecision:
-    requested: str
-    resolved: str
-    """explicit (run warmup steps before the budget) or skip (the budget's first steps settle the caches)."""
-    reason: str
-    steps: int
-    """Explicit warmup steps that will run (0 when skipped)."""
-
-
-def resolve_warmup(policy: Any, device_type: str, posture: Any, letters: str, warmup_steps: int) -> WarmupDecision:
-    """The seeds' rule: ``auto`` skips explicit warmup on CUDA + regional compile + E blocks, else warms up.
-
-    ``device_type`` is the device that actually runs (after any CPU fallback), not the one asked for.
-    """
-    requested = getattr(policy, "value", policy)
-    posture = getattr(posture, "value", posture)
-    if requested == "skip":
-        return WarmupDecision(requested, "skip", "skip: requested", 0)
-    if requested == "auto":
-        if device_type == "cuda" and posture == "regional" and "E" in letters:
-            return WarmupDecision(requested, "skip", WARMUP_SKIP_REASON, 0)
-        unmet = [cond for cond, ok in (("device is not CUDA", device_type == "cuda"),
-                                       (f"compile posture is {posture}, not regional", posture == "regional"),
-                                       ("pattern has no E blocks", "E" in letters)) if not ok]
-        reason = "auto: explicit warmup because " + "; ".join(unmet)
-    elif requested == "explicit":
-        reason = "explicit: requested"
-    else:
-        raise ValueError(f"lane.compile.warmup: got {requested!r}; allowed: explicit, skip, auto")
-    if warmup_steps == 0:
-        return WarmupDecision(requested, "skip", reason + "; but lane.compile.warmup_steps is 0", 0)
-    return WarmupDecision(requested, "explicit", reason, warmup_steps)
+from ablate.config.warmup import WarmupDecision
 
 
 def _replace_module(root: nn.Module, target: nn.Module, new: nn.Module) -> bool:

@@ -35,13 +35,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ablate.config.schema import LaneConfig
+from trainers.inactive import ONE_WORKER, SINGLE_BUCKET
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
 
 _MIB = 2 ** 20
-ONE_WORKER = "one worker: no DistributedDataParallel wrapper and no gradient all-reduce, so no bucket exists"
-SINGLE_BUCKET = ("DDP's rebuilt buckets are one bucket holding every gradient: a cap only splits buckets, so it "
-                 "split nothing and any cap at least this large runs the same reducer")
 
 
 @dataclass

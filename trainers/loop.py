@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 from ablate.config.schema import ConfigError, HardwareConfig
 from ablate.sweep.node_check import failed_backends, read_document
-from trainers.compile import CompileWatch, WarmupDecision, compile_regions, is_graph_break_error, resolve_warmup
+from ablate.config.warmup import WarmupDecision, resolve_warmup
+from trainers.compile import CompileWatch, compile_regions, is_graph_break_error
 from trainers.data import build_source
 from trainers.energy import EnergyMeter, combine_energy, open_meter
 from trainers.engines import Engine, StepOutput, build_engine

@@ -24,6 +24,7 @@ from ablate.receipts.schema import (FAMILIES, TIME_TOLERANCE_FLOOR_S, UNATTRIBUT
                                     Code, CompileRecord, Disqualifier, Energy, ErrorInfo, HostLoad, Identity, Memory, Observed,
                                     Projection, Quality, Receipt, Requested, Severity, Status, StepStats, Throughput,
                                     TimeAccounting, code_severity)
+from trainers.inactive import SINGLE_BUCKET
 from trainers.goodput import Accounting, LoopSummary, account_time, step_statistics
 from ablate.redact import capture_env, redact_text
 from trainers.provenance import evidence_fingerprint, hardware_fingerprint, software_versions
@@ -117,8 +118,6 @@ def _unused_by_the_baseline_too(spec: ArmSpec, engine: dict[str, Any]) -> bool:
     smaller baseline cap may still split the gradients (found in review: raising the cap from 0.05 to 1 MiB merged
     three buckets into one and was rejected as inert). Left to the block's observed comparison, which sees both
     arms' buckets, whenever the baseline cap could split them."""
-    from trainers.engines import SINGLE_BUCKET
-
     if spec.feature != "bucket_cap_mb" or engine["inactive"][spec.feature] != SINGLE_BUCKET:
         return True
     try:

@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 
 from ablate.config.pattern import parse_pattern
 from ablate.config.schema import ConfigError, LaneConfig
+from ablate.config.warmup import resolve_warmup
 
 InertRule = Callable[[LaneConfig, Any], Optional[str]]
 """(candidate lane, baseline value or None when unknown) -> why the toggle cannot change the executed code."""
@@ -90,21 +91,12 @@ def _never_inert(lane: LaneConfig, baseline: Any) -> Optional[str]:
     return None
 
 
-# --- warmup: the seeds' rule, as trainers.compile.resolve_warmup applies it ---
+# --- warmup: the seeds' rule (ablate.config.warmup, which the trainer applies) ---
 
 def warmup_decision(policy: str, device_type: str, posture: str, letters: str, warmup_steps: int) -> tuple[str, int]:
-    """(resolved, explicit steps) of ``trainers.compile.resolve_warmup``, without torch.
-
-    A copy, because ``ablate.config`` must not import torch; tests/test_inert_rules.py holds the two equal over
-    every policy, device, posture, pattern and step count. The reason text is left out: it changes no code.
-    """
-    if policy == "skip":
-        return "skip", 0
-    if policy == "auto" and device_type == "cuda" and posture == "regional" and "E" in letters:
-        return "skip", 0
-    if warmup_steps == 0:
-        return "skip", 0
-    return "explicit", warmup_steps
+    """(resolved, explicit steps) of ``resolve_warmup``: the reason text changes no code."""
+    decision = resolve_warmup(policy, device_type, posture, letters, warmup_steps)
+    return decision.resolved, decision.steps
 
 
 def _describe(decision: tuple[str, int]) -> str:

@@ -5,6 +5,7 @@ one-worker arm runs the torch threads its campaign allots it."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import subprocess
 import sys
@@ -106,6 +107,41 @@ def test_an_interleaved_pair_of_real_arms_leaves_two_valid_receipts(tmp_path: Pa
     # Both start-ups ran at once (overlapping, never compared); the turns then alternated.
     assert abs(a.time.badput_s["queue_wait"] - b.time.badput_s["queue_wait"]) < 0.5
     assert a.steps.wait_s[1:] and b.steps.wait_s[1:]
+
+
+TRIAL_SIDE = """
+import json, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from trainer_helpers import make_spec, tiny_lane
+from trainers.inactive import SINGLE_BUCKET
+from trainers.receipt import _unused_by_the_baseline_too
+from trainers.run import can_interleave, run_pair
+lane = tiny_lane(budget={"steps": 2, "family_sample_steps": 1, "min_steady_steps": 1})
+first = make_spec(lane, Path(sys.argv[1]), scheduled_at=time.time(), block_id="b-torch-free")
+second = type(first)(**{**first.__dict__, "arm_index": 1, "order": 1})
+paired = can_interleave((first, second), node_has_gpu=False)
+receipts = run_pair((first, second)) if paired else ()
+bucket = type(first)(**{**first.__dict__, "feature": "bucket_cap_mb", "baseline_value": 1})
+unused = _unused_by_the_baseline_too(bucket, {"inactive": {"bucket_cap_mb": SINGLE_BUCKET}, "buckets_bytes": [4096]})
+print(json.dumps({"paired": paired, "statuses": [r.identity.status.value for r in receipts], "unused": unused,
+                  "forked_by": [r.identity.process.how for r in receipts], "torch": "torch" in sys.modules}))
+"""
+
+
+@pytest.mark.slow
+def test_the_trial_side_of_an_interleaved_pair_never_imports_torch(tmp_path: Path) -> None:
+    """A Tune trial runs its block's pair from a Ray worker that only orchestrates: its arms train in processes the
+    fork server makes. The pairing check once imported torch there (for the warmup rule) and a bucket-cap receipt
+    did too (for one text): ~1.1 s of the first block's start on 2 CPUs, and torch's memory in every trial process.
+    """
+    out = subprocess.run([sys.executable, "-c", TRIAL_SIDE, str(tmp_path), str(Path(__file__).parent)], cwd=REPO,
+                         env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["paired"] and seen["statuses"] == ["valid", "valid"] and seen["unused"] is True
+    assert seen["forked_by"] == ["fork_server", "fork_server"]
+    assert seen["torch"] is False
 
 
 def test_arms_with_different_warmup_turns_run_one_after_the_other(tmp_path: Path) -> None:

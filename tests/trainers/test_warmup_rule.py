@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainers.compile import resolve_warmup
+from ablate.config.warmup import resolve_warmup
 
 
 @pytest.mark.parametrize(("policy", "device", "posture", "letters", "steps", "resolved", "why"), [
