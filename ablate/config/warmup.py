@@ -1,11 +1,12 @@
 """The warmup rule (the seeds'): whether an arm runs explicit warmup steps before its budget, decided from the lane
-and the device that actually runs it. Torch-free: the trainer applies it (``trainers.compile`` re-exports it), and
-so do the feature registry's inert check and a trial's pairing check (``trainers.run.can_interleave``), which run in
-processes that never import torch.
+and the device that actually runs it. Torch-free: the trainer applies it (``trainers.loop``), and so do the feature
+registry's inert check and a trial's pairing check (``trainers.run.can_interleave``), which run in processes whose
+work needs no torch (a trial imports it only to record a failed arm's torch build).
 
 How to use::
 
-    decision = resolve_warmup(lane.compile.warmup, device_type="cuda", posture="regional", letters="AEMR")
+    decision = resolve_warmup(lane.compile.warmup, device_type="cuda", posture="regional", letters="AEMR",
+                              warmup_steps=lane.compile.warmup_steps)
     decision.resolved, decision.steps, decision.reason   # "skip", 0, "auto: CUDA + regional compile + E blocks ..."
 """
 
