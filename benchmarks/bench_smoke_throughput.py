@@ -18,6 +18,11 @@ The compute floor, from the receipts: every step of every arm runs on one core (
 scheduler finishes a run faster than ``step_floor_s`` = the sum of all arms' step times / the host's cores. Both
 trees run the same steps, so ``ratio_ceiling`` = the old tree's median wall / this tree's median floor is the most
 any start-up or orchestration cut can reach at this budget on this machine: only faster steps move it.
+
+Each run also records ``idle_cpu_s``, the CPU time no process used while it ran (/proc/stat before and after), and
+the record ``ratio_without_idle``: the old tree's median wall / this tree's median of (wall - idle_cpu_s / cores),
+what a scheduler that never left a CPU idle would reach with the same CPU work (start-up, Ray, Tune, MLflow and the
+arms). Above it, only less CPU work (fewer processes' imports, less logging, faster steps) helps.
 """
 
 from __future__ import annotations
