@@ -698,7 +698,7 @@ def run_arm(spec: ArmSpec, *, max_failures: int = 0, node_id: Optional[str] = "c
 def _turns_on_cpu(spec: ArmSpec) -> tuple[int, int]:
     """(explicit warmup steps, budget steps) the arm will take turns for on CPU, as the trainer resolves them."""
     from ablate.config.pattern import parse_pattern
-    from ablate.config.warmup import resolve_warmup  # torch-free: a trial process never imports torch
+    from ablate.config.warmup import resolve_warmup  # torch-free: the trial that calls this has no use for torch
 
     lane = spec.lane
     warmup = resolve_warmup(lane.compile.warmup, "cpu", lane.compile.posture.value, parse_pattern(lane.model.pattern),
