@@ -19,7 +19,7 @@ scheduler finishes a run faster than ``step_floor_s`` = the sum of all arms' ste
 trees run the same steps, so ``ratio_ceiling`` = the old tree's median wall / this tree's median floor is the most
 any start-up or orchestration cut can reach at this budget on this machine: only faster steps move it.
 
-Each run also records ``idle_cpu_s``, the CPU time no process used while it ran (/proc/stat before and after), and
+Each run also records ``idle_cpu_s``, the CPU time no process used while it ran (psutil's idle and iowait CPU times before and after), and
 the record ``ratio_without_idle``: the old tree's median wall / this tree's median of (wall - idle_cpu_s / cores),
 what a scheduler that never left a CPU idle would reach with the same CPU work (start-up, Ray, Tune, MLflow and the
 arms). Above it, only less CPU work (fewer processes' imports, less logging, faster steps) helps.
@@ -41,6 +41,7 @@ from io import BytesIO
 from pathlib import Path
 from typing import Any
 
+import psutil
 from ruamel.yaml import YAML
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,13 +92,13 @@ def _step_floor(receipts: list[Path]) -> dict[str, float]:
 
 
 def _idle_cpu_s() -> float | None:
-    # Idle + iowait of every CPU since boot (/proc/stat, USER_HZ ticks): read before and after a run, the CPU time
-    # nothing used while it ran. None where procfs is not there.
+    # Idle + iowait of every CPU since boot: read before and after a run, the CPU time nothing used while it ran.
+    # None where psutil cannot read it (no procfs).
     try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()
-        return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
+        times = psutil.cpu_times()
+    except Exception:  # noqa: BLE001 - an odd sandbox: the record says null, never a guess
         return None
+    return times.idle + getattr(times, "iowait", 0.0)
 
 
 def _run(tree: Path, label: str, blocks: int, aa_blocks: int, parent: Path) -> dict[str, Any]:
