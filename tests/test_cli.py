@@ -70,6 +70,8 @@ def test_validate_plan_shows_what_a_campaign_will_run() -> None:
         ("lane: {budget: {steps: -3}}\nfeatures: {moe_dispatch: [jagged]}\n", "lane.budget.steps: got -3"),
         ("features: {moe_dispatch: [padded]}\n", "different from the baseline"),
         ("features: {moe_dispatch: [jagged]}\nresources: {cpus_per_worker: 0}\n", "resources.cpus_per_worker: got 0"),
+        ("features: {moe_dispatch: [jagged]}\nresources: {host_allocator: jemalloc}\n",
+         "resources.host_allocator: got 'jemalloc'; allowed: one of retain, system"),
         ("lane: {model: {pattern: AEMR}\n", "well-formed YAML"),
     ],
 )

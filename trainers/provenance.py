@@ -196,14 +196,16 @@ _GPU_SPEED_KEYS = ("name", "memory_total_bytes", "power_limit_w")
 """Per GPU: the model, its memory (SKU, MIG slice) and the enforced power cap (an admin setting that bounds
 clocks). Clocks, temperature, power draw, memory used and throttle reasons are readings of the moment, left out;
 index and UUID identify one physical card, not what it can do."""
-_CPU_SPEED_KEYS = ("cpu_model", "machine", "logical_cpus", "cpus_in_affinity", "torch_threads")
+_CPU_SPEED_KEYS = ("cpu_model", "machine", "logical_cpus", "cpus_in_affinity", "torch_threads",
+                   "host_allocator")
 
 
 def hardware_fingerprint(hardware: Optional[Mapping[str, Any]],
                          software: Optional[Mapping[str, Optional[str]]] = None) -> str:
     """Hash of what in ``observe_hardware()``'s record decides speed: device kind, GPU models and counts, driver
     and CUDA driver versions, the CUDA/cuDNN/NCCL versions torch uses (``torch.cuda``, ``cudnn``, ``nccl`` from
-    ``software``), and the CPU (model, architecture, cores and threads).
+    ``software``), and the CPU (model, architecture, cores and threads) with the arm process's host allocator
+    policy (``trainers.host_malloc``: whether its steps fault their memory in again).
 
     ``software`` defaults to this process's ``software_versions()``; pass the receipt's own ``software`` when
     fingerprinting a record observed elsewhere. Missing keys, ``None`` and malformed entries are tolerated (they
@@ -247,6 +249,7 @@ def _cpu_model() -> Optional[str]:
 def _cpu_facts() -> dict[str, Any]:
     import torch
 
+    from trainers.host_malloc import in_effect as host_allocator_in_effect
     from trainers.pairing import inherited_cpus
 
     try:
@@ -260,7 +263,8 @@ def _cpu_facts() -> dict[str, Any]:
     return {"kind": "cpu", "cpu_model": _cpu_model(), "logical_cpus": os.cpu_count(),
             "cpus_in_affinity": inherited if inherited is not None else affinity,
             "pinned_cpus": affinity if inherited is not None else None,
-            "torch_threads": torch.get_num_threads(), "machine": platform.machine()}
+            "torch_threads": torch.get_num_threads(), "machine": platform.machine(),
+            "host_allocator": host_allocator_in_effect()}
 
 
 _THROTTLE_BITS = {0x1: "GpuIdle", 0x2: "ApplicationsClocksSetting", 0x4: "SwPowerCap", 0x8: "HwSlowdown",

@@ -342,6 +342,7 @@ def _train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
     import torch
 
+    from trainers.host_malloc import apply as apply_host_allocator
     from trainers.loop import run_worker
     from trainers.result import WorkerContext
 
@@ -354,6 +355,7 @@ def _train_loop_per_worker(config: dict[str, Any]) -> None:
     # relaunched one-worker arm does, and every arm's worker runtime env is the same.
     os.environ.update(_private_caches(work, restart=restarts))
     spec = ArmSpec.from_json(config["spec"])
+    apply_host_allocator(spec.host_allocator)
     cuda_index = None
     if torch.cuda.is_available():
         import ray.train.torch

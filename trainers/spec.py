@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from ablate.config.schema import LaneConfig
+from ablate.config.schema import ConfigError, LaneConfig
 
 
 ALLOTTED_CPUS_ENV = "ABLATE_ARM_CPUS"
@@ -58,8 +58,17 @@ class ArmSpec:
     device: Optional[str] = None
     """The device class (cpu, cuda) the driver planned the arm for: what ``hardware.device: auto`` resolves to on its
     cluster, whose GPUs it reserved or not (``ablate.config.auto_device``); None: the trainer resolves it."""
+    host_allocator: str = "retain"
+    """The campaign's ``resources.host_allocator``: what the arm's process does with host memory it frees
+    (``trainers.host_malloc``)."""
     inject: dict[str, Any] = field(default_factory=dict)
     """Fault injection for tests only (raise_at_step, nan_at_step, oom_at_step, kill_at_step, transition_sleep_s...)."""
+
+    def __post_init__(self) -> None:
+        from trainers.host_malloc import POLICIES
+
+        if self.host_allocator not in POLICIES:
+            raise ConfigError("resources.host_allocator", self.host_allocator, ", ".join(POLICIES))
 
     def to_json(self) -> str:
         from ablate.config.load import lane_to_dict

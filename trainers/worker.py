@@ -123,6 +123,7 @@ def main(argv: list[str]) -> int:
     if rank_doc is not None and rank_doc.get("launcher_pid"):
         _die_with_launcher(int(rank_doc["launcher_pid"]))
     # Before the heavy imports: the arm's whole life runs at normal priority when the OS lets us reset it.
+    from trainers.host_malloc import apply as apply_host_allocator
     from trainers.hostload import reset_priority
 
     reset_priority()
@@ -133,6 +134,7 @@ def main(argv: list[str]) -> int:
     from trainers.spec import ArmSpec
 
     spec = ArmSpec.from_json(spec_path.read_text())
+    apply_host_allocator(spec.host_allocator)  # before the arm allocates what its steps will free
     if rank_doc is None:
         ctx = WorkerContext(attempt=attempt, executor="subprocess", work_dir=str(result_path.parent))
     else:

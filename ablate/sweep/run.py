@@ -1065,6 +1065,7 @@ def _run_locked(path: Path, sweep: SweepConfig, layout: Layout, plan: SweepPlan,
                    "completed": completed, "next_attempt": next_attempt, "hashes": hashes,
                    "block_mode": sweep.block_mode.value, "node_check_path": sweep.node_check.path,
                    "schedule": params["schedule"], "device": ran_on,
+                   "host_allocator": sweep.resources.host_allocator.value,
                    "run_arm": _run_arm_options(sweep, layout, sweep_id), "simulate_arms": simulate_arms is True}
         trainable = tune.with_resources(tune.with_parameters(run_block, context=context),
                                         TrialResources(need.trial_resources(), aa_placement) if aa_placement

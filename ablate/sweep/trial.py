@@ -149,7 +149,7 @@ def make_arm_spec(block: Block, position: int, arm: ArmPlan, *, sweep_id: str, c
                   attempt: int = 0, inject: Optional[dict[str, Any]] = None, scheduled_at: Optional[float] = None,
                   hashes: Optional[dict[str, Optional[str]]] = None,
                   node_check_path: Optional[str] = None, schedule: str = "fixed",
-                  device: Optional[str] = None) -> "ArmSpec":
+                  device: Optional[str] = None, host_allocator: Optional[str] = None) -> "ArmSpec":
     """The trainer's input for one arm; its wall clock starts at ``scheduled_at`` (the driver's stamp), or now."""
     from trainers.spec import ArmSpec
 
@@ -161,7 +161,8 @@ def make_arm_spec(block: Block, position: int, arm: ArmPlan, *, sweep_id: str, c
                    campaign_sha256=(hashes or {}).get("campaign"), defaults_sha256=(hashes or {}).get("defaults"),
                    attempt=attempt, receipt_id=receipt_id(sweep_id, block.block_id, arm.arm_index, attempt),
                    inject=dict(inject or {}), schedule=schedule, device=device,
-                   **({"node_check_path": node_check_path} if node_check_path else {}))
+                   **({"node_check_path": node_check_path} if node_check_path else {}),
+                   **({"host_allocator": host_allocator} if host_allocator else {}))
 
 
 _PLAN_BLOCKS: dict[str, dict[str, Any]] = {}
@@ -244,7 +245,8 @@ def run_block(config: dict[str, Any], context: Optional[dict[str, Any]] = None) 
                                     receipt_dir=context["receipt_dir"], attempt=attempt,
                                     inject=inject if position == 0 else None, scheduled_at=scheduled,
                                     hashes=context.get("hashes"), node_check_path=context.get("node_check_path"),
-                                    schedule=context.get("schedule", "fixed"), device=context.get("device"))
+                                    schedule=context.get("schedule", "fixed"), device=context.get("device"),
+                                    host_allocator=context.get("host_allocator"))
                       for position, arm in order)
         if can_interleave(specs, node_has_gpu=ray.cluster_resources().get("GPU", 0) > 0):  # type: ignore[arg-type]
             cpus = int(context["run_arm"].get("resources_per_worker", {}).get("CPU", 1))
@@ -259,7 +261,8 @@ def run_block(config: dict[str, Any], context: Optional[dict[str, Any]] = None) 
                              inject=inject if position == 0 else None,
                              scheduled_at=scheduled if position == 0 else None, hashes=context.get("hashes"),
                              node_check_path=context.get("node_check_path"),
-                             schedule=context.get("schedule", "fixed"), device=context.get("device"))
+                             schedule=context.get("schedule", "fixed"), device=context.get("device"),
+                             host_allocator=context.get("host_allocator"))
         report(position, arm, spec, run_one(spec))
     if failed:
         raise arm_failed(block.block_id, attempt, failed)

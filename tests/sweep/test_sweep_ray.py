@@ -263,8 +263,10 @@ def test_a_local_runtimes_server_starts_before_ray_and_is_the_one_its_trials_arm
 def test_resume_after_the_driver_is_killed(ray_address: str, tmp_path: Path) -> None:
     # moe_dispatch: both arms run eager; resuming is not about compiling (a fused_residual candidate compiles
     # with Inductor, ~10 s a block on 2 cores).
+    # host_allocator: the campaign's resources reach every arm's process, before and after the resume.
     campaign = tiny_smoke(tmp_path / "campaign", name="resume", features={"moe_dispatch": ["jagged"]}, blocks=1,
-                          aa_blocks=1, resources={"cpus_per_worker": 1, "max_concurrent_blocks": 1})
+                          aa_blocks=1, resources={"cpus_per_worker": 1, "max_concurrent_blocks": 1,
+                                                  "host_allocator": "system"})
     uri = fresh_mlflow_uri(tmp_path)
     storage = str(tmp_path / "runs")
     layout = Layout.for_campaign("resume", storage)
@@ -299,6 +301,7 @@ def test_resume_after_the_driver_is_killed(ray_address: str, tmp_path: Path) -> 
                    [r for r in after if r.identity.receipt_id in set(summary.receipt_ids)])
     complete = {b for b, arms in by_block(after).items() if len({r.identity.arm_index for r in arms}) == 2}
     assert complete == {"b000", "b001"}
+    assert {r.observed.hardware.get("host_allocator") for r in after} == {"system"}
     client = TrackingClient(uri, "ablate")
     runs = client.search([f"tags.`{TAG}sweep_id` = '{sweep_id}'", f"tags.`{TAG}role` = 'arm'"])
     assert sorted(r.data.tags[TAG + "receipt_id"] for r in runs) == sorted(r.identity.receipt_id for r in after), \

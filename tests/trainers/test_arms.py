@@ -7,6 +7,7 @@ import json
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from ablate.receipts.schema import BADPUT_CATEGORIES, Code, Receipt, Severity, S
 from ablate.receipts.store import load_receipts
 from trainer_helpers import CORPUS, make_spec, tiny_lane
 from trainers import run_arm
-from trainers.provenance import code_fingerprint, evidence_fingerprint
+from trainers.provenance import code_fingerprint, evidence_fingerprint, hardware_fingerprint
 from trainers.data import TextSource
 from ablate.redact import REDACTED
 
@@ -58,6 +59,8 @@ def arms(receipt_dir: Path) -> dict[str, Receipt]:
         "whole_broken": (make_spec(tiny_lane(compile={"posture": "whole"}), receipt_dir,
                                    inject={**COMPILE_FAST, "graph_break": True, "geometry_change_at_step": 3}), {}),
         "regional": (make_spec(tiny_lane(compile={"posture": "regional"}), receipt_dir, inject=COMPILE_FAST), {}),
+        "system_allocator": (replace(make_spec(tiny_lane(), receipt_dir, block_id="block-system"),
+                                     host_allocator="system"), {}),
     }
     with pytest.MonkeyPatch.context() as patch:
         for name, value in SECRETS.items():
@@ -132,6 +135,7 @@ def test_valid_arm_records_requested_and_observed_facts(arms: dict[str, Receipt]
     assert requested.data_fingerprint == TextSource(str(CORPUS), seed=0, vocab_size=256).fingerprint
     hardware = receipt.observed.hardware
     assert hardware["kind"] == "cpu" and hardware["torch_threads"] == 1 and hardware["logical_cpus"] >= 1
+    assert hardware["host_allocator"] == "retain"  # the default, applied in the arm's own process
     moe = [b for b in receipt.observed.backends if b.op == "moe"]
     assert moe and moe[0].requested == moe[0].observed == "padded"
     compile_record = receipt.observed.compile
@@ -153,6 +157,16 @@ def test_valid_arm_records_requested_and_observed_facts(arms: dict[str, Receipt]
     assert energy is not None and energy.tokens in (None, receipt.throughput.tokens)
     assert (energy.source is not None and energy.joules > 0) or (energy.source is None and energy.why), energy
     assert receipt.identity.config_hash and receipt.identity.host and receipt.identity.pid
+
+
+def test_the_host_allocator_asked_for_is_the_one_the_arm_ran_and_fingerprinted(arms: dict[str, Receipt]) -> None:
+    retained, system = arms["valid"], arms["system_allocator"]
+    assert system.identity.status is Status.valid, system.codes()
+    assert system.observed.hardware["host_allocator"] == "system"
+    # Evidence measured under one policy never pairs or pools with the other's (match.py compares fingerprints).
+    assert system.identity.hardware_fingerprint != retained.identity.hardware_fingerprint
+    as_retained = {**system.observed.hardware, "host_allocator": "retain"}
+    assert hardware_fingerprint(as_retained, system.identity.software) == retained.identity.hardware_fingerprint
 
 
 def test_secrets_never_reach_a_receipt(arms: dict[str, Receipt], receipt_dir: Path) -> None:

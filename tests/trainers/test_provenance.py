@@ -206,12 +206,14 @@ def test_hardware_fingerprint_tolerates_missing_and_malformed_fields() -> None:
     assert hardware_fingerprint(partial, {}) != hardware_fingerprint(_cuda_record(), {})
 
 
-def test_cpu_records_fingerprint_the_cpu_and_threads_actually_used() -> None:
+def test_cpu_records_fingerprint_the_cpu_threads_and_host_allocator_actually_used() -> None:
     observed = observe_hardware("cpu")
     base = hardware_fingerprint(observed, {})
     assert hardware_fingerprint(observe_hardware("cpu"), {}) == base
     assert hardware_fingerprint({**observed, "torch_threads": (observed["torch_threads"] or 0) + 1}, {}) != base
     assert hardware_fingerprint({**observed, "cpu_model": "another cpu"}, {}) != base
+    other = "retain" if observed["host_allocator"] == "system" else "system"
+    assert hardware_fingerprint({**observed, "host_allocator": other}, {}) != base
 
 
 # --- software_fingerprint ---
