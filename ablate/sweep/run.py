@@ -46,6 +46,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
+from enum import Enum
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional
@@ -566,7 +567,8 @@ def _parent_params(sweep: SweepConfig, plan: SweepPlan, capacity: Capacity, camp
                               "aa_blocks": sweep.aa_blocks, "seed": sweep.seed, "max_failures": sweep.max_failures,
                               "num_blocks": len(plan.blocks), "max_concurrent_blocks": capacity.max_concurrent,
                               "executor": capacity.need.executor}
-    params.update({f"resources.{k}": v for k, v in asdict(sweep.resources).items()})
+    params.update({f"resources.{k}": v.value if isinstance(v, Enum) else v
+                   for k, v in asdict(sweep.resources).items()})
     params.update({f"features.{k}": json.dumps(v) for k, v in sweep.features.items()})
     params.update({f"lane.{k}": v for k, v in flatten(lane_to_dict(sweep.lane)).items()})
     return params

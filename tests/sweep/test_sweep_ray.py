@@ -81,6 +81,7 @@ def test_smoke_sweep_end_to_end(ray_address: str, tmp_path: Path, capsys: pytest
     parent = client.client.get_run(summary.parent_run_id)
     assert parent.info.status == "FINISHED" and parent.data.params["design"] == "one_at_a_time"
     assert parent.data.params["lane.model.pattern"] == "AEMR"
+    assert parent.data.params["resources.host_allocator"] == "retain"  # the value, never the enum's repr
     assert any(key.startswith("system/") for key in parent.data.metrics), "MLflow system metrics on the sweep run"
     assert {a.path for a in client.client.list_artifacts(summary.parent_run_id)} >= {"summary.svg", "summary.json"}
     children = client.arm_runs(summary.sweep_id)
