@@ -9,8 +9,9 @@ Why: an arm trains in a process that has run nothing before it, and glibc's mall
 memory back to the kernel: blocks of 128 KiB and more are mmap'd and unmapped one by one until its dynamic
 threshold has grown, and a heap whose free top passes the trim threshold is shrunk. PyTorch's CPU tensors come
 from malloc, so every step of a fresh arm unmapped and faulted its activations in again, page by page. On the smoke
-lane (2 CPUs, 36 arms) that was 12.6 of 96.7 CPU-s of the arms in the kernel, 200-250k page faults per arm;
-retaining freed memory cut it to 2.5 CPU-s and ~39k faults per arm (benchmarks/results/smoke_throughput.json).
+campaign (2 CPUs, 36 arms; each arm's rusage, one instrumented run each way) the arms spent 12.6 of their 96.7 CPU-s
+in the kernel; retaining freed memory cut that to 2.5 of 85.3 and the run from 65.0 to 56.2 s. One smoke arm on
+its own: 200-250k minor faults against ~39k. The campaign's record: benchmarks/results/smoke_throughput.json.
 A GPU arm's tensors already come from a caching allocator; ``retain`` gives a CPU arm's the same steady state.
 
 ``retain`` sets the thresholds with ``mallopt`` (a fixed mmap threshold also stops glibc's dynamic one), so the
