@@ -57,6 +57,7 @@ def test_validate_plan_shows_what_a_campaign_will_run() -> None:
     assert table["A/A (noise floor)"][5] == str(sweep.aa_blocks)
     assert "recurrent_scan=parallel" in text and "no R (recurrent) blocks" in text
     assert f"{len(plan.blocks)} blocks, {2 * len(plan.blocks)} arms per round" in text and "block(s) at once" in text
+    assert "Host memory an arm frees: retain (resources.host_allocator)" in " ".join(text.split())
 
 
 @pytest.mark.parametrize(

@@ -16,17 +16,19 @@ A GPU arm's tensors already come from a caching allocator; ``retain`` gives a CP
 
 ``retain`` sets the thresholds with ``mallopt`` (a fixed mmap threshold also stops glibc's dynamic one), so the
 arm's process reuses what it freed; its memory still ends with its process, and no state passes between arms.
-The environment wins over the policy: a process started with an allocator preloaded (``LD_PRELOAD``) or glibc's
-malloc variables set (``MALLOC_*_``, ``GLIBC_TUNABLES``) keeps what they say, and records ``environment``.
-Where ``mallopt`` is missing or refuses (not glibc), the arm runs the C library's defaults and records ``system``.
+The environment wins over the policy: a process with another allocator preloaded (``LD_PRELOAD`` that replaces
+malloc) or glibc's threshold variables set (``ENV_NAMES``, ``GLIBC_TUNABLES``' malloc entries) keeps what they say,
+and records them (``environment: ...``). Where ``mallopt`` is missing (not glibc), the arm runs the C library's
+defaults and records ``system``.
 This module imports nothing heavy (the schema's enum only): it runs before the arm's imports.
 """
 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import os
-from typing import Optional
+from typing import Mapping, Optional
 
 from ablate.config.schema import ConfigError, HostAllocator
 
@@ -40,38 +42,80 @@ TRIM_THRESHOLD_BYTES = 1 << 30
 """Free memory at the heap's top is returned to the kernel only beyond this."""
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h> parameter numbers
-_ENV_NAMES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+ENV_NAMES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+"""glibc's variables that decide when freed memory goes back to the kernel (read when the process starts; a forked
+arm has its fork server's, which is keyed by and started with them). ``MALLOC_ARENA_MAX`` and the checking and
+perturbing ones do not decide it and leave the policy in force."""
+ENVIRONMENT = "environment"
+"""Prefix of what an arm records when its environment sets the allocator: ``environment: <the settings>``, so two
+settings are two hardware fingerprints and their evidence never pools."""
 
 _in_effect: Optional[str] = None
+_asked: Optional[str] = None
 
 
-def _environment_decides(environ: dict[str, str]) -> bool:
-    tunables = environ.get("GLIBC_TUNABLES", "")
-    return (bool(environ.get("LD_PRELOAD", "").strip()) or any(environ.get(name) for name in _ENV_NAMES)
-            or "glibc.malloc." in tunables)
+def environment_allocator(environ: Optional[Mapping[str, str]] = None,
+                          interposed: Optional[bool] = None) -> Optional[str]:
+    """``environment: ...`` naming what in ``environ`` (default: this process's) sets the allocator, or None: a
+    preload that replaced malloc (``interposed``, default: looked up in this process), glibc's threshold variables
+    (``ENV_NAMES``) and the malloc entries of ``GLIBC_TUNABLES`` (where it reaches the arm: the allowlist of
+    ``ablate.redact`` keeps it from the processes ablate starts). A preload that leaves glibc's malloc in place
+    (``libgomp``, say) decides nothing."""
+    env = os.environ if environ is None else environ
+    parts = []
+    preload = env.get("LD_PRELOAD", "").replace(":", " ").split()
+    if preload and (_malloc_interposed() if interposed is None else interposed):
+        parts.append("LD_PRELOAD=" + ",".join(os.path.basename(path) for path in preload))
+    parts += [f"{name}={env[name]}" for name in ENV_NAMES if env.get(name)]
+    tunables = [entry for entry in env.get("GLIBC_TUNABLES", "").split(":") if entry.startswith("glibc.malloc.")]
+    if tunables:
+        parts.append("GLIBC_TUNABLES=" + ":".join(tunables))
+    return f"{ENVIRONMENT}: {' '.join(parts)}" if parts else None
 
 
-def apply(policy: str, environ: Optional[dict[str, str]] = None) -> str:
-    """Apply ``policy`` to this process's malloc and return what is now in effect: ``retain``, ``system`` or
-    ``environment``. Call it once, before the arm allocates; a second call returns the first one's outcome."""
-    global _in_effect
+def apply(policy: str, environ: Optional[Mapping[str, str]] = None) -> str:
+    """Apply ``policy`` to this process's malloc and return what is now in effect: ``retain``, ``system``,
+    ``partial`` (the mmap threshold fixed, the trim threshold refused: a C library that is not glibc's) or
+    ``environment: ...``. Once per process, before the arm allocates what its steps free; asking again for the
+    same policy returns the same outcome, asking for another is a bug and raises ``RuntimeError``."""
+    global _in_effect, _asked
     if policy not in POLICIES:
         raise ConfigError("resources.host_allocator", policy, ", ".join(POLICIES))
     if _in_effect is not None:
+        if policy != _asked:
+            raise RuntimeError(f"host allocator already {_in_effect!r} (asked {_asked!r}); asked again for {policy!r}")
         return _in_effect
-    if _environment_decides(dict(os.environ if environ is None else environ)):
-        _in_effect = "environment"
-    elif policy == "retain" and _mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) \
-            and _mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES):
-        _in_effect = "retain"
+    decided = environment_allocator(environ)
+    if decided is not None:
+        _in_effect = decided
+    elif policy == "retain" and _mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES):
+        _in_effect = "retain" if _mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) else "partial"
     else:
         _in_effect = "system"
+    _asked = policy
     return _in_effect
 
 
 def in_effect() -> str:
-    """The policy this process runs: ``system`` until ``apply`` set another (a test's in-process arm, say)."""
-    return _in_effect or "system"
+    """What this process runs: what ``apply`` set, else the environment's allocator, else ``system`` (a test's
+    in-process arm, say)."""
+    return _in_effect or environment_allocator() or "system"
+
+
+def _malloc_interposed() -> bool:
+    """Whether ``malloc`` in this process's global scope is not the C library's own (jemalloc or tcmalloc
+    preloaded). A preload that exports only versioned, non-default ``malloc`` symbols (glibc's
+    ``libc_malloc_debug``, which wraps glibc's allocator) is not seen: there the policy still applies to the
+    allocator underneath."""
+    try:
+        libc = ctypes.util.find_library("c")
+        if libc is None:
+            return False
+        found = ctypes.cast(ctypes.CDLL(None).malloc, ctypes.c_void_p).value
+        own = ctypes.cast(ctypes.CDLL(libc).malloc, ctypes.c_void_p).value
+    except (AttributeError, OSError):
+        return False
+    return found != own
 
 
 def _mallopt(param: int, value: int) -> bool:

@@ -338,8 +338,9 @@ class ResourcesConfig:
     host_allocator: HostAllocator = HostAllocator.retain
     """How every arm's process treats the host memory it frees (both arms of a block alike). retain: kept for reuse,
     so a CPU arm's steady steps stop faulting their activations in again (13% of a smoke arm's CPU time went to
-    the kernel before); system: glibc's defaults. An allocator the environment sets (``LD_PRELOAD``, glibc's
-    ``MALLOC_*_`` variables) wins over either. Receipts record what ran, in the hardware fingerprint."""
+    the kernel before); system: glibc's defaults. An allocator the arm's environment sets (a preload that replaces
+    malloc, glibc's threshold variables: ``trainers.host_malloc.environment_allocator``) wins over either.
+    Receipts record what ran, in the hardware fingerprint."""
 
     def __post_init__(self) -> None:
         _positive("resources.cpus_per_worker", self.cpus_per_worker)

@@ -100,6 +100,7 @@ def render_plan(sweep: SweepConfig, plan: SweepPlan, path: Path) -> list[Any]:
     out.append(Text(f"{len(plan.blocks)} blocks, {arms} arms per round. Each block needs {need.describe()}; this "
                     f"machine has {cpus} CPU, {gpus} GPU -> "
                     + (f"{at_once} block(s) at once" if fit.arms else f"no block fits here ({fit.why_not})")
-                    + ". `ablate sweep` checks again against the Ray cluster it runs on, and each node's "
-                      "`ablate doctor --deep` document."))
+                    + f". Host memory an arm frees: {sweep.resources.host_allocator.value} "
+                      "(resources.host_allocator). `ablate sweep` checks again against the Ray cluster it runs on, "
+                      "and each node's `ablate doctor --deep` document."))
     return out

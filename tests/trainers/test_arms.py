@@ -16,6 +16,7 @@ from ablate.receipts.schema import BADPUT_CATEGORIES, Code, Receipt, Severity, S
 from ablate.receipts.store import load_receipts
 from trainer_helpers import CORPUS, make_spec, tiny_lane
 from trainers import run_arm
+from trainers.host_malloc import ENV_NAMES
 from trainers.provenance import code_fingerprint, evidence_fingerprint, hardware_fingerprint
 from trainers.data import TextSource
 from ablate.redact import REDACTED
@@ -65,6 +66,8 @@ def arms(receipt_dir: Path) -> dict[str, Receipt]:
     with pytest.MonkeyPatch.context() as patch:
         for name, value in SECRETS.items():
             patch.setenv(name, value)
+        for name in ("LD_PRELOAD", "GLIBC_TUNABLES", *ENV_NAMES):  # a shell's allocator would win over the policy
+            patch.delenv(name, raising=False)
         with ThreadPoolExecutor(max_workers=2) as pool:
             futures = {name: pool.submit(run_arm, spec, **kwargs) for name, (spec, kwargs) in plans.items()}
             return {name: future.result() for name, future in futures.items()}
