@@ -2,7 +2,7 @@
 
 How to use (``trainers.worker`` and the Ray Train worker do)::
 
-    apply(spec.host_allocator)   # first thing in the arm's own process
+    apply(spec.host_allocator)   # in the arm's own process, before it builds its model
     in_effect()                  # what its receipt records (observed CPU facts, hardware fingerprint)
 
 Why: an arm trains in a process that has run nothing before it, and glibc's malloc hands a fresh process's freed
@@ -20,7 +20,7 @@ The environment wins over the policy: a process with another allocator preloaded
 malloc) or glibc's threshold variables set (``ENV_NAMES``, ``GLIBC_TUNABLES``' malloc entries) keeps what they say,
 and records them (``environment: ...``). Where ``mallopt`` is missing (not glibc), the arm runs the C library's
 defaults and records ``system``.
-This module imports nothing heavy (the schema's enum only): it runs before the arm's imports.
+It imports nothing heavy (the schema's enum only), so an arm may call it before or after its own imports.
 """
 
 from __future__ import annotations
