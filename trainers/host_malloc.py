@@ -54,6 +54,12 @@ _in_effect: Optional[str] = None
 _asked: Optional[str] = None
 
 
+def check_policy(policy: str) -> None:
+    """``ConfigError`` naming the key, the value and the policies allowed, unless ``policy`` is one of them."""
+    if policy not in POLICIES:
+        raise ConfigError("resources.host_allocator", policy, ", ".join(POLICIES))
+
+
 def environment_allocator(environ: Optional[Mapping[str, str]] = None,
                           interposed: Optional[bool] = None) -> Optional[str]:
     """``environment: ...`` naming what in ``environ`` (default: this process's) sets the allocator, or None: a
@@ -79,8 +85,7 @@ def apply(policy: str, environ: Optional[Mapping[str, str]] = None) -> str:
     ``environment: ...``. Once per process, before the arm allocates what its steps free; asking again for the
     same policy returns the same outcome, asking for another is a bug and raises ``RuntimeError``."""
     global _in_effect, _asked
-    if policy not in POLICIES:
-        raise ConfigError("resources.host_allocator", policy, ", ".join(POLICIES))
+    check_policy(policy)
     if _in_effect is not None:
         if policy != _asked:
             raise RuntimeError(f"host allocator already {_in_effect!r} (asked {_asked!r}); asked again for {policy!r}")

@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from ablate.config.schema import ConfigError, LaneConfig
+from ablate.config.schema import LaneConfig
 
 
 ALLOTTED_CPUS_ENV = "ABLATE_ARM_CPUS"
@@ -65,10 +65,9 @@ class ArmSpec:
     """Fault injection for tests only (raise_at_step, nan_at_step, oom_at_step, kill_at_step, transition_sleep_s...)."""
 
     def __post_init__(self) -> None:
-        from trainers.host_malloc import POLICIES
+        from trainers.host_malloc import check_policy
 
-        if self.host_allocator not in POLICIES:
-            raise ConfigError("resources.host_allocator", self.host_allocator, ", ".join(POLICIES))
+        check_policy(self.host_allocator)
 
     def to_json(self) -> str:
         from ablate.config.load import lane_to_dict
