@@ -619,15 +619,24 @@ def _with_absolute_paths(spec: ArmSpec) -> ArmSpec:
     return dataclasses.replace(spec, lane=lane)
 
 
-def _prepare(spec: ArmSpec, executor: str, run_start: float) -> tuple[ArmSpec, Path, LaunchInfo]:
-    spec = dataclasses.replace(spec, receipt_id=spec.receipt_id or uuid.uuid4().hex)
-    assert spec.receipt_id is not None
-    work = arm_scratch(spec.receipt_dir, spec.receipt_id)  # elsewhere when receipt_dir is read-only
+def _code_state() -> tuple[Optional[str], Optional[bool], Optional[str]]:
+    """(HEAD sha, dirty, code fingerprint) of the checkout the arms run from: four git calls and ~30 file reads."""
     sha, dirty = git_state(REPO_ROOT)
     try:
         code = code_fingerprint(REPO_ROOT)
     except (OSError, ValueError):
         code = None  # an installed copy without kernels/ and trainers/ beside it: recorded as unknown
+    return sha, dirty, code
+
+
+def _prepare(spec: ArmSpec, executor: str, run_start: float,
+             code_state: Optional[tuple[Optional[str], Optional[bool], Optional[str]]] = None
+             ) -> tuple[ArmSpec, Path, LaunchInfo]:
+    """``code_state``: ``_code_state()`` read once for arms launched together from one checkout (a pair)."""
+    spec = dataclasses.replace(spec, receipt_id=spec.receipt_id or uuid.uuid4().hex)
+    assert spec.receipt_id is not None
+    work = arm_scratch(spec.receipt_dir, spec.receipt_id)  # elsewhere when receipt_dir is read-only
+    sha, dirty, code = code_state or _code_state()
     launch = LaunchInfo(executor=executor, run_start=run_start, end=run_start, git_sha=sha, git_dirty=dirty,
                         host=host_name(), node_id=_caller_node_id(), code_fingerprint=code)
     return spec, work, launch
@@ -744,7 +753,10 @@ def _run_pair(specs: tuple[ArmSpec, ArmSpec], timeout_s: Optional[float],
               slot: Optional[list[int]], fork_server: bool, count: int) -> tuple[Receipt, Receipt]:
     coordinator = TurnCoordinator(first=0)
     run_start = time.time()
-    prepared = [_prepare(spec, "subprocess", run_start) for spec in specs]
+    # One read of the checkout for both: they start from it at the same instant, and each read is four git
+    # subprocesses on a node whose other slots are measuring steps.
+    code_state = _code_state()
+    prepared = [_prepare(spec, "subprocess", run_start, code_state) for spec in specs]
     procs: list[Any] = []
     paths: list[tuple[Path, Path]] = []
     ended = [run_start, run_start]

@@ -20,6 +20,8 @@ from ablate.receipts.schema import Status, validate_receipt
 from trainer_helpers import make_spec, tiny_lane
 from trainers.loop import _threads
 from trainers.pairing import ENV_FD, SLOT_DIR, TurnCoordinator, TurnGate
+import trainers.run
+from trainers.provenance import code_fingerprint, git_state
 from trainers.run import can_interleave, run_arm, run_pair
 
 REPO = Path(__file__).resolve().parents[2]
@@ -88,13 +90,24 @@ def test_an_unpaired_gate_grants_every_turn_at_once() -> None:
 
 
 @pytest.mark.slow
-def test_an_interleaved_pair_of_real_arms_leaves_two_valid_receipts(tmp_path: Path) -> None:
+def test_an_interleaved_pair_of_real_arms_leaves_two_valid_receipts(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     lane = tiny_lane(budget={"steps": 8, "family_sample_steps": 1, "min_steady_steps": 2})
     scheduled = time.time()
     first = make_spec(lane, tmp_path, scheduled_at=scheduled, block_id="b-pair")
     second = make_spec(lane, tmp_path, scheduled_at=scheduled, block_id="b-pair")
     second = type(second)(**{**second.__dict__, "arm_index": 1, "order": 1})
+    reads: list[str] = []
+    for name in ("git_state", "code_fingerprint"):
+        real = getattr(trainers.run, name)
+        monkeypatch.setattr(trainers.run, name, lambda *a, _real=real, _name=name, **k: reads.append(_name) or
+                            _real(*a, **k))
     a, b = run_pair((first, second))
+    # The pair reads its checkout once (it launches both arms from it at one instant), and both record that read.
+    assert sorted(reads) == ["code_fingerprint", "git_state"]
+    assert a.identity.code_fingerprint == b.identity.code_fingerprint == code_fingerprint(trainers.run.REPO_ROOT)
+    assert (a.identity.git_sha, a.identity.git_dirty) == (b.identity.git_sha, b.identity.git_dirty) \
+        == git_state(trainers.run.REPO_ROOT)
     for receipt in (a, b):
         validate_receipt(receipt)
         assert receipt.identity.status is Status.valid and receipt.identity.pairing == "interleaved"
