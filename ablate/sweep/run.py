@@ -57,7 +57,7 @@ from ablate.config.auto_device import cluster_device, planned_device
 from ablate.config.features import differing_features
 from ablate.config.lane_shape import AUTO, DEVICE_CLASSES
 from ablate.config.load import Defaults, apply_defaults, flatten, lane_to_dict, load_sweep, read_yaml
-from ablate.config.schema import ConfigError, SweepConfig
+from ablate.config.schema import ConfigError, HostAllocator, SweepConfig
 from ablate.receipts.outline import ArmOutline, outline
 from ablate.receipts.schema import SIMULATED_EXECUTOR, InvalidReceipt, Receipt, Status, validate_receipt
 from ablate.receipts.store import (RECEIPTS_DIR, SPOOL_FILE, ReceiptNotSaved, digest_problem, fallback_dirs,
@@ -574,6 +574,16 @@ def _parent_params(sweep: SweepConfig, plan: SweepPlan, capacity: Capacity, camp
     return params
 
 
+def _started_allocator(meta: Mapping[str, Any]) -> Optional[str]:
+    """The host allocator policy a sweep's arms ran under, from its metadata: the params it started with, where
+    a sweep from before ``resources.host_allocator`` existed ran the C library's defaults (``system``). None when
+    the metadata has no params to tell."""
+    params = meta.get("params")
+    if not isinstance(params, Mapping):
+        return None
+    return str(params.get("resources.host_allocator", HostAllocator.system.value))
+
+
 def _sweep_identity(path: Path, resume: bool, storage: Optional[str], device: Optional[str] = None,
                     sweep_id: Optional[str] = None
                     ) -> tuple[SweepConfig, Defaults, Layout, SweepPlan, dict[str, Any], str]:
@@ -598,6 +608,12 @@ def _sweep_identity(path: Path, resume: bool, storage: Optional[str], device: Op
         if device is None and ran_on in DEVICE_CLASSES and ran_on != planned_device(sweep.lane):
             device = ran_on  # planned as it ran: on another machine than this one, perhaps
             sweep, defaults = load_sweep(path, device=device)
+        started_under = _started_allocator(meta)
+        if started_under is not None and started_under != sweep.resources.host_allocator.value:
+            raise ConfigError("resources.host_allocator", sweep.resources.host_allocator.value,
+                              f"{started_under!r}, the policy sweep {meta.get('sweep_id')} started its arms under: "
+                              f"the allocator changes what a step costs, and one sweep measures under one policy "
+                              f"(set it back to resume, or start a new sweep without --resume)")
     plan = plan_sweep(sweep, meta.get("sweep_id") or sweep_id or _new_sweep_id(layout.campaign), defaults,
                       orders_scheme=meta.get("orders", ORDERS_SHUFFLED) if resume else ORDERS_IN_PAIRS, device=device)
     if resume and meta.get("plan_fingerprint") != plan.fingerprint():
