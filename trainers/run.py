@@ -636,7 +636,7 @@ def _prepare(spec: ArmSpec, executor: str, run_start: float,
     spec = dataclasses.replace(spec, receipt_id=spec.receipt_id or uuid.uuid4().hex)
     assert spec.receipt_id is not None
     work = arm_scratch(spec.receipt_dir, spec.receipt_id)  # elsewhere when receipt_dir is read-only
-    sha, dirty, code = code_state or _code_state()
+    sha, dirty, code = _code_state() if code_state is None else code_state
     launch = LaunchInfo(executor=executor, run_start=run_start, end=run_start, git_sha=sha, git_dirty=dirty,
                         host=host_name(), node_id=_caller_node_id(), code_fingerprint=code)
     return spec, work, launch

@@ -4,6 +4,7 @@ changes what a step costs, so a campaign edited between the runs is refused befo
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -13,9 +14,14 @@ from sweeps_common import fresh_mlflow_uri, tiny_smoke
 
 from ablate.config.load import load_sweep
 from ablate.config.schema import ConfigError
-from ablate.sweep.layout import LATEST, Layout
+from ablate.sweep.layout import LATEST, LOCK_FILE, Layout
 from ablate.sweep.plan import ORDERS_IN_PAIRS, plan_sweep
 from ablate.sweep.run import _sweep_identity, run_sweep
+
+
+def ray_started() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
 
 
 def _campaign(tmp_path: Path, policy: Optional[str]) -> Path:
@@ -49,7 +55,10 @@ def test_a_sweep_started_under_one_allocator_is_not_resumed_under_another(tmp_pa
     with pytest.raises(ConfigError, match=r"resources.host_allocator: got 'retain'; allowed: 'system', the policy "
                                           r"sweep resumed-r1 started its arms under"):
         run_sweep(edited, resume=True, tracking_uri=fresh_mlflow_uri(tmp_path / "store"), storage=str(storage),
-                  progress=False)
+                  progress=False, simulate_arms=True)
+    # Refused before anything started: no lock taken, no Ray.
+    assert not (Layout.for_campaign("resumed", str(storage)).local_dir / LOCK_FILE).exists()
+    assert not ray_started()
     # Set back, the same sweep resumes (its identity is read as it started).
     _, _, _, plan, meta, _ = _sweep_identity(_campaign(tmp_path, "system"), True, str(storage))
     assert plan.sweep_id == "resumed-r1" and meta["params"]["resources.host_allocator"] == "system"
