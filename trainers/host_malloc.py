@@ -11,8 +11,9 @@ threshold has grown, and a heap whose free top passes the trim threshold is shru
 from malloc, so every step of a fresh arm unmapped and faulted its activations in again, page by page. On the smoke
 campaign (2 CPUs, 36 arms; each arm's rusage, one instrumented run each way) the arms spent 12.6 of their 96.7 CPU-s
 in the kernel; retaining freed memory cut that to 2.5 of 85.3 and the run from 65.0 to 56.2 s. One smoke arm on
-its own: 200-250k minor faults against ~39k. The campaign's record: benchmarks/results/smoke_throughput.json.
-A GPU arm's tensors already come from a caching allocator; ``retain`` gives a CPU arm's the same steady state.
+its own (41 steps, in one process): 168-226k minor faults against ~39.7k. The campaign's record:
+benchmarks/results/smoke_throughput.json. A GPU arm's tensors already come from a caching allocator; ``retain``
+gives a CPU arm's the same steady state.
 
 ``retain`` sets the thresholds with ``mallopt`` (a fixed mmap threshold also stops glibc's dynamic one), so the
 arm's process reuses what it freed; its memory still ends with its process, and no state passes between arms.
