@@ -3,8 +3,8 @@
 How to use::
 
     reset_priority()                       # first thing in a fresh arm process (before heavy imports)
-    probe = HostLoadProbe(local_ranks=1, threads=torch.get_num_threads())
-    probe.start(); ...measured loop...; facts = probe.stop()   # -> the receipt's ``host_load``
+    probe = HostLoadProbe(local_ranks=1)
+    probe.start(turns=gate); ...measured loop...; facts = probe.stop()   # -> the receipt's ``host_load``
 
 Ray starts its worker processes at niceness 15 (``RAY_worker_niceness``) so its own daemons keep priority; an
 arm process inherits that, and then any other process on the node pre-empts the measurement. The sweep asks Ray
@@ -15,9 +15,11 @@ says so and the arm carries LOW_PRIORITY: it is not measured, rather than measur
 Contention is measured, not guessed from the load average: the kernel's scheduler statistics
 (``/proc/self/task/*/schedstat``) count the time each of this process's threads was runnable but waiting for a
 CPU. An arm whose threads waited more than ``CONTENDED_RUN_DELAY`` of its measured loop was pre-empted by something
-else on the node: ``contended``. Waiting for an interleaved partner's turn is a blocking wait, not runnable time,
-so it never counts. For context the receipt also records the CPU time the whole node spent busy (procfs, steal
-included) beyond this arm's own, and the load average (1, 5, 15 min) at both ends.
+else on the node: ``contended``. An interleaved arm counts only its own turns (``TurnGate.own_turns``): between
+two of them it is often still runnable, pre-empted by its partner on their shared CPU just before it blocks, and
+the kernel counts the partner's whole turn as its run delay. For context the receipt also records the CPU time the
+whole node spent busy (procfs, steal included) beyond this arm's own, and the load average (1, 5, 15 min) at both
+ends.
 """
 
 from __future__ import annotations
@@ -25,13 +27,17 @@ from __future__ import annotations
 import os
 import resource
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 CONTENDED_RUN_DELAY = 0.05
 """Share of the measured loop the arm's threads may spend runnable-but-waiting before the block is flagged (an
 idle 2-core machine: ~0.04%; two CPU hogs beside one arm: ~34%)."""
 
 _PRIORITY: dict[str, Optional[int]] = {"inherited": None, "now": None}
+
+
+class OwnTurns(Protocol):
+    def own_turns(self) -> Optional[tuple[float, Optional[float]]]: ...
 
 
 def reset_priority() -> tuple[Optional[int], Optional[int]]:
@@ -66,7 +72,7 @@ def _own_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _run_delay_s() -> Optional[float]:
+def run_delay_s() -> Optional[float]:
     """Seconds this process's threads spent runnable but not running (sum over threads; None without schedstat)."""
     total = 0
     try:
@@ -107,10 +113,16 @@ class HostLoadProbe:
         self._own0 = 0.0
         self._load0: Optional[list[float]] = None
         self._delay0: Optional[float] = None
+        self._turns: Optional[OwnTurns] = None
+        self._turns0: Optional[tuple[float, Optional[float]]] = None
 
-    def start(self) -> None:
+    def start(self, turns: Optional[OwnTurns] = None) -> None:
+        """``turns``: an interleaved arm's gate (``trainers.pairing.TurnGate``); its run delay is then taken over
+        its own turns from here on (``TurnGate.own_turns``)."""
+        self._turns = turns
+        self._turns0 = turns.own_turns() if turns is not None else None
         self._load0 = _loadavg()
-        self._delay0 = _run_delay_s()
+        self._delay0 = run_delay_s()
         self._busy0 = _busy_cpu_s()
         self._own0 = _own_cpu_s()
         self._t0 = time.perf_counter()
@@ -120,7 +132,7 @@ class HostLoadProbe:
         turns. The arm was blocked then and could accrue no run delay, so the share is of the rest of the window:
         over the whole window the threshold acted as twice itself (found in review)."""
         window = time.perf_counter() - self._t0 if self._t0 is not None else None
-        busy1, own1, delay1 = _busy_cpu_s(), _own_cpu_s(), _run_delay_s()
+        busy1, own1, delay1 = _busy_cpu_s(), _own_cpu_s(), run_delay_s()
         affinity, logical = _cpus()
         niceness: Optional[int]
         try:
@@ -137,15 +149,31 @@ class HostLoadProbe:
             # Every local rank of a multi-worker arm runs the same loop: count them all as the arm's own load.
             own = (own1 - self._own0) * self.local_ranks / window
             facts.update(own_cpus=round(own, 3), foreign_cpus=round(max(0.0, (busy1 - self._busy0) / window - own), 3))
-        if window and window > 0 and self._delay0 is not None and delay1 is not None:
+        measured = self._own_turn_delay()
+        if measured is not None:
+            delay, running = measured
+            scope = "of its own turns"
+        elif window and window > 0 and self._delay0 is not None and delay1 is not None:
+            # Unpaired (or a gate that lost its coordinator mid-run): the whole loop, less any partner's turns.
             delay = delay1 - self._delay0
             running = window - paired_wait_s if 0.0 <= paired_wait_s < window else window
-            share = delay / running
-            facts.update(run_delay_s=round(delay, 4), run_delay_share=round(share, 4))
-            partner = ", its partner's turns left out" if running < window else ""
-            if share > CONTENDED_RUN_DELAY:
-                facts["contended"] = True
-                facts["detail"] = (f"the arm's threads waited {delay:.2f}s for a CPU ({share:.0%} of its measured "
-                                   f"loop{partner}) while other processes ran on the node (they kept "
-                                   f"{facts['foreign_cpus']} CPUs busy of {logical})")
+            scope = "of its measured loop" + (", its partner's turns left out" if running < window else "")
+        else:
+            return facts
+        share = delay / running
+        facts.update(run_delay_s=round(delay, 4), run_delay_share=round(share, 4))
+        if share > CONTENDED_RUN_DELAY:
+            facts["contended"] = True
+            facts["detail"] = (f"the arm's threads waited {delay:.2f}s for a CPU ({share:.0%} {scope}) while "
+                               f"other processes ran on the node (they kept {facts['foreign_cpus']} CPUs busy of "
+                               f"{logical})")
         return facts
+
+    def _own_turn_delay(self) -> Optional[tuple[float, float]]:
+        """(run delay, seconds) inside the arm's own turns since ``start``; None unless every turn was counted."""
+        if self._turns is None or self._turns0 is None:
+            return None
+        now = self._turns.own_turns()
+        if now is None or now[1] is None or self._turns0[1] is None or now[0] - self._turns0[0] <= 0:
+            return None
+        return now[1] - self._turns0[1], now[0] - self._turns0[0]

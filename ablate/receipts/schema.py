@@ -308,8 +308,11 @@ class HostLoad(_Model):
     foreign_cpus: Optional[float] = None
     """CPUs other processes kept busy on the node during the window."""
     run_delay_s: Optional[float] = None
-    """Time the arm's threads were runnable but waiting for a CPU during the window (kernel schedstat)."""
+    """Time the arm's threads were runnable but waiting for a CPU during the window (kernel schedstat); an
+    interleaved arm's (``identity.pairing``), during its own turns only."""
     run_delay_share: Optional[float] = None
+    """``run_delay_s`` over the time it was taken on: the window, less any partner's turns; an interleaved arm's
+    own turns. Above ``trainers.hostload.CONTENDED_RUN_DELAY``: ``contended``."""
     contended: bool = False
     detail: str = ""
 

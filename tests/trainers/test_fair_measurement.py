@@ -18,7 +18,8 @@ from ablate.config.load import load_lane, lane_to_dict
 from ablate.promote import load_policy
 from ablate.promote.match import match_blocks
 from ablate.receipts.schema import Code, Severity
-from trainers.hostload import HostLoadProbe
+from trainers.hostload import CONTENDED_RUN_DELAY, HostLoadProbe
+from trainers.pairing import ENV_CPUS, ENV_FD, TurnCoordinator
 from trainers.receipt import LaunchInfo, build_receipt
 from trainers.result import WorkerResult
 from trainers.run import run_pair
@@ -79,9 +80,90 @@ def test_foreign_cpu_load_during_the_measured_loop_is_flagged() -> None:
     assert not facts["contended"] or facts["run_delay_share"] > 0.05  # quiet unless this host is busy itself
 
 
-def test_an_interleaved_arms_run_delay_is_a_share_of_its_own_turns() -> None:
-    # While the partner takes its turn the arm is blocked and accrues no run delay: over the whole window the
-    # contention threshold acted as twice itself.
+class _Gate:
+    """A gate's own-turn totals, as ``TurnGate.own_turns`` reports them."""
+
+    def __init__(self, *totals: tuple[float, float] | None) -> None:
+        self.totals = list(totals)
+
+    def own_turns(self) -> tuple[float, float] | None:
+        return self.totals.pop(0)
+
+
+def test_an_interleaved_arms_run_delay_is_taken_over_its_own_turns_only() -> None:
+    # Runnable time between its turns (pre-empted by its partner just before blocking) is not contention: only the
+    # run delay inside its own turns counts, as a share of those turns.
+    probe = HostLoadProbe()
+    probe.start(turns=_Gate((0.5, 0.01), (2.5, 0.13)))
+    time.sleep(0.05)
+    facts = probe.stop(paired_wait_s=0.02)
+    assert facts["run_delay_s"] == pytest.approx(0.12) and facts["run_delay_share"] == pytest.approx(0.06)
+    assert facts["contended"] and "6% of its own turns" in facts["detail"]
+    quiet = HostLoadProbe()
+    quiet.start(turns=_Gate((0.5, 0.01), (2.5, 0.05)))
+    calm = quiet.stop()
+    assert calm["run_delay_share"] == pytest.approx(0.02) and not calm["contended"]
+    # A gate that lost its coordinator mid-run (later steps ran outside any turn): the whole loop again.
+    lost = HostLoadProbe()
+    lost.start(turns=_Gate((0.5, 0.01), None))
+    time.sleep(0.05)
+    fallback = lost.stop()
+    assert fallback["run_delay_share"] == pytest.approx(fallback["run_delay_s"] / fallback["window_s"], abs=2e-3)
+
+
+PAIR_ARM = """
+import json, sys, time
+from trainers.hostload import HostLoadProbe
+from trainers.pairing import TurnGate
+gate = TurnGate.from_env()
+def burn(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+gate.acquire(); burn(0.01); gate.release()   # the setup turn, before the measured loop (as trainers.loop)
+probe = HostLoadProbe()
+probe.start(turns=gate)
+for _ in range(int(sys.argv[1])):
+    gate.acquire(); burn(0.02); gate.release()
+gate.close()
+print(json.dumps(probe.stop()))
+"""
+
+
+def _pair_on_one_cpu(cpu: int, turns: int) -> list[dict]:
+    coordinator = TurnCoordinator(first=0)
+    procs = [subprocess.Popen([sys.executable, "-c", PAIR_ARM, str(turns)], cwd=REPO, pass_fds=(fd,),
+                              stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(REPO), **{ENV_FD: str(fd), ENV_CPUS: str(cpu)}))
+             for fd in coordinator.child_fds()]
+    coordinator.start()
+    outs = [proc.communicate(timeout=120)[0] for proc in procs]
+    coordinator.close()
+    assert [proc.returncode for proc in procs] == [0, 0]
+    return [json.loads(out.strip().splitlines()[-1]) for out in outs]
+
+
+def test_a_pair_on_one_cpu_is_contended_only_by_foreign_load() -> None:
+    # Two arms taking turns on one CPU are not each other's contention; a third process on that CPU is.
+    cpu = min(os.sched_getaffinity(0))
+    quiet = _pair_on_one_cpu(cpu, turns=40)
+    hog = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+    try:
+        time.sleep(0.3)
+        loud = _pair_on_one_cpu(cpu, turns=20)
+    finally:
+        hog.kill()
+    for facts in quiet:
+        assert facts["affinity"] == [cpu] and facts["run_delay_share"] < CONTENDED_RUN_DELAY, facts
+        assert not facts["contended"]
+    for facts in loud:
+        assert facts["run_delay_share"] > 0.1 and facts["contended"], facts
+        assert "of its own turns" in facts["detail"]
+
+
+def test_a_loop_without_its_turns_counted_takes_its_run_delay_over_the_window_less_the_partners_turns() -> None:
+    # Unpaired, or a gate that lost its coordinator: the whole loop, less the partner's turns (over the whole
+    # window the contention threshold acted as twice itself).
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
     try:
         time.sleep(0.3)
