@@ -17,7 +17,7 @@ Contention is measured, not guessed from the load average: the kernel's schedule
 CPU. An arm whose threads waited more than ``CONTENDED_RUN_DELAY`` of its measured loop was pre-empted by something
 else on the node: ``contended``. An interleaved arm counts only its own turns (``TurnGate.own_turns``): between
 two of them it is often still runnable, pre-empted by its partner on their shared CPU just before it blocks, and
-the kernel counts the partner's whole turn as its run delay. For context the receipt also records the CPU time the
+the kernel counts the time until it gets the CPU back (often part of the partner's turn) as run delay. For context the receipt also records the CPU time the
 whole node spent busy (procfs, steal included) beyond this arm's own, and the load average (1, 5, 15 min) at both
 ends.
 """
@@ -30,8 +30,9 @@ import time
 from typing import Any, Optional, Protocol
 
 CONTENDED_RUN_DELAY = 0.05
-"""Share of the measured loop the arm's threads may spend runnable-but-waiting before the block is flagged (an
-idle 2-core machine: ~0.04%; two CPU hogs beside one arm: ~34%)."""
+"""Share of the measured loop (an interleaved arm's: of its own turns) the arm's threads may spend
+runnable-but-waiting before the block is flagged (an idle 2-core machine: ~0.04%; two CPU hogs beside one arm:
+~34%; an interleaved pair alone on a CPU: ~1%)."""
 
 _PRIORITY: dict[str, Optional[int]] = {"inherited": None, "now": None}
 
@@ -74,7 +75,7 @@ def _own_cpu_s() -> float:
 
 def run_delay_s() -> Optional[float]:
     """Seconds this process's threads spent runnable but not running (sum over threads; None without schedstat)."""
-    total = 0
+    total, read = 0, 0
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
@@ -83,9 +84,11 @@ def run_delay_s() -> Optional[float]:
         try:
             with open(f"/proc/self/task/{task}/schedstat") as handle:
                 total += int(handle.read().split()[1])
+            read += 1
         except (OSError, IndexError, ValueError):
             continue  # a thread that ended between the listing and the read
-    return total / 1e9
+    # No thread's statistics at all (a kernel without schedstat, a sandbox hiding them): unknown, not zero.
+    return total / 1e9 if read else None
 
 
 def _loadavg() -> Optional[list[float]]:
@@ -128,9 +131,11 @@ class HostLoadProbe:
         self._t0 = time.perf_counter()
 
     def stop(self, paired_wait_s: float = 0.0) -> dict[str, Any]:
-        """``paired_wait_s``: in an interleaved block, the time this arm's loop waited while its partner took its
-        turns. The arm was blocked then and could accrue no run delay, so the share is of the rest of the window:
-        over the whole window the threshold acted as twice itself (found in review)."""
+        """An interleaved arm started with its gate (``start(turns=gate)``): the run delay inside its own turns, as
+        a share of them. Otherwise (unpaired, or a gate that lost its coordinator mid-run) the whole window's, as a
+        share of the window less ``paired_wait_s`` (the time the loop waited while a partner took its turns: over
+        the whole window the threshold acted as twice itself, found in review). That fallback still counts any run
+        delay the arm accrued between its turns (``TurnGate.own_turns`` says when it does)."""
         window = time.perf_counter() - self._t0 if self._t0 is not None else None
         busy1, own1, delay1 = _busy_cpu_s(), _own_cpu_s(), run_delay_s()
         affinity, logical = _cpus()

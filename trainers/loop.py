@@ -369,7 +369,7 @@ def run_worker(spec: ArmSpec, ctx: WorkerContext, finalize: Optional[Callable[[W
                         "compile_posture": posture, "warmup": decision.resolved, "warmup_steps": decision.steps}
         tracker = st.tracker = StepTracker(cuda=device.type == "cuda")
         st.probe = HostLoadProbe(local_ranks=ctx.local_world_size)
-        st.probe.start(turns=gate if gate.paired else None)
+        st.probe.start(turns=gate)  # interleaved: its run delay is taken over its own turns
         tracker.start()
 
         def batches(index: int, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -172,10 +172,12 @@ class TurnGate:
 
         Why not the run delay of the whole loop minus the partner's turns: right after giving its turn back an arm
         still has a few microseconds to run before it blocks for the next one, and the partner, woken on the same
-        CPU, usually pre-empts it there. The arm then stays runnable, not blocked, through the partner's whole
-        turn, and the kernel counts all of it as run delay. On the 2-core machine that put ~12% of every smoke arm's
-        loop into its run delay against ~5% inside its own turns (2 CPUs, two blocks at once), and flagged every
-        interleaved arm HOST_CONTENDED; two pairs alone on the machine: 9% against 1.1%."""
+        CPU, often pre-empts it there. The arm then stays runnable, not blocked, until the scheduler gives it the
+        CPU back, often part of the partner's turn, and the kernel counts that as run delay. On the 2-core machine
+        that put ~12% of every smoke arm's loop into its run delay against ~5% inside its own turns (2 CPUs, two
+        blocks at once), and flagged every interleaved arm HOST_CONTENDED; two pairs alone on the machine: 9%
+        against 1.1-1.3%. Left out too: the wait for the CPU between the grant and this arm running again, which
+        is before its step's clock starts (``paired_wait``), not inside it."""
         if self._lost or (self.sock is None and self.turns == 0):
             return None
         return self._own_s, self._own_delay_s

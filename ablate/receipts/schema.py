@@ -309,7 +309,8 @@ class HostLoad(_Model):
     """CPUs other processes kept busy on the node during the window."""
     run_delay_s: Optional[float] = None
     """Time the arm's threads were runnable but waiting for a CPU during the window (kernel schedstat); an
-    interleaved arm's (``identity.pairing``), during its own turns only."""
+    interleaved arm's (``identity.pairing``), during its own turns only, unless its coordinator went away mid-run
+    (then the window's, as for an unpaired arm; ``detail`` names the basis when it flags the arm)."""
     run_delay_share: Optional[float] = None
     """``run_delay_s`` over the time it was taken on: the window, less any partner's turns; an interleaved arm's
     own turns. Above ``trainers.hostload.CONTENDED_RUN_DELAY``: ``contended``."""
