@@ -17,9 +17,9 @@ Contention is measured, not guessed from the load average: the kernel's schedule
 CPU. An arm whose threads waited more than ``CONTENDED_RUN_DELAY`` of its measured loop was pre-empted by something
 else on the node: ``contended``. An interleaved arm counts only its own turns (``TurnGate.own_turns``): between
 two of them it is often still runnable, pre-empted by its partner on their shared CPU just before it blocks, and
-the kernel counts the time until it gets the CPU back (often part of the partner's turn) as run delay. For context the receipt also records the CPU time the
-whole node spent busy (procfs, steal included) beyond this arm's own, and the load average (1, 5, 15 min) at both
-ends.
+the kernel counts the time until it gets the CPU back (often part of the partner's turn) as run delay. For
+context the receipt also records the CPU time the whole node spent busy (procfs, steal included) beyond this
+arm's own, and the load average (1, 5, 15 min) at both ends.
 """
 
 from __future__ import annotations
