@@ -23,7 +23,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_smoke_throughput import _campaign, _commit  # noqa: E402
-from records import append, compile_tree, host, stop_fork_servers  # noqa: E402
+from records import append, compile_tree, host, timed_sweep  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "concurrency_noise.json"
 SETTINGS = {"every_cpu": 0, "one_at_a_time": 1}
@@ -60,26 +59,20 @@ def _run(label: str, concurrent: int, blocks: int, aa_blocks: int, parent: Path)
     data["resources"]["max_concurrent_blocks"] = concurrent
     with campaign.open("w") as handle:
         yaml.dump(data, handle)
-    stop_fork_servers()
-    load = os.getloadavg()
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "ablate", "sweep", str(campaign), "--no-progress",
-                           "--tracking-uri", f"sqlite:///{run_dir}/mlflow.db"], cwd=run_dir,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    (run_dir / "sweep.log").write_text(proc.stdout + proc.stderr)
-    receipts = [json.loads(p.read_text()) for p in run_dir.glob("ablate_runs/*/receipts/*.json")]
+    ran = timed_sweep(REPO, campaign, run_dir)
+    receipts = ran["receipts"]
     ratios = _aa_log_ratios(receipts)
     shares = sorted(r["host_load"]["run_delay_share"] for r in receipts
                     if r["host_load"].get("run_delay_share") is not None)
-    return {"setting": label, "max_concurrent_blocks": concurrent, "exit": proc.returncode, "wall_s": round(wall, 2),
+    return {"setting": label, "max_concurrent_blocks": concurrent, "exit": ran["exit"],
+            "wall_s": round(ran["wall_s"], 2),
             "arms": len(receipts), "goodput_s": round(sum(r["time"]["goodput_s"] for r in receipts), 2),
             "aa_blocks": len(ratios), "aa_log_ratios": [round(x, 5) for x in ratios],
             "aa_sd": round(statistics.stdev(ratios), 5) if len(ratios) > 1 else None,
             "run_delay_share_median": round(statistics.median(shares), 4) if shares else None,
             "run_delay_share_max": round(shares[-1], 4) if shares else None,
             "contended_arms": sum(bool(r["host_load"].get("contended")) for r in receipts),
-            "load_before": load, "dir": str(run_dir)}
+            "load_before": ran["load_before"], "dir": str(run_dir)}
 
 
 def main() -> int:

@@ -35,7 +35,7 @@ from typing import Any
 
 from ruamel.yaml import YAML
 
-from records import append, compile_tree, host, stop_fork_servers
+from records import append, compile_tree, host, timed_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "first_arms.json"
@@ -64,20 +64,13 @@ def _campaign(tree: Path, run_dir: Path, max_concurrent: int) -> Path:
 
 def _run(tree: Path, label: str, parent: Path, max_concurrent: int) -> dict[str, Any]:
     run_dir = Path(tempfile.mkdtemp(prefix=f"{label}-", dir=parent))
-    campaign = _campaign(tree, run_dir, max_concurrent)
-    stopped = stop_fork_servers()
-    load = os.getloadavg()
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "ablate", "sweep", str(campaign), "--no-progress",
-                           "--tracking-uri", f"sqlite:///{run_dir}/mlflow.db"], cwd=run_dir,
-                          env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    (run_dir / "sweep.log").write_text(proc.stdout + proc.stderr)
-    receipts = [json.loads(p.read_text()) for p in run_dir.glob("ablate_runs/*/receipts/*.json")]
-    row: dict[str, Any] = {"tree": label, "exit": proc.returncode, "wall_s": round(wall, 2), "arms": len(receipts),
-                           "load_before": load, "dir": str(run_dir), "fork_servers_stopped_before": stopped}
-    if proc.returncode != 0 or not receipts:
-        print(f"{label}: exit {proc.returncode}; log {run_dir / 'sweep.log'}")
+    ran = timed_sweep(tree, _campaign(tree, run_dir, max_concurrent), run_dir)
+    receipts = ran["receipts"]
+    row: dict[str, Any] = {"tree": label, "exit": ran["exit"], "wall_s": round(ran["wall_s"], 2),
+                           "arms": len(receipts), "load_before": ran["load_before"], "dir": str(run_dir),
+                           "fork_servers_stopped_before": ran["fork_servers_stopped_before"]}
+    if ran["exit"] != 0 or not receipts:
+        print(f"{label}: exit {ran['exit']}; log {run_dir / 'sweep.log'}")
         return row
     first = min(receipts, key=_scheduled)["identity"]["block_id"]
     # Both arms of an interleaved block start at the driver's stamp; a sequential block's second arm at the trial's.

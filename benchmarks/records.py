@@ -71,6 +71,23 @@ def _fork_servers() -> list[int]:
     return pids
 
 
+def timed_sweep(tree: Path, campaign: Path, run_dir: Path) -> dict[str, Any]:
+    """``python -m ablate sweep <campaign>`` with ``tree``'s code, in ``run_dir`` (local Ray, MLflow in that
+    directory's sqlite store), timed as a user waits for it; every fork server stopped first, so it starts its own,
+    cold. Its output goes to ``run_dir/sweep.log``. Returns exit status, wall seconds, the load average before, how
+    many servers were stopped, and the receipts it wrote (parsed)."""
+    stopped = stop_fork_servers()
+    load = os.getloadavg()
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "ablate", "sweep", str(campaign), "--no-progress",
+                           "--tracking-uri", f"sqlite:///{run_dir}/mlflow.db"], cwd=run_dir,
+                          env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    (run_dir / "sweep.log").write_text(proc.stdout + proc.stderr)
+    return {"exit": proc.returncode, "wall_s": wall, "load_before": load, "fork_servers_stopped_before": stopped,
+            "receipts": [json.loads(p.read_text()) for p in run_dir.glob("ablate_runs/*/receipts/*.json")]}
+
+
 def append(path: Path, record: dict[str, Any]) -> None:
     """Add ``record`` to ``{"runs": [...]}`` in ``path``: every run is kept, none is overwritten."""
     history = json.loads(path.read_text())["runs"] if path.exists() else []
