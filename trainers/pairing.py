@@ -175,7 +175,7 @@ class TurnGate:
         CPU, often pre-empts it there. The arm then stays runnable, not blocked, until the scheduler gives it the
         CPU back, often part of the partner's turn, and the kernel counts that as run delay. On the 2-core machine
         that put ~12% of every smoke arm's loop into its run delay against ~5% inside its own turns (2 CPUs, two
-        blocks at once), and flagged every interleaved arm HOST_CONTENDED; two pairs alone on the machine: 9%
+        blocks at once), and flagged every interleaved arm HOST_CONTENDED; two pairs alone on the machine: 6-9%
         against 1.1-1.3%. Left out too: the wait for the CPU between the grant and this arm running again, which
         is before its step's clock starts (``paired_wait``), not inside it."""
         if self._lost or (self.sock is None and self.turns == 0):
