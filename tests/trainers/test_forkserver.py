@@ -69,13 +69,44 @@ def test_each_fork_is_a_new_process_that_inherits_no_state_from_the_last(tmp_pat
 
     cpu_build = torch.version.cuda is None and getattr(torch.version, "hip", None) is None
     assert two["preloaded"] == {"torch": True, "trainers.loop": True, "torch._dynamo": cpu_build,
-                                "deepspeed": False, "ablate.config.load": True}
+                                "deepspeed": False, "ablate.config.load": True, "psutil": True,
+                                "trainers.host_malloc": True}
+    # So were a lane's first typing and the package versions: what the server read is what the arm finds on disk,
+    # and the arm still probes torch's build itself.
+    prepared = two["prepared"]
+    assert prepared["lane_schema_built"] is True
+    assert prepared["versions_read_by_server"] == prepared["versions_read_here"]
+    assert {k: v for k, v in prepared["software_versions"].items() if k in prepared["versions_read_here"]} \
+        == prepared["versions_read_here"]
+    assert prepared["software_versions"]["torch.git"] == torch.version.git_version
     # Inductor and triton, preloaded or not, compile into this arm's own empty cache directories.
     assert one["caches"] == {"inductor": caches["TORCHINDUCTOR_CACHE_DIR"], "triton": caches["TRITON_CACHE_DIR"]}
     # Exactly the arm's environment, as Popen would give it, and the caller's cwd and affinity.
     assert one["env"] == {**base, "PROBE_ARM": "one", **caches} and two["env"]["PROBE_ARM"] == "two"
     assert one["cwd"] == str(REPO) and one["affinity"] == sorted(os.sched_getaffinity(0))
     assert "probe wrote" in (tmp_path / "first.log").read_text()
+
+
+def test_an_arm_reports_the_package_versions_its_server_imported(tmp_path: Path) -> None:
+    """A distribution installed after the server imported its packages is not what the server's arms run: they report
+    the versions the server read, where a process reading the metadata now would see the new one."""
+    site = tmp_path / "site"
+    site.mkdir()
+    base = _base_env(tmp_path, ABLATE_PROBE_KEY=str(time.time()))
+    base["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), base.get("PYTHONPATH", "")) if p)
+    first, first_out = _probe(tmp_path, "before", base)
+    assert first.wait(timeout=120) == 0
+    dist = site / "nvidia_late_cu99-9.9.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: nvidia-late-cu99\nVersion: 9.9\n")
+    second, second_out = _probe(tmp_path, "after", base)
+    assert second.wait(timeout=60) == 0
+    assert second.prepared.server_pid == first.prepared.server_pid
+    before, after = (json.loads(out.read_text())["prepared"] for out in (first_out, second_out))
+    assert "nvidia-late-cu99" not in before["versions_read_here"]
+    assert after["versions_read_here"]["nvidia-late-cu99"] == "9.9"
+    assert "nvidia-late-cu99" not in after["software_versions"]
+    assert after["software_versions"] == before["software_versions"]
 
 
 def test_a_head_start_is_the_server_the_next_arm_forks_from(tmp_path: Path) -> None:
