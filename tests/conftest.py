@@ -109,13 +109,15 @@ def ray_address() -> Iterator[str]:
     last one left idle, or starts a fresh one (anything still held, or none running)."""
     import ray
 
+    from ablate.sweep.node_wait import prompt_node_wait
     from ablate.sweep.resources import local_ray_init_kwargs
 
     if ray.is_initialized() and not (_started_here[0] and _idle(ray)):
         ray.shutdown()
     if not ray.is_initialized():
         # "local": a cluster someone else started on this machine (``ray start``) is never attached to by accident.
-        ray.init(address="local", **local_ray_init_kwargs(num_cpus=2, num_gpus=0), include_dashboard=False,
-                 log_to_driver=False)
+        with prompt_node_wait():
+            ray.init(address="local", **local_ray_init_kwargs(num_cpus=2, num_gpus=0), include_dashboard=False,
+                     log_to_driver=False)
         _started_here[0] = True
     yield ray.get_runtime_context().gcs_address

@@ -328,12 +328,14 @@ def _main() -> int:
     import ray
 
     from ablate.redact import process_env_only
+    from ablate.sweep.node_wait import prompt_node_wait
 
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):
             ray.init()
         else:
-            with process_env_only():  # Ray's processes inherit the environment: allowlisted variables only
+            # Ray's processes inherit the environment: allowlisted variables only.
+            with process_env_only(), prompt_node_wait():
                 ray.init(**local_ray_init_kwargs())
     for workers in (1, 2):
         need = BlockNeed(workers=workers, cpus_per_worker=1, gpus_per_worker=0)

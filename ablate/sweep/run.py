@@ -66,6 +66,7 @@ from ablate.receipts.store import (RECEIPTS_DIR, SPOOL_FILE, ReceiptNotSaved, di
 from ablate.sweep.head_start import log_fork_servers, start_fork_servers, start_local_fork_server
 from ablate.sweep.layout import LATEST, Layout, SweepLock
 from ablate.sweep.node_check import NODE_CHECK_TAG, check_plan
+from ablate.sweep.node_wait import prompt_node_wait
 from ablate.sweep.placement import TrialResources, aa_targets, coverage_warnings, dispatch_order
 from ablate.sweep.plan import ORDERS_IN_PAIRS, ORDERS_SHUFFLED, SweepPlan, plan_sweep
 from ablate.redact import process_env_only, redact_text, redact_uri
@@ -534,8 +535,10 @@ def ensure_ray() -> bool:
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
         init = local_ray_init_kwargs()
         init["runtime_env"]["env_vars"]["PYTHONPATH"] = path
-        with process_env_only():  # Ray's processes inherit the environment: only allowlisted variables, no secrets
+        # Ray's processes inherit the environment: only allowlisted variables, no secrets.
+        with process_env_only(), prompt_node_wait() as wait:
             ray.init(address="local", include_dashboard=False, **init, **quiet)
+        log.debug("%s", wait.line())
     drop_teardown_tracebacks()
     return True
 

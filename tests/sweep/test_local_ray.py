@@ -5,6 +5,7 @@ started for nothing, a shutdown that leaves nothing behind, and the scheduling s
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -17,12 +18,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_a_sweeps_local_ray_starts_no_idle_worker_that_no_trial_could_use(tmp_path) -> None:
     # Ray's default starts one idle worker per CPU for the first driver, outside any trial's runtime environment.
     driver = textwrap.dedent("""
+        import logging
         import time
         import psutil
         import ray
         from ablate.sweep.run import ensure_ray
 
+        logging.basicConfig(level=logging.WARNING)
+        logging.getLogger("ablate.sweep.run").setLevel(logging.DEBUG)
         assert ensure_ray()
+        print("get_node is Ray's own again", ray._private.services.get_node.__module__ == "ray._private.services",
+              flush=True)
         raylet = next(p for p in psutil.process_iter(["cmdline"])
                       if (p.info["cmdline"] or [""])[0].endswith("/raylet") and
                       ray.get_runtime_context().get_node_id() in " ".join(p.info["cmdline"]))
@@ -58,6 +64,11 @@ def test_a_sweeps_local_ray_starts_no_idle_worker_that_no_trial_could_use(tmp_pa
     out = subprocess.run([sys.executable, "-c", driver], cwd=tmp_path, capture_output=True, text=True, timeout=180,
                          env={**os.environ, "PYTHONPATH": REPO})
     assert out.returncode == 0, out.stderr[-3000:]
+    # The start found its raylet by polling the GCS's node table, not at Ray's one-second tick, and put Ray's own
+    # lookup back.
+    seen = re.search(r"raylet registered (\d+\.\d+) s after Ray looked for it \((\d+) polls\)", out.stderr)
+    assert seen is not None and int(seen.group(2)) >= 1, out.stderr[-3000:]
+    assert "get_node is Ray's own again True" in out.stdout, out.stdout
     counts = dict(line.rsplit(" ", 1) for line in out.stdout.splitlines() if line.startswith("idle "))
     assert counts["idle before any work"] == "0", out.stdout
     assert int(counts["idle after a task"]) >= 1, out.stdout  # the detector does see Ray's idle workers
@@ -65,6 +76,20 @@ def test_a_sweeps_local_ray_starts_no_idle_worker_that_no_trial_could_use(tmp_pa
     # and then killed it anyway): all gone, and no "The autoscaler failed" report reached the driver.
     assert "gone after shutdown True False" in out.stdout, out.stdout + out.stderr[-2000:]
     assert "autoscaler failed" not in out.stdout + out.stderr
+
+
+def test_another_ray_layout_keeps_rays_own_node_wait(monkeypatch) -> None:
+    from ray._private import services
+
+    from ablate.sweep.node_wait import prompt_node_wait
+
+    original = services.get_node
+    monkeypatch.delattr(services, "_get_gcs_client_options")
+    with prompt_node_wait() as wait:
+        assert services.get_node is original
+    assert services.get_node is original
+    assert wait.polls == 0 and "_get_gcs_client_options" in wait.skipped
+    assert wait.line().startswith("Ray's own node wait")
 
 
 def test_the_drivers_scheduling_stamp_reaches_another_process_and_is_forgotten_at_the_end(ray_address) -> None:

@@ -9,6 +9,8 @@ from typing import Iterator
 
 import pytest
 
+from ablate.sweep.node_wait import prompt_node_wait
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -19,7 +21,9 @@ def train_ray(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     extensions = tmp_path_factory.mktemp("torch_extensions")
     env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
            "TORCH_EXTENSIONS_DIR": str(extensions)}
-    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False)
+    with prompt_node_wait():
+        ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env},
+                 log_to_driver=False)
     try:
         yield extensions
     finally:
