@@ -60,7 +60,8 @@ lane schema) is what ``ArmSpec.from_json`` imports first thing in every arm: 0.0
 otherwise (measured in the forked child, 2 CPUs). The model, its FLOP count and the kernel registry
 (``trainers.loop.run_worker``'s next imports; the kernels register their custom ops, which touches no device)
 were another 0.05 s of every arm's start-up. ``trainers.host_malloc`` (ctypes) and psutil (the host-load probe's
-first read) were the last imports an arm made on its own."""
+first read) were the last imports an arm made on its own. psutil keeps the server's CPU times as its
+``cpu_percent`` baseline: no arm code calls that (the host-load probe reads ``cpu_times``)."""
 PRELOAD_CPU_BUILD = ("torch._dynamo",)
 """Also preloaded where torch was built without CUDA/ROCm: every arm imports dynamo before its features are read
 (``trainers.loop``'s compile watch, ~1.5-2 s on 2 CPUs). It imports ``torch._inductor.config`` and triton, whose
@@ -118,9 +119,22 @@ def _source_stamp() -> list[tuple[str, int, int]]:
     return sorted(stamp)
 
 
+def _packages_stamp(base_env: dict[str, str]) -> list[tuple[str, str, int]]:
+    """Where the server's interpreter finds installed distributions (its site directories and the environment's
+    ``PYTHONPATH``), as ``packages_stamp`` sees them: an install there retires the server that imported the old
+    packages, and whose children report the versions it read (``read_installed_versions_for_children``)."""
+    import site
+
+    from trainers.provenance import packages_stamp
+
+    user = site.getusersitepackages() if site.ENABLE_USER_SITE else None
+    return packages_stamp([*base_env.get("PYTHONPATH", "").split(os.pathsep), *site.getsitepackages(),
+                           *([user] if isinstance(user, str) else [])])
+
+
 def server_key(base_env: dict[str, str], code: Optional[str]) -> str:
     material = json.dumps({"python": sys.executable, "env": sorted(base_env.items()), "code": code,
-                           "repo": str(REPO_ROOT), "sources": _source_stamp()})
+                           "repo": str(REPO_ROOT), "sources": _source_stamp(), "packages": _packages_stamp(base_env)})
     return hashlib.sha256(material.encode()).hexdigest()[:20]
 
 

@@ -80,16 +80,44 @@ def test_a_sweeps_local_ray_starts_no_idle_worker_that_no_trial_could_use(tmp_pa
 
 def test_another_ray_layout_keeps_rays_own_node_wait(monkeypatch) -> None:
     from ray._private import services
+    from ray.core.generated import gcs_service_pb2
 
     from ablate.sweep.node_wait import prompt_node_wait
 
     original = services.get_node
-    monkeypatch.delattr(services, "_get_gcs_client_options")
+    monkeypatch.delattr(gcs_service_pb2, "GetAllNodeInfoRequest")
     with prompt_node_wait() as wait:
         assert services.get_node is original
     assert services.get_node is original
-    assert wait.polls == 0 and "_get_gcs_client_options" in wait.skipped
+    assert wait.polls == 0 and "GetAllNodeInfoRequest" in wait.skipped
     assert wait.line().startswith("Ray's own node wait")
+
+
+def test_the_node_wait_polls_until_registered_and_leaves_the_rest_to_ray(monkeypatch) -> None:
+    from ablate.sweep import node_wait
+    from ablate.sweep.node_wait import NodeWait, _poll
+
+    answers = iter([False, False, True])
+    timeouts: list[float] = []
+    found = NodeWait()
+    _poll(lambda timeout_s: timeouts.append(timeout_s) or next(answers), found)
+    assert (found.polls, found.found) == (3, True) and found.line().startswith("raylet registered")
+    assert all(0 < t <= node_wait.READ_TIMEOUT_S for t in timeouts)
+
+    def unreachable(timeout_s: float) -> bool:
+        raise RuntimeError("Timed out while waiting for GCS to become available.")
+
+    gone = NodeWait()
+    _poll(unreachable, gone)  # Ray's own lookup, called next, reports it
+    assert gone.polls == 1 and not gone.found and "unreadable" in gone.line()
+
+    monkeypatch.setattr(node_wait, "TIMEOUT_S", 0.1)
+    never = NodeWait()
+    _poll(lambda timeout_s: False, never)
+    assert not never.found and never.seconds >= 0.1 and never.polls >= 2
+    polls = never.polls
+    _poll(lambda timeout_s: False, never)  # a second lookup of the same start: the limit is spent already
+    assert never.polls == polls
 
 
 def test_the_drivers_scheduling_stamp_reaches_another_process_and_is_forgotten_at_the_end(ray_address) -> None:

@@ -75,7 +75,7 @@ def test_each_fork_is_a_new_process_that_inherits_no_state_from_the_last(tmp_pat
     # and the arm still probes torch's build itself.
     prepared = two["prepared"]
     assert prepared["lane_schema_built"] is True
-    assert prepared["versions_read_by_server"] == prepared["versions_read_here"]
+    assert prepared["versions_read_by_server"][1] == prepared["versions_read_here"]
     assert {k: v for k, v in prepared["software_versions"].items() if k in prepared["versions_read_here"]} \
         == prepared["versions_read_here"]
     assert prepared["software_versions"]["torch.git"] == torch.version.git_version
@@ -87,26 +87,41 @@ def test_each_fork_is_a_new_process_that_inherits_no_state_from_the_last(tmp_pat
     assert "probe wrote" in (tmp_path / "first.log").read_text()
 
 
-def test_an_arm_reports_the_package_versions_its_server_imported(tmp_path: Path) -> None:
-    """A distribution installed after the server imported its packages is not what the server's arms run: they report
-    the versions the server read, where a process reading the metadata now would see the new one."""
+def test_an_install_on_the_arms_path_retires_the_server_and_its_versions(tmp_path: Path) -> None:
+    """A server's children report the package versions it read after its imports; a distribution installed on their
+    import path since would run (or, for what the server imported, be read) differently. So the install retires the
+    server: the next arm forks from a new one, and reports the new version."""
     site = tmp_path / "site"
     site.mkdir()
     base = _base_env(tmp_path, ABLATE_PROBE_KEY=str(time.time()))
     base["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), base.get("PYTHONPATH", "")) if p)
     first, first_out = _probe(tmp_path, "before", base)
     assert first.wait(timeout=120) == 0
+    again, again_out = _probe(tmp_path, "again", base)
+    assert again.wait(timeout=60) == 0
+    assert again.prepared.server_pid == first.prepared.server_pid  # nothing installed: the same server
     dist = site / "nvidia_late_cu99-9.9.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: nvidia-late-cu99\nVersion: 9.9\n")
-    second, second_out = _probe(tmp_path, "after", base)
-    assert second.wait(timeout=60) == 0
-    assert second.prepared.server_pid == first.prepared.server_pid
-    before, after = (json.loads(out.read_text())["prepared"] for out in (first_out, second_out))
-    assert "nvidia-late-cu99" not in before["versions_read_here"]
-    assert after["versions_read_here"]["nvidia-late-cu99"] == "9.9"
-    assert "nvidia-late-cu99" not in after["software_versions"]
-    assert after["software_versions"] == before["software_versions"]
+    after, after_out = _probe(tmp_path, "after", base)
+    assert after.wait(timeout=120) == 0
+    assert after.prepared.server_pid != first.prepared.server_pid
+    before, now = (json.loads(out.read_text())["prepared"] for out in (first_out, after_out))
+    assert "nvidia-late-cu99" not in before["software_versions"]
+    assert now["versions_read_by_server"][1]["nvidia-late-cu99"] == "9.9"
+    assert now["software_versions"]["nvidia-late-cu99"] == "9.9"
+
+
+def test_what_the_server_prepares_for_its_children_imports_no_torch() -> None:
+    # A server only imports torch and the arm code; its preparation must not be where a CUDA probe (cuInit, which no
+    # forked child survives) or anything else of torch's could run.
+    code = ("import sys; from trainers.forkserver import _prepare_for_children; _prepare_for_children(); "
+            "from trainers import provenance; assert provenance._READ_BY_PARENT is not None; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
 
 
 def test_a_head_start_is_the_server_the_next_arm_forks_from(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from trainers import provenance
 from trainers.provenance import (
     code_fingerprint,
     file_sha256,
@@ -236,6 +237,23 @@ def test_cuda_library_wheels_are_recorded_and_every_version_changes_the_fingerpr
         assert software_fingerprint(changed) != base, f"{key} is left out of the software fingerprint"
 
 
+def test_a_fork_servers_versions_stand_until_something_is_installed(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forked arm takes the versions its server read (here a marked copy, to see which one is reported) while
+    the distributions on its import path are those the server saw, and reads them again once one was installed."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(provenance, "_READ_BY_PARENT", None)
+    provenance.read_installed_versions_for_children()
+    stamp, read = provenance._READ_BY_PARENT
+    monkeypatch.setattr(provenance, "_READ_BY_PARENT", (stamp, {**read, "torch": "as the server read it"}))
+    assert software_versions()["torch"] == "as the server read it"
+    dist = tmp_path / "nvidia_late_cu99-9.9.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: nvidia-late-cu99\nVersion: 9.9\n")
+    versions = software_versions()
+    assert versions["nvidia-late-cu99"] == "9.9" and versions["torch"] == read["torch"]
+
+
 def test_code_fingerprint_covers_the_ablate_modules_an_arm_runs(tmp_path: Path) -> None:
     # A preset pattern, a feature's backend or the env an arm inherits decide what runs: an edit there is new code.
     files = {"kernels/__init__.py": "", "trainers/loop.py": "STEPS = 4\n", "ablate/cli.py": "x = 1\n",
@@ -320,8 +338,6 @@ def test_the_prefixed_distributions_are_those_every_metadata_names(monkeypatch: 
     distribution's metadata gives, for prefixes written with '-', '_' or '.', and for a distribution whose
     directory name differs from its metadata name only in case and separators."""
     import importlib.metadata
-
-    import trainers.provenance as provenance
 
     dist = tmp_path / "Nvidia.Odd_Name-1.0.dist-info"
     dist.mkdir()
