@@ -11,10 +11,10 @@ Why: ``ray.init`` of a new local runtime starts the raylet, then asks the GCS fo
 between asks. The raylet registers 0.7-1.6 s after it starts on 2 CPUs (it waits for the dashboard agent), so every
 start paid up to a second of nothing, all of it before the first trial. Beside the fork server's imports
 (``benchmarks/bench_ray_start.py``, two records of 5 starts per mode, alternating), ``ensure_ray`` took 2.2-2.9 s
-with this wait, and 2.2-2.4 s or 3.3-3.4 s without it: the later tick 5 times in 10. In three smoke campaigns each, a
-prototype of it took 2.58-2.82 s against 3.67-3.84 s, and the first trial started ~1 s sooner (stop 57's note). This asks the GCS for the new node's row every ``POLL_S``
-(one read, bounded by ``READ_TIMEOUT_S``) until it is there, then lets Ray's own ``get_node`` read it, which then
-finds it at once. Attached to a running cluster, Ray looks its node up once: one read.
+with this wait, and 2.2-2.4 s or 3.3-3.4 s without it: the later tick 5 times in 10. In three smoke campaigns each,
+a prototype of it took 2.58-2.82 s against 3.67-3.84 s, and the first trial started ~1 s sooner (stop 57's note).
+This asks the GCS for the new node's row every ``POLL_S`` (one read, bounded by ``READ_TIMEOUT_S``) until it is
+there, then lets Ray's own ``get_node`` read it, which then finds it at once. Attached to a running cluster, Ray looks its node up once: one read.
 
 Ray's own wait stays the judge: a node not registered within ``TIMEOUT_S``, a GCS that does not answer, or a Ray
 whose layout differs (no ``services.get_node`` to stand in for) leaves the rest to Ray, as before. Ray's function
