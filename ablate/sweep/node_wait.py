@@ -14,7 +14,8 @@ start paid up to a second of nothing, all of it before the first trial. Beside t
 with this wait, and 2.2-2.4 s or 3.3-3.4 s without it: the later tick 5 times in 10. In three smoke campaigns each,
 a prototype of it took 2.58-2.82 s against 3.67-3.84 s, and the first trial started ~1 s sooner (stop 57's note).
 This asks the GCS for the new node's row every ``POLL_S`` (one read, bounded by ``READ_TIMEOUT_S``) until it is
-there, then lets Ray's own ``get_node`` read it, which then finds it at once. Attached to a running cluster, Ray looks its node up once: one read.
+there, then lets Ray's own ``get_node`` read it, which then finds it at once. Attached to a running cluster, Ray
+looks its node up once: one read.
 
 Ray's own wait stays the judge: a node not registered within ``TIMEOUT_S``, a GCS that does not answer, or a Ray
 whose layout differs (no ``services.get_node`` to stand in for) leaves the rest to Ray, as before. Ray's function
