@@ -14,8 +14,8 @@ What keeps arms isolated: the server only *imports* (``PRELOAD``, and dynamo on 
 one default lane and reads package versions (``_prepare_for_children``: plain data). It never builds a model, runs
 an op, compiles, starts an OpenMP pool or touches CUDA (so no compile cache, allocator or kernel state exists to
 inherit, and inductor and triton read the arm's private cache directories from the arm's own environment when they
-first use them). Each arm is a new child of that pristine image, so whatever one arm
-changes (module state, caches, threads) dies with its process and is never seen by the next.
+first use them). Each arm is a new child of that pristine image, so whatever one arm changes (module state, caches,
+threads) dies with its process and is never seen by the next.
 ``tests/trainers/test_forkserver.py`` checks both.
 
 What a child gets is what ``subprocess.Popen`` in ``trainers.run`` would have given it: exactly the arm's

@@ -83,7 +83,7 @@ def packages_stamp(paths: Iterable[str]) -> list[tuple[str, str, int]]:
     """Every distribution's metadata directory (``*.dist-info``, ``*.egg-info``) in the directories of ``paths`` (an
     import path), with its modification time: an install, upgrade or removal there changes it. Other files in those
     directories (a campaign's ``mlflow.db`` journal in the repository root) do not. Empty entries (the current
-    directory) are left out. ~0.5 ms for a Ray + torch install."""
+    directory) are left out. 0.7-0.8 ms for the 152 distributions of this project's install."""
     stamp = []
     for directory in dict.fromkeys(entry for entry in paths if entry):
         try:
@@ -105,8 +105,8 @@ def read_installed_versions_for_children() -> None:
     """In a fork server, after its imports: its children report these versions instead of reading ~20 metadata
     files each (~6 ms of every arm's start on 2 CPUs, ~3x that in a fresh fork), as long as nothing was installed
     on their import path since (``packages_stamp``). A server is keyed by that stamp too
-    (``trainers.forkserver.server_key``), so an install retires it: its children would run the packages it had
-    imported (torch) with the versions on disk."""
+    (``trainers.forkserver.server_key``), so an install retires it: otherwise its children would run the torch it
+    had imported while a fresh read reported the one now on disk."""
     global _READ_BY_PARENT
     _READ_BY_PARENT = (packages_stamp(sys.path), installed_versions())
 

@@ -70,14 +70,16 @@ def prompt_node_wait() -> Iterator[NodeWait]:
         return
 
     def get_node(gcs_address: str, node_id: str) -> Any:
-        client: list[Any] = []
+        client = None
 
         def registered(timeout_s: float) -> bool:
-            # One bounded read of this node's row, alive only (as Ray's ``get_node_to_connect_for_driver`` asks).
-            client[:] = client or [GcsClient(address=gcs_address)]
+            # One bounded read of this node's row, alive only (as Ray's ``get_node_to_connect_for_driver`` asks). The
+            # client is made here, inside the poll, so a GCS that cannot be reached leaves the lookup to Ray.
+            nonlocal client
+            client = client or GcsClient(address=gcs_address)
             selector = GetAllNodeInfoRequest.NodeSelector(node_id=NodeID.from_hex(node_id).binary())
-            return bool(client[0].get_all_node_info(timeout=timeout_s, node_selectors=[selector],
-                                                    state_filter=GcsNodeInfo.GcsNodeState.ALIVE))
+            return bool(client.get_all_node_info(timeout=timeout_s, node_selectors=[selector],
+                                                 state_filter=GcsNodeInfo.GcsNodeState.ALIVE))
 
         _poll(registered, wait)
         return original(gcs_address, node_id)
