@@ -97,7 +97,7 @@ def test_an_install_on_the_arms_path_retires_the_server_and_its_versions(tmp_pat
     base["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), base.get("PYTHONPATH", "")) if p)
     first, first_out = _probe(tmp_path, "before", base)
     assert first.wait(timeout=120) == 0
-    again, again_out = _probe(tmp_path, "again", base)
+    again, _ = _probe(tmp_path, "again", base)
     assert again.wait(timeout=60) == 0
     assert again.prepared.server_pid == first.prepared.server_pid  # nothing installed: the same server
     dist = site / "nvidia_late_cu99-9.9.dist-info"
